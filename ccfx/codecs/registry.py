@@ -1,0 +1,97 @@
+"""Spec strings → codec objects. Codecs register themselves; there is no central if/elif."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+
+from ..errors import ConfigError
+from .base import Codec
+
+_CODECS: dict[str, type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} must set a `name`")
+    if cls.name in _CODECS and _CODECS[cls.name] is not cls:
+        raise TypeError(f"codec name {cls.name!r} is taken by {_CODECS[cls.name].__name__}")
+    _CODECS[cls.name] = cls
+    return cls
+
+
+def names() -> list[str]:
+    return sorted(_CODECS)
+
+
+def _param_types(cls: type[Codec]) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str | bool]]:
+    """``"topk:ratio=0.01,ef"`` → ``("topk", {"ratio": "0.01", "ef": True})``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"a codec spec is a non-empty string such as 'int8:block=128', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    params: dict[str, str | bool] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        params[key.strip()] = value.strip() if eq else True
+    return name.strip().lower(), params
+
+
+def _convert(name: str, key: str, value, typ):
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+    elif value is not True:
+        try:
+            return typ(value)
+        except (TypeError, ValueError):
+            pass
+    raise ConfigError(f"codec {name!r}: parameter {key}={value!r} is not a valid {typ.__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def _build(name: str, frozen_params: tuple) -> Codec:
+    cls = _CODECS[name]
+    types = _param_types(cls)
+    kwargs = {}
+    for key, value in frozen_params:
+        if key not in types:
+            valid = ", ".join(types) or "none"
+            raise ConfigError(
+                f"codec {name!r} has no parameter {key!r}; its parameters: {valid}"
+            )
+        kwargs[key] = _convert(name, key, value, types[key])
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # validation in __post_init__
+        raise ConfigError(f"codec {name!r}: {e}") from None
+
+
+def get(spec: str | Codec) -> Codec:
+    """The codec for ``spec``. Stateless codecs are cached and shared."""
+    if isinstance(spec, Codec):
+        return spec
+    name, params = parse_spec(spec)
+    if name not in _CODECS:
+        raise ConfigError(f"unknown codec {name!r}; available: {', '.join(names())}")
+    return _build(name, tuple(sorted(params.items())))
+
+
+def available() -> dict[str, dict[str, object]]:
+    """Every codec name with its parameters and their defaults."""
+    return {
+        n: {f.name: f.default for f in dataclasses.fields(_CODECS[n])} for n in names()
+    }
+
+
+def canonical(spec: str) -> str:
+    return get(spec).spec

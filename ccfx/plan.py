@@ -1,0 +1,206 @@
+"""The Plan: what the passes decided, printable and JSON-serialisable.
+
+One ``GraphPlan`` per graph Dynamo hands the backend (graph breaks make several; compile with
+``fullgraph=True`` to get one pipeline). A ``Plan`` groups them. Sizes are ints at the example
+shapes, with the symbolic expression beside them (``"512*s0"``) when shapes are dynamic.
+
+Cut edges are counted *per hop*: a tensor produced in stage 0 and read in stage 3 crosses the
+boundaries 0→1, 1→2 and 2→3, and each hop is one encode → wire → decode, exactly what a linear
+pipeline on torch.distributed.pipelining sends. ``wire_bytes_fwd`` is per hop; ``total_wire_*``
+multiplies by the number of hops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+PLAN_FORMAT = 1
+
+
+@dataclass
+class Stage:
+    graph: int
+    index: int
+    nodes: list[str]
+    cost: float
+    cost_expr: str
+    flops: int
+    param_bytes: int
+    params: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CutEdge:
+    graph: int
+    index: int
+    source: str
+    source_stage: int
+    dest_stages: list[int]
+    hops: list[tuple[int, int]]
+    shape: list[Any]
+    dtype: str
+    codec: str
+    grad_codec: str | None
+    raw_bytes: int
+    raw_bytes_expr: str
+    wire_bytes_fwd: int
+    wire_bytes_fwd_expr: str
+    wire_bytes_bwd: int
+    users: list[str] = field(default_factory=list)
+
+    @property
+    def total_raw_bytes(self) -> int:
+        return self.raw_bytes * len(self.hops)
+
+    @property
+    def total_wire_fwd(self) -> int:
+        return self.wire_bytes_fwd * len(self.hops)
+
+    @property
+    def total_wire_bwd(self) -> int:
+        return self.wire_bytes_bwd * len(self.hops)
+
+
+@dataclass
+class SharedParam:
+    graph: int
+    name: str
+    stages: list[int]
+    nbytes: int
+
+
+@dataclass
+class GraphPlan:
+    index: int
+    requested_stages: int
+    num_stages: int
+    balance: str
+    stages: list[Stage]
+    edges: list[CutEdge]
+    shared: list[SharedParam]
+    notes: list[str] = field(default_factory=list)
+    symbolic: bool = False
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest stage's cost over the ideal (total / stages); 1.0 is perfect."""
+        costs = [s.cost for s in self.stages]
+        total = sum(costs)
+        return max(costs) / (total / len(costs)) if total > 0 else 1.0
+
+
+@dataclass
+class Plan:
+    config: dict[str, Any]
+    graphs: list[GraphPlan] = field(default_factory=list)
+
+    # Convenience views over every graph.
+    @property
+    def stages(self) -> list[Stage]:
+        return [s for g in self.graphs for s in g.stages]
+
+    @property
+    def edges(self) -> list[CutEdge]:
+        return [e for g in self.graphs for e in g.edges]
+
+    @property
+    def shared(self) -> list[SharedParam]:
+        return [p for g in self.graphs for p in g.shared]
+
+    @property
+    def num_stages(self) -> int:
+        return max((g.num_stages for g in self.graphs), default=0)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps({"format": PLAN_FORMAT, **dataclasses.asdict(self)}, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        if data.pop("format", None) != PLAN_FORMAT:
+            raise ValueError(f"not a ccfx plan of format {PLAN_FORMAT}")
+        graphs = []
+        for g in data["graphs"]:
+            edges = [CutEdge(**{**e, "hops": [tuple(h) for h in e["hops"]]}) for e in g["edges"]]
+            graphs.append(
+                GraphPlan(
+                    **{
+                        **g,
+                        "stages": [Stage(**s) for s in g["stages"]],
+                        "edges": edges,
+                        "shared": [SharedParam(**p) for p in g["shared"]],
+                    }
+                )
+            )
+        return cls(config=data["config"], graphs=graphs)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Plan) and self.to_json() == other.to_json()
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def format_plan(plan: Plan) -> str:
+    out = [f"ccfx plan: {len(plan.graphs)} graph(s), codec {plan.config.get('activation_codec')}"]
+    if len(plan.graphs) > 1:
+        out.append(
+            "  (graph breaks split the model; each graph is its own pipeline. "
+            "Compile with fullgraph=True for one.)"
+        )
+    for g in plan.graphs:
+        out.append("")
+        out.append(
+            f"graph {g.index}: {g.num_stages} stage(s) (asked {g.requested_stages}), "
+            f"balanced by {g.balance}, imbalance {g.imbalance:.3f}"
+        )
+        for note in g.notes:
+            out.append(f"  note: {note}")
+        rows = [
+            [s.index, len(s.nodes), f"{s.cost:.4g}", human_bytes(s.param_bytes), s.nodes[0] if s.nodes else "",
+             s.nodes[-1] if s.nodes else ""]
+            for s in g.stages
+        ]
+        out += ["  " + r for r in _table(rows, ["stage", "nodes", "cost", "params", "first", "last"])]
+        if g.edges:
+            out.append("")
+            rows = []
+            for e in g.edges:
+                raw = f"{e.raw_bytes}" + (f" ({e.raw_bytes_expr})" if g.symbolic else "")
+                rows.append([
+                    e.index, e.source, f"{e.source_stage}->{','.join(map(str, e.dest_stages))}",
+                    len(e.hops), "x".join(map(str, e.shape)), e.dtype.replace("torch.", ""),
+                    e.codec, raw, e.wire_bytes_fwd, e.wire_bytes_bwd,
+                ])
+            out += ["  " + r for r in _table(
+                rows, ["edge", "source", "stages", "hops", "shape", "dtype", "codec", "raw B/hop",
+                       "wire fwd", "wire bwd"])]
+            raw = sum(e.total_raw_bytes for e in g.edges)
+            wire = sum(e.total_wire_fwd for e in g.edges)
+            ratio = wire / raw if raw else 1.0
+            out.append(
+                f"  forward per step: {human_bytes(raw)} raw -> {human_bytes(wire)} on the wire "
+                f"({ratio:.3f})"
+            )
+        if g.shared:
+            out.append("  shared parameters (used in several stages, gradients summed):")
+            for p in g.shared:
+                out.append(f"    {p.name}: stages {p.stages}, {human_bytes(p.nbytes)}")
+    return "\n".join(out)
