@@ -54,14 +54,35 @@ def numel_of(shape) -> Any:
 
 
 def ceil_div(a, b: int):
-    if isinstance(a, int):
+    """``ceil(a / b)`` for ints, torch SymInts (fake-tensor shapes) and sympy expressions."""
+    if isinstance(a, (int, torch.SymInt)):
         return -(-a // b)
     return sympy.ceiling(sympy.sympify(a) / b)
 
 
+#: One payload tensor's (shape, dtype); shapes may hold SymInts or sympy expressions.
+Layout = tuple[tuple[tuple, torch.dtype], ...]
+
+
 @dataclass(frozen=True)
 class Codec:
-    """Base class. Subclasses set ``name`` and implement encode/decode/wire_bytes."""
+    """Base class. Subclasses set ``name`` and implement ``payload_layout``, ``encode_with`` and
+    ``decode_with``.
+
+    Two faces over one functional core:
+
+    * the object API, ``encode(x)`` / ``decode(enc)``, keeps a stateful codec's state on the
+      object (``state_dict()``), so repeated calls warm-start and feed back errors;
+    * the functional core, ``encode_with(x, state)`` / ``decode_with(enc, state)``, takes the
+      state as a dict of tensors that it updates in place. The custom ops in
+      :mod:`ccfx.codecs.ops` and graph passes use this face, so the state can live in buffers of
+      the user's module.
+
+    ``payload_layout(shape, dtype)`` gives every payload tensor's shape and dtype from the input
+    shape alone. ``wire_bytes`` is its sum, so it is exact by construction, and the receiving
+    side of a pipeline (and the custom ops' fake kernels) can allocate the payload without
+    being told its size.
+    """
 
     name: ClassVar[str] = ""
     #: "sum" when payloads from several ranks can be all-reduced; "gather" otherwise.
@@ -70,19 +91,53 @@ class Codec:
     lossless: ClassVar[bool] = False
     #: One line for the catalogue.
     summary: ClassVar[str] = ""
+    #: True when the codec keeps tensors between calls (``state_layout`` is not empty).
+    #: ``registry.get`` returns a fresh object for every call with such a spec.
+    stateful: ClassVar[bool] = False
+
+    # -- what a subclass implements -------------------------------------------------------
+
+    def payload_layout(self, shape, dtype: torch.dtype) -> Layout:
+        """(shape, dtype) of every payload tensor, for an input of ``shape`` and ``dtype``."""
+        raise NotImplementedError(f"{type(self).__name__}.payload_layout")
+
+    def encode_with(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Encoded:
+        """Encode ``x`` using and updating ``state`` in place (empty for stateless codecs)."""
+        raise NotImplementedError(f"{type(self).__name__}.encode_with")
+
+    def decode_with(self, enc: Encoded, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.decode_with")
+
+    def state_layout(self, shape, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Name → (shape, dtype) of each state tensor for inputs of ``shape``/``dtype``."""
+        return {}
+
+    def init_state(self, shape, dtype: torch.dtype, device=None) -> dict[str, torch.Tensor]:
+        """Fresh state for inputs of ``shape``/``dtype``: zeros unless a codec says otherwise."""
+        return {
+            k: torch.zeros(s, dtype=d, device=device)
+            for k, (s, d) in self.state_layout(shape, dtype).items()
+        }
+
+    # -- the object API -------------------------------------------------------------------
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        raise NotImplementedError(f"{type(self).__name__}.encode")
+        self.check_input(x)
+        return self.encode_with(x, self._live_state(tuple(x.shape), x.dtype, x.device))
 
     def decode(self, enc: Encoded) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__}.decode")
-
-    def wire_bytes(self, shape, dtype: torch.dtype):
-        """Exact bytes on the wire for a tensor of this shape and dtype (sympy if symbolic)."""
-        raise NotImplementedError(f"{type(self).__name__}.wire_bytes")
+        device = enc.payload[0].device if enc.payload else None
+        return self.decode_with(enc, self._live_state(enc.ctx.shape, enc.ctx.dtype, device))
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))
+
+    def wire_bytes(self, shape, dtype: torch.dtype):
+        """Exact bytes on the wire for a tensor of this shape and dtype (sympy if symbolic)."""
+        total = 0
+        for s, d in self.payload_layout(tuple(shape), dtype):
+            total = total + numel_of(s) * d.itemsize
+        return total
 
     def applies_to(self, dtype: torch.dtype) -> bool:
         """Whether this codec compresses tensors of ``dtype`` (others travel raw)."""
@@ -94,6 +149,54 @@ class Codec:
                 f"codec {self.spec!r} cannot encode a {x.dtype} tensor; it takes floating "
                 f"tensors ({', '.join(str(d) for d in FLOATING)}). Use codec 'none' for this edge."
             )
+
+    # -- state held by the object ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The live state tensors (not copies); empty until the first encode or ``init_state``."""
+        return dict(self._state())
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        live = self._state()
+        live.clear()
+        live.update({k: v.detach().clone() for k, v in state.items()})
+
+    def reset_state(self, shape=None, dtype=None, device=None) -> dict[str, torch.Tensor]:
+        """Drop the state; with a shape, allocate it now (so it can be registered as buffers)."""
+        live = self._state()
+        live.clear()
+        if shape is not None:
+            live.update(self.init_state(tuple(shape), dtype, device))
+        return self.state_dict()
+
+    def fresh(self) -> Codec:
+        """A copy with the same parameters and no state."""
+        return dataclasses.replace(self) if self.stateful else self
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        # Frozen dataclass: the parameters are immutable, the state dict lives beside them.
+        return self.__dict__.setdefault("_ccfx_state", {})
+
+    def _live_state(self, shape, dtype, device) -> dict[str, torch.Tensor]:
+        if not self.stateful:
+            return {}
+        live = self._state()
+        want = self.state_layout(shape, dtype)
+        if not live:
+            live.update(self.init_state(shape, dtype, device))
+            return live
+        for k, (s, d) in want.items():
+            have = live.get(k)
+            if have is None or tuple(have.shape) != tuple(s) or have.dtype != d:
+                got = None if have is None else (tuple(have.shape), have.dtype)
+                raise CodecError(
+                    f"codec {self.spec!r} holds state {k!r} for {got}, but this tensor needs "
+                    f"{(tuple(s), d)}: use one codec object per tensor (registry.get returns a "
+                    "fresh one each call), or call reset_state()."
+                )
+        return live
+
+    # -- naming ---------------------------------------------------------------------------
 
     @property
     def spec(self) -> str:
@@ -107,6 +210,18 @@ class Codec:
 
     def __str__(self) -> str:
         return self.spec
+
+
+def blocked(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """``flat`` zero-padded to whole blocks, viewed as ``(nblocks, block)``."""
+    n = flat.numel()
+    nblocks = -(-n // block)
+    return torch.nn.functional.pad(flat, (0, nblocks * block - n)).view(nblocks, block)
+
+
+def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``(nblocks, 1)`` bool: the block holds a NaN or an inf."""
+    return ~torch.isfinite(rows).all(dim=1, keepdim=True)
 
 
 def raw_bytes(shape, dtype: torch.dtype):

@@ -1,0 +1,138 @@
+"""The torch.compile backend.
+
+``torch.compile(model, backend="ccfx", options={...})`` reaches :func:`ccfx_backend` through the
+``torch_dynamo_backends`` entry point (no ``import ccfx`` needed). ``ccfx.backend(Config(...))``
+returns a :class:`CcfxBackend` to pass as ``backend=`` directly.
+
+A :class:`CcfxBackend` is called once per graph Dynamo captures. For each it runs the passes
+(annotate → partition → cut_edges), records the graph's plan, registers every hop with its
+ledger, and lowers the result. It keeps everything it decided — the plan, the partitioned
+graphs, the forward/backward graphs — for ``ccfx.plan_of``, tests and drawings.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ccfx.config import Config
+from ccfx.errors import ConfigError
+from ccfx.passes import annotate, cut_edges, partition, run_passes
+from ccfx.plan import GraphPlan, Plan
+from ccfx.runtime.cut_op import Hop, register_hop
+from ccfx.runtime.ledger import Ledger
+
+from .lowering import LoweredGraphs, lower
+from .plan_builder import build_graph_plan
+
+log = logging.getLogger("ccfx")
+
+
+@dataclass
+class CompiledGraph:
+    index: int
+    captured: str  # the graph as Dynamo handed it, before any pass (readable code)
+    partitioned: torch.fx.GraphModule  # after partition and cut_edges
+    plan: GraphPlan
+    lowered: LoweredGraphs
+
+
+class CcfxBackend:
+    """A configured ccfx backend; pass it as ``torch.compile(model, backend=...)``."""
+
+    def __init__(self, config: Config | None = None, mode: str | None = None, **options):
+        if config is not None and options:
+            raise ConfigError("give either a Config or option keywords, not both")
+        self.config = config if config is not None else Config.from_options(options or None)
+        self.mode = mode
+        self.ledger = Ledger()
+        self.graphs: list[CompiledGraph] = []
+
+    @property
+    def plan(self) -> Plan:
+        return Plan(config=self.config.to_dict(), graphs=[g.plan for g in self.graphs])
+
+    def _uid_for(self, index: int, edge: int, hop: tuple[int, int]) -> int:
+        return register_hop(Hop(self.ledger, index, edge, hop))
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
+        if kwargs.get("options"):
+            raise ConfigError("this backend is already configured; pass options to ccfx.backend()")
+        index = len(self.graphs)
+        cfg = self.config
+        captured = gm.code
+        gm = run_passes(gm, [
+            functools.partial(annotate, example_inputs=example_inputs),
+            functools.partial(partition, stages=cfg.stages, balance=cfg.balance,
+                              split_points=cfg.split_points),
+            functools.partial(cut_edges, codec=cfg.activation_codec,
+                              uid_for=functools.partial(self._uid_for, index)),
+        ])
+        graph_plan = build_graph_plan(gm, index)
+        log.info("ccfx: graph %d partitioned\n%s", index, Plan(cfg.to_dict(), [graph_plan]))
+        compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode))
+        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered))
+        ledger = self.ledger
+
+        def run(*args):
+            ledger.count_call(index)
+            return compiled(*args)
+
+        run._ccfx_backend = self  # type: ignore[attr-defined]
+        return run
+
+
+# backend="ccfx": one CcfxBackend per torch.compile call, found again from its options dict.
+_SESSIONS: dict[int, tuple[object, CcfxBackend]] = {}
+_DEFAULT_KEY = 0
+
+
+def _session(options, mode) -> CcfxBackend:
+    key = id(options) if options is not None else _DEFAULT_KEY
+    entry = _SESSIONS.get(key)
+    if entry is None or entry[0] is not options:
+        backend = CcfxBackend(Config.from_options(options), mode=mode)
+        _SESSIONS[key] = (options, backend)  # holding `options` keeps its id unique
+        return backend
+    return entry[1]
+
+
+def ccfx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options=None, mode=None):
+    """Entry point of ``backend="ccfx"``; ``options`` is the dict given to torch.compile."""
+    return _session(options, mode)(gm, example_inputs, mode=mode)
+
+
+def backend_of(obj) -> CcfxBackend:
+    """The CcfxBackend behind a compiled module or function, a backend, or its session."""
+    if isinstance(obj, CcfxBackend):
+        return obj
+    seen = set()
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, CcfxBackend):
+            return x
+        if getattr(x, "compiler_fn", None) is not None and getattr(x, "kwargs", None) is not None:
+            fn = x.compiler_fn
+            if isinstance(fn, CcfxBackend):
+                return fn
+            if getattr(fn, "__name__", "") == "ccfx_backend":
+                options = x.kwargs.get("options")
+                key = id(options) if options is not None else _DEFAULT_KEY
+                if key in _SESSIONS and _SESSIONS[key][0] is options:
+                    return _SESSIONS[key][1]
+        for attr in ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "compiler_fn",
+                     "__wrapped__", "_torchdynamo_inline"):
+            todo.append(getattr(x, attr, None))
+    raise ConfigError(
+        f"{type(obj).__name__} was not compiled by ccfx, or has not run yet: call "
+        "torch.compile(model, backend='ccfx', options={...}) and run it once before plan_of()"
+    )

@@ -1,0 +1,70 @@
+"""Lowering: aot_autograd splits the cut graph into forward and backward graphs, then inductor
+or eager runs them. The graphs each compiler receives are recorded for tests and drawings.
+
+The ``ccfx::cut`` ops survive both paths as opaque calls: inductor emits a fallback call to the
+op (its Python body runs the codec: Triton on CUDA, torch on CPU), eager calls it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+
+@dataclass
+class LoweredGraphs:
+    """What aot_autograd produced: forward, backward (compiled lazily, at the first
+    ``.backward()``) and inference graphs."""
+
+    forward: list[torch.fx.GraphModule] = field(default_factory=list)
+    backward: list[torch.fx.GraphModule] = field(default_factory=list)
+    inference: list[torch.fx.GraphModule] = field(default_factory=list)
+
+
+def _eager(graphs: LoweredGraphs):
+    from functorch.compile import make_boxed_func
+
+    def compiler(kind):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            getattr(graphs, kind).append(gm)
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"), keep_inference_input_mutations=True,
+    )
+
+
+def _inductor(graphs: LoweredGraphs, mode: str | None):
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            graphs.backward.append(gm)
+        elif kwargs.get("is_inference"):
+            graphs.inference.append(gm)
+        else:
+            graphs.forward.append(gm)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    patches = None
+    if mode:
+        patches = torch._inductor.list_mode_options(mode)
+
+    def compile_graph(gm, example_inputs):
+        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+
+    return compile_graph
+
+
+def lower(gm: torch.fx.GraphModule, example_inputs: Sequence, lowering: str,
+          mode: str | None = None) -> tuple[Callable, LoweredGraphs]:
+    graphs = LoweredGraphs()
+    compiler = _eager(graphs) if lowering == "eager" else _inductor(graphs, mode)
+    return compiler(gm, list(example_inputs)), graphs

@@ -1,0 +1,41 @@
+"""ccfx: compressed communication for distributed training, as a torch.compile backend.
+
+    compiled = torch.compile(model, backend="ccfx", options={"stages": 4, "activation_codec": "int8"})
+    ccfx.plan_of(compiled)    # where the cuts are and what crosses them
+    ccfx.ledger_of(compiled)  # bytes per step, raw and on the wire
+"""
+
+from . import codecs
+from .config import Config
+from .errors import CcfxError, CcfxWarning, CodecError, ConfigError, PartitionError
+from .plan import CutEdge, GraphPlan, Plan, SharedParam, Stage
+
+__version__ = "0.1.0"
+
+
+def backend(config: Config | None = None, **options):
+    """A configured backend for ``torch.compile(model, backend=ccfx.backend(...))``."""
+    from ccfx.backends.compiler import CcfxBackend
+
+    return CcfxBackend(config, **options)
+
+
+def plan_of(compiled) -> Plan:
+    """The Plan of a model compiled with ccfx (all of its graphs)."""
+    from ccfx.backends.compiler import backend_of
+
+    return backend_of(compiled).plan
+
+
+def ledger_of(compiled):
+    """The byte ledger of a model compiled with ccfx."""
+    from ccfx.backends.compiler import backend_of
+
+    return backend_of(compiled).ledger
+
+
+__all__ = [
+    "CcfxError", "CcfxWarning", "CodecError", "Config", "ConfigError", "CutEdge", "GraphPlan",
+    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codecs", "ledger_of",
+    "plan_of",
+]

@@ -1,0 +1,84 @@
+"""``ccfx::cut``: the codec round trip on one hop of a cut edge, forward and backward.
+
+``cut(x, codec, grad_codec, uid, backward)`` returns ``decode(encode(x))`` with ``codec``; its
+autograd rule sends the incoming gradient through ``grad_codec`` the same way (compressed
+backpropagation). One op therefore carries both directions, and after aot_autograd it appears
+in the forward graph and in the backward graph.
+
+``uid`` names the hop in a process-wide table (``register_hop``) so the op can report its bytes
+to the right ledger; an unknown uid still computes the round trip, it just is not counted.
+The op never aliases its input (the identity codec copies), as custom ops must not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .. import codecs
+from .ledger import Ledger
+
+
+@dataclass(frozen=True)
+class Hop:
+    ledger: Ledger
+    graph: int
+    edge: int
+    hop: tuple[int, int]
+
+
+_HOPS: dict[int, Hop] = {}
+_next_uid = itertools.count(1)
+_lock = threading.Lock()
+
+
+def register_hop(hop: Hop) -> int:
+    with _lock:
+        uid = next(_next_uid)
+        _HOPS[uid] = hop
+    return uid
+
+
+def forget_hops(uids) -> None:
+    with _lock:
+        for uid in uids:
+            _HOPS.pop(uid, None)
+
+
+def _roundtrip(x: torch.Tensor, spec: str, uid: int, direction: str) -> torch.Tensor:
+    codec = codecs.get(spec)
+    if not codec.applies_to(x.dtype):
+        codec = codecs.get("none")
+    enc = codec.encode(x)
+    out = codec.decode(enc)
+    hop = _HOPS.get(uid)
+    if hop is not None:
+        hop.ledger.record(hop.graph, hop.edge, hop.hop, direction,
+                          x.numel() * x.element_size(), enc.nbytes)
+    return out
+
+
+@torch.library.custom_op("ccfx::cut", mutates_args=())
+def cut(x: torch.Tensor, codec: str, grad_codec: str, uid: int, backward: bool) -> torch.Tensor:
+    return _roundtrip(x, codec, uid, "bwd" if backward else "fwd")
+
+
+@cut.register_fake
+def _(x, codec, grad_codec, uid, backward):
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, grad_codec, uid, _ = inputs
+    ctx.grad_codec = grad_codec
+    ctx.uid = uid
+
+
+def _backward(ctx, grad):
+    return torch.ops.ccfx.cut(grad, ctx.grad_codec, ctx.grad_codec, ctx.uid, True), None, None, None, None
+
+
+cut.register_autograd(_backward, setup_context=_setup_context)

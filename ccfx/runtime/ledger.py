@@ -1,0 +1,98 @@
+"""The byte ledger: what crossed each cut, raw and on the wire, counted from what actually ran.
+
+Every ``ccfx::cut`` op that executes reports (edge, direction, raw bytes, wire bytes) here.
+A *step* is one call of a compiled graph; with graph breaks, each graph runs once per step, so
+``steps`` is the largest call count among the graphs. ``per_step()`` divides by it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass
+class EdgeCount:
+    graph: int
+    edge: int
+    hop: tuple[int, int]
+    direction: str  # "fwd" or "bwd"
+    calls: int = 0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+
+
+class Ledger:
+    def __init__(self):
+        self._counts: dict[tuple[int, int, tuple[int, int], str], EdgeCount] = {}
+        self._graph_calls: dict[int, int] = defaultdict(int)
+
+    def record(self, graph: int, edge: int, hop: tuple[int, int], direction: str, raw: int,
+               wire: int) -> None:
+        key = (graph, edge, hop, direction)
+        c = self._counts.get(key)
+        if c is None:
+            c = self._counts[key] = EdgeCount(graph, edge, hop, direction)
+        c.calls += 1
+        c.raw_bytes += raw
+        c.wire_bytes += wire
+
+    def count_call(self, graph: int) -> None:
+        self._graph_calls[graph] += 1
+
+    def reset(self) -> None:
+        self._counts.clear()
+        self._graph_calls.clear()
+
+    @property
+    def steps(self) -> int:
+        return max(self._graph_calls.values(), default=0)
+
+    def entries(self) -> list[EdgeCount]:
+        return sorted(self._counts.values(),
+                      key=lambda c: (c.graph, c.edge, c.hop, c.direction != "fwd"))
+
+    def totals(self, direction: str | None = None) -> tuple[int, int]:
+        """(raw, wire) bytes summed over every edge, hop and step (one direction, or both)."""
+        rows = [c for c in self._counts.values() if direction in (None, c.direction)]
+        return sum(c.raw_bytes for c in rows), sum(c.wire_bytes for c in rows)
+
+    def per_step(self, direction: str | None = None) -> tuple[float, float]:
+        raw, wire = self.totals(direction)
+        steps = max(self.steps, 1)
+        return raw / steps, wire / steps
+
+    @property
+    def ratio(self) -> float:
+        raw, wire = self.totals()
+        return wire / raw if raw else 1.0
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "entries": [
+                {"graph": c.graph, "edge": c.edge, "hop": list(c.hop), "direction": c.direction,
+                 "calls": c.calls, "raw_bytes": c.raw_bytes, "wire_bytes": c.wire_bytes}
+                for c in self.entries()
+            ],
+        }
+
+    def __str__(self) -> str:
+        from ..plan import human_bytes
+
+        lines = [f"ccfx ledger: {self.steps} step(s)"]
+        lines.append(f"  {'graph':>5} {'edge':>4} {'hop':>5} {'dir':>3} {'raw/step':>12} {'wire/step':>12} ratio")
+        steps = max(self.steps, 1)
+        for c in self.entries():
+            ratio = c.wire_bytes / c.raw_bytes if c.raw_bytes else 1.0
+            lines.append(
+                f"  {c.graph:>5} {c.edge:>4} {c.hop[0]}->{c.hop[1]:<2} {c.direction:>3} "
+                f"{human_bytes(c.raw_bytes / steps):>12} {human_bytes(c.wire_bytes / steps):>12} "
+                f"{ratio:.3f}"
+            )
+        for d in ("fwd", "bwd"):
+            raw, wire = self.per_step(d)
+            if raw:
+                lines.append(f"  {d} per step: {human_bytes(raw)} raw -> {human_bytes(wire)} wire "
+                             f"({wire / raw:.3f})")
+        return "\n".join(lines)

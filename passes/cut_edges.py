@@ -1,0 +1,98 @@
+"""cut_edges: a ``ccfx::cut`` codec op on every hop of every edge that crosses a stage boundary.
+
+Edges are counted per hop: a value made in stage 0 and read in stages 1 and 3 becomes the chain
+``x → cut(0→1) → cut(1→2) → cut(2→3)``; readers in stage 1 take the first link, readers in
+stage 3 the last. That is what a linear pipeline sends (each stage forwards what later stages
+need), so the numerics and the bytes are the deployment's. Each link is inserted at the start of
+its destination stage, after every node of the stage before, so in-place updates made upstream
+are seen exactly as in the original graph.
+
+Tensors the codec does not apply to (integer ids, masks) cross with codec "none" and are
+counted raw. Parameters, buffers, SymInts and pinned (mutated) inputs never cross: they are
+where they are used.
+
+Facts: cut nodes get ``{"kind": "cut", "stage", "edge", "hop", "codec", "grad_codec",
+"source"}``; ``gm.meta["ccfx"]["edges"]`` lists the edges.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from collections import defaultdict
+
+import torch
+import torch.fx
+
+from ccfx import codecs
+from ccfx.runtime import cut_op  # noqa: F401  (registers torch.ops.ccfx.cut)
+
+from .graph_utils import facts, insert_call, val
+
+UidFor = Callable[[int, tuple[int, int]], int]
+
+
+def cut_edges(
+    gm: torch.fx.GraphModule,
+    codec: str = "none",
+    grad_codec: str | None = None,
+    uid_for: UidFor | None = None,
+) -> torch.fx.GraphModule:
+    codec = codecs.canonical(codec)
+    grad_codec = codecs.canonical(grad_codec) if grad_codec else codec
+    if uid_for is None:
+        counter = itertools.count(1)
+        uid_for = lambda edge, hop: next(counter)  # noqa: E731  (uncounted hops)
+
+    graph = gm.graph
+    first_of_stage: dict[int, torch.fx.Node] = {}
+    for n in graph.nodes:
+        if n.op not in ("placeholder", "output"):
+            first_of_stage.setdefault(facts(n)["stage"], n)
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    edges = []
+    for node in list(graph.nodes):
+        f = facts(node)
+        if node.op == "output" or f.get("kind") == "cut" or f.get("pinned"):
+            continue
+        if f.get("kind") in ("param", "buffer", "symint"):
+            continue
+        value = val(node)
+        if not isinstance(value, torch.Tensor):
+            continue
+        src_stage = f["stage"]
+        by_stage: dict[int, list[torch.fx.Node]] = defaultdict(list)
+        for u in node.users:
+            by_stage[facts(u)["stage"]].append(u)
+        far = sorted(s for s in by_stage if s > src_stage)
+        if not far:
+            continue
+        spec = codec if codecs.get(codec).applies_to(value.dtype) else "none"
+        gspec = grad_codec if codecs.get(grad_codec).applies_to(value.dtype) else "none"
+        edge = len(edges)
+        prev, uids, hops = node, [], []
+        for s in range(src_stage + 1, far[-1] + 1):
+            hop = (s - 1, s)
+            uid = uid_for(edge, hop)
+            link = insert_call(
+                graph, torch.ops.ccfx.cut.default, (prev, spec, gspec, uid, False),
+                before=first_of_stage.get(s, output), like=node, value=value,
+                ccfx_facts={"kind": "cut", "stage": s, "edge": edge, "hop": hop,
+                            "codec": spec, "grad_codec": gspec, "source": node.name},
+                name=f"{node.name}_to_stage{s}",
+            )
+            for user in by_stage.get(s, []):
+                user.replace_input_with(node, link)
+            prev = link
+            uids.append(uid)
+            hops.append(hop)
+        edges.append({
+            "index": edge, "source": node.name, "source_stage": src_stage, "dest_stages": far,
+            "hops": hops, "uids": uids, "codec": spec, "grad_codec": gspec,
+            "requires_grad": bool(value.requires_grad),
+            "users": [u.name for s in far for u in by_stage[s]],
+        })
+        f["edge"] = edge
+    gm.meta.setdefault("ccfx", {})["edges"] = edges
+    return gm

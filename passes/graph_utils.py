@@ -1,0 +1,68 @@
+"""Helpers every pass uses: the one way to insert a node, and access to ccfx facts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+
+def facts(node: torch.fx.Node) -> dict[str, Any]:
+    """``node.meta["ccfx"]``, created on first use."""
+    return node.meta.setdefault("ccfx", {})
+
+
+def val(node: torch.fx.Node) -> Any:
+    """The node's fake value: ``meta["val"]`` (AOT) or ``meta["example_value"]`` (Dynamo)."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def insert_call(
+    graph: torch.fx.Graph,
+    target,
+    args: tuple,
+    *,
+    before: torch.fx.Node,
+    like: torch.fx.Node,
+    value: Any,
+    ccfx_facts: dict[str, Any] | None = None,
+    name: str | None = None,
+) -> torch.fx.Node:
+    """Insert ``target(*args)`` before ``before``; its meta copies ``like``'s (module stack,
+    stack trace) with ``val``/``example_value`` set to ``value`` and ``ccfx`` facts replaced."""
+    with graph.inserting_before(before):
+        node = graph.create_node("call_function", target, args, {}, name=name)
+    node.meta = {k: v for k, v in like.meta.items() if k != "ccfx"}
+    node.meta["val"] = value
+    if "example_value" in like.meta:
+        node.meta["example_value"] = value
+    node.meta["ccfx"] = dict(ccfx_facts or {})
+    return node
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module that produced the node, as a qualified name ("blocks.2.attn")."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    fqn = list(stack.values())[-1][0]
+    return normalize_fqn(fqn)
+
+
+def module_paths(node: torch.fx.Node) -> list[str]:
+    """Every enclosing module, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [normalize_fqn(v[0]) for v in stack.values()]
+
+
+def normalize_fqn(fqn: str) -> str:
+    """Dynamo writes ``L['self'].blocks[2].attn`` or ``L['self'].blocks.2``; users write
+    ``blocks.2.attn``."""
+    import re
+
+    fqn = re.sub(r"^L\['[^']*'\]\.?", "", fqn)
+    fqn = re.sub(r"\[(\d+)\]", r".\1", fqn)
+    fqn = re.sub(r"\['([^']*)'\]", r".\1", fqn)
+    fqn = re.sub(r"^self\.?", "", fqn)
+    return fqn.lstrip(".")

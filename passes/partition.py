@@ -1,0 +1,226 @@
+"""partition: a pipeline stage for every node.
+
+Stages are contiguous in the graph's (topological) order, so running the stages one after the
+other is running the graph. The cuts are chosen in two steps:
+
+1. balance: cut k aims at the point where the running cost reaches k/S of the total, for the
+   cost the config names ("flops", "params" = parameter bytes first used there, "memory" =
+   activation bytes);
+2. within 5 % of a stage's ideal cost around that point, take the cut with the fewest bytes
+   crossing it (a block boundary of a transformer carries one tensor; its inside carries two).
+
+A position is never a cut when a non-tensor value (a tuple of a multi-output op, a list)
+would cross it: such values stay inside one stage with their ``getitem`` users.
+
+Parameters and buffers are not activations: they live in the stage(s) that use them. One used
+in several stages (tied embeddings) is *shared*; a real pipeline keeps a copy per stage and sums
+their gradients, which is what one process computes anyway. Graph inputs enter stage 0, except
+inputs mutated in place: those stay where they are (the caller must see the mutation).
+
+If the graph has fewer cost-bearing nodes than stages, ccfx uses fewer stages and warns
+(``CcfxWarning``) rather than failing: a small graph next to a graph break is common. With
+``split_points``, the cuts are exactly before those modules.
+
+Facts: ``node.meta["ccfx"]["stage"]`` on every node, ``["stages"]`` (all user stages) on
+placeholders, and ``gm.meta["ccfx"]["partition"]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from collections.abc import Sequence
+
+import sympy
+import torch
+import torch.fx
+
+from ccfx import cost as costs
+from ccfx.errors import CcfxWarning, PartitionError
+
+from .graph_utils import facts, module_paths, val
+
+WINDOW = 0.05
+STATE_KINDS = ("param", "buffer")
+
+
+def _is_inplace(node: torch.fx.Node) -> bool:
+    name = costs.op_name(node)
+    return (name.endswith("_") and not name.startswith("_")) or name.startswith("__i")
+
+
+def _mutated_inputs(ops: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    out = set()
+    for n in ops:
+        if _is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node):
+            target = n.args[0]
+            if target.op == "placeholder" and facts(target).get("kind") == "input":
+                out.add(target)
+    return out
+
+
+def _node_costs(ops: list[torch.fx.Node], balance: str) -> list[sympy.Expr]:
+    if balance == "flops":
+        return [facts(n)["flops"] for n in ops]
+    if balance == "memory":
+        return [facts(n)["bytes"] for n in ops]
+    seen: set[torch.fx.Node] = set()
+    out = []
+    for n in ops:
+        c = sympy.Integer(0)
+        for a in n.all_input_nodes:
+            if facts(a).get("kind") in STATE_KINDS and a not in seen:
+                seen.add(a)
+                c += facts(a)["bytes"]
+        out.append(c)
+    return out
+
+
+def _crossing(gm, ops, index, skip) -> tuple[list[int], list[int]]:
+    """Per cut position p (cut before ops[p]): bytes crossing it, and how many non-tensor
+    values would cross it (a cut there is not allowed)."""
+    n = len(ops)
+    nbytes = [0] * (n + 1)
+    blocked = [0] * (n + 1)
+    for node in gm.graph.nodes:
+        if node.op == "output" or node in skip or not node.users:
+            continue
+        if node.op == "placeholder" and facts(node).get("kind") != "input":
+            continue
+        start = index.get(node, -1) + 1
+        last = max(index.get(u, n) for u in node.users)
+        if last < start:
+            continue
+        value = val(node)
+        if isinstance(value, torch.Tensor):
+            b = facts(node).get("bytes_hint", 0)
+            nbytes[start] += b
+            nbytes[last + 1 if last + 1 <= n else n] -= b
+        elif not isinstance(value, (torch.SymInt, int, float, bool)):
+            blocked[start] += 1
+            blocked[last + 1 if last + 1 <= n else n] -= 1
+    for p in range(1, n + 1):
+        nbytes[p] += nbytes[p - 1]
+        blocked[p] += blocked[p - 1]
+    return nbytes, blocked
+
+
+def _split_point_cuts(ops, split_points, valid, notes) -> list[int]:
+    cuts = []
+    for fqn in split_points:
+        pos = next((i for i, n in enumerate(ops)
+                    if any(p == fqn or p.startswith(fqn + ".") for p in module_paths(n))), None)
+        if pos is None:
+            names = sorted({p for n in ops for p in module_paths(n) if p.count(".") <= 1})
+            raise PartitionError(
+                f"split point {fqn!r} matches no module in the graph; modules seen: "
+                f"{', '.join(names[:40]) or '(none: the graph has no module information)'}"
+            )
+        moved = next((p for p in range(max(pos, 1), len(ops)) if valid[p]), None)
+        if moved is None:
+            raise PartitionError(f"no valid cut at or after split point {fqn!r}")
+        if moved != pos:
+            notes.append(f"split point {fqn!r} moved {moved - pos} node(s) later to keep a "
+                         f"multi-output op with its users")
+        if cuts and moved <= cuts[-1]:
+            raise PartitionError(
+                f"split points must follow the order of execution: {fqn!r} comes before "
+                f"{split_points[len(cuts) - 1]!r} in the graph"
+            )
+        cuts.append(moved)
+    return cuts
+
+
+def _balanced_cuts(prefix, crossing, valid, stages) -> list[int]:
+    total = prefix[-1]
+    ideal = total / stages
+    positions = [p for p in range(1, len(prefix) - 1) if valid[p]]
+    cuts: list[int] = []
+    for k in range(1, stages):
+        remaining = stages - 1 - k  # cuts still to place after this one
+        lo = bisect.bisect_right(positions, cuts[-1]) if cuts else 0
+        hi = len(positions) - remaining
+        options = positions[lo:hi]
+        if not options:
+            raise PartitionError(f"cannot place {stages - 1} cuts in this graph")
+        target = k * ideal
+        near = [p for p in options if abs(prefix[p] - target) <= WINDOW * ideal]
+        if near:
+            best = min(near, key=lambda p: (crossing[p], abs(prefix[p] - target), p))
+        else:
+            best = min(options, key=lambda p: (abs(prefix[p] - target), crossing[p], p))
+        cuts.append(best)
+    return cuts
+
+
+def partition(
+    gm: torch.fx.GraphModule,
+    stages: int = 1,
+    balance: str = "flops",
+    split_points: Sequence[str] | None = None,
+) -> torch.fx.GraphModule:
+    ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    index = {n: i for i, n in enumerate(ops)}
+    notes: list[str] = []
+    hints = gm.meta.get("ccfx", {}).get("hints", {})
+    node_costs = _node_costs(ops, balance)
+    values = [costs.evaluate(c, hints) for c in node_costs]
+    if sum(values) == 0:
+        notes.append(f"no {balance} cost in this graph: balanced by node count")
+        node_costs = [sympy.Integer(1)] * len(ops)
+        values = [1] * len(ops)
+    prefix = [0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+
+    mutated = _mutated_inputs(ops)
+    if mutated:
+        notes.append("inputs mutated in place stay uncompressed: "
+                     + ", ".join(sorted(n.name for n in mutated)))
+    crossing, blocked = _crossing(gm, ops, index, mutated)
+    valid = [b == 0 for b in blocked]
+
+    requested = stages
+    if split_points:
+        cuts = _split_point_cuts(ops, list(split_points), valid, notes)
+    else:
+        bearing = sum(1 for v in values if v > 0)
+        n_valid = sum(valid[1:len(ops)])
+        usable = max(1, min(stages, bearing, n_valid + 1))
+        if usable < stages:
+            msg = (f"this graph has {bearing} node(s) with {balance} cost and {n_valid} possible "
+                   f"cut(s): using {usable} stage(s) instead of {stages}")
+            warnings.warn(f"ccfx: {msg}", CcfxWarning, stacklevel=2)
+            notes.append(msg)
+        cuts = _balanced_cuts(prefix, crossing, valid, usable)
+    num_stages = len(cuts) + 1
+
+    for i, n in enumerate(ops):
+        facts(n)["stage"] = bisect.bisect_right(cuts, i)
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            facts(n)["stage"] = num_stages - 1
+        elif n.op == "placeholder" or n.op == "get_attr":
+            user_stages = sorted({facts(u)["stage"] for u in n.users if "stage" in facts(u)})
+            kind = facts(n).get("kind")
+            if kind in STATE_KINDS or n.op == "get_attr" or n in mutated:
+                facts(n)["stage"] = user_stages[0] if user_stages else 0
+                facts(n)["pinned"] = True  # replicated where used, never sent
+            else:
+                facts(n)["stage"] = 0
+            facts(n)["stages"] = user_stages
+
+    bounds = [0, *cuts, len(ops)]
+    stage_costs = [sum(node_costs[bounds[s]:bounds[s + 1]], sympy.Integer(0))
+                   for s in range(num_stages)]
+    gm.meta.setdefault("ccfx", {})["partition"] = {
+        "requested": requested,
+        "num_stages": num_stages,
+        "balance": balance,
+        "cuts": [ops[c].name for c in cuts],
+        "crossing_bytes": [crossing[c] for c in cuts],
+        "stage_costs": stage_costs,
+        "stage_cost_values": [costs.evaluate(c, hints) for c in stage_costs],
+        "notes": notes,
+    }
+    return gm
