@@ -1,4 +1,5 @@
-"""``none``: the identity. The payload is a copy, so decode never aliases the input."""
+"""``none``: the identity. The payload is the (contiguous) input; decode copies, so the
+decoded tensor never aliases the input."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, Context, Encoded, raw_bytes
+from .base import Codec, Context, Encoded
 from .registry import register
 
 
@@ -21,11 +22,11 @@ class Identity(Codec):
     def applies_to(self, dtype: torch.dtype) -> bool:
         return True
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def payload_layout(self, shape, dtype):
+        return ((tuple(shape), dtype),)
+
+    def encode_with(self, x, state):
         return Encoded((x.contiguous(),), Context(tuple(x.shape), x.dtype))
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
+    def decode_with(self, enc, state):
         return enc.payload[0].clone()
-
-    def wire_bytes(self, shape, dtype):
-        return raw_bytes(shape, dtype)

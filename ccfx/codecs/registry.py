@@ -58,14 +58,14 @@ def _convert(name: str, key: str, value, typ):
     raise ConfigError(f"codec {name!r}: parameter {key}={value!r} is not a valid {typ.__name__}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(name: str, frozen_params: tuple) -> Codec:
     cls = _CODECS[name]
     types = _param_types(cls)
     kwargs = {}
     for key, value in frozen_params:
         if key not in types:
-            valid = ", ".join(types) or "none"
+            valid = ", ".join([*types, "ef"])
             raise ConfigError(
                 f"codec {name!r} has no parameter {key!r}; its parameters: {valid}"
             )
@@ -76,22 +76,45 @@ def _build(name: str, frozen_params: tuple) -> Codec:
         raise ConfigError(f"codec {name!r}: {e}") from None
 
 
-def get(spec: str | Codec) -> Codec:
-    """The codec for ``spec``. Stateless codecs are cached and shared."""
+def prototype(spec: str | Codec) -> Codec:
+    """The cached, shared codec for ``spec``. Stateful codecs come without state here: use its
+    functional face (``encode_with(x, state)``), as the custom ops do, or call :func:`get`."""
     if isinstance(spec, Codec):
         return spec
     name, params = parse_spec(spec)
     if name not in _CODECS:
         raise ConfigError(f"unknown codec {name!r}; available: {', '.join(names())}")
-    return _build(name, tuple(sorted(params.items())))
+    ef = params.pop("ef", False)
+    ef = _convert(name, "ef", ef, bool)
+    codec = _build(name, tuple(sorted(params.items())))
+    if ef:
+        from .ef import ErrorFeedback  # the wrapper for any codec
+
+        codec = _wrap_ef(ErrorFeedback, codec)
+    return codec
+
+
+@functools.cache
+def _wrap_ef(wrapper, codec: Codec) -> Codec:
+    return wrapper(codec)
+
+
+def get(spec: str | Codec) -> Codec:
+    """The codec for ``spec``. Stateless codecs are cached and shared; a stateful spec (error
+    feedback ``ef``, ``powersgd``, the stochastic codecs' step counter) gets a fresh object on
+    every call, which then carries its own state."""
+    if isinstance(spec, Codec):
+        return spec
+    return prototype(spec).fresh()
 
 
 def available() -> dict[str, dict[str, object]]:
-    """Every codec name with its parameters and their defaults."""
+    """Every codec name with its parameters and their defaults (``ef``: any codec takes it)."""
     return {
-        n: {f.name: f.default for f in dataclasses.fields(_CODECS[n])} for n in names()
+        n: {**{f.name: f.default for f in dataclasses.fields(_CODECS[n])}, "ef": False}
+        for n in names()
     }
 
 
 def canonical(spec: str) -> str:
-    return get(spec).spec
+    return prototype(spec).spec

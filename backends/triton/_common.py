@@ -1,0 +1,53 @@
+"""Small ``@triton.jit`` helpers shared by the kernels."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rint(v):
+    """Round half to even, like ``torch.round`` (libdevice's rint is not available to the
+    interpreter, so it is written out: exact for |v| < 2**23, which every caller has)."""
+    f = tl.floor(v)
+    d = v - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def is_nonfinite(x):
+    """NaN or ±inf: ``x - x`` is 0 exactly for finite x."""
+    return (x - x) != 0.0
+
+
+def block_tile(block: int, target: int = 4096) -> tuple[int, int]:
+    """(padded block width, blocks per program) for kernels that reduce one row per block."""
+    width = triton.next_power_of_2(max(block, 1))
+    return width, max(1, target // width)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@triton.jit
+def to_bf16_rne(y):
+    """fp32 → bf16, round to nearest even, as torch does. Written with integer ops because the
+    interpreter's own fp32 → bf16 cast does not round to even (and drops the mantissa carry);
+    on a GPU this is the same result as ``cvt.rn.bf16.f32``. NaN and inf survive the add."""
+    bits = y.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def store_float(ptr, y, mask):
+    """Store fp32 ``y`` as ``ptr``'s element type, rounding to nearest even like ``.to()``."""
+    ty = ptr.dtype.element_ty
+    if ty == tl.bfloat16:
+        tl.store(ptr, to_bf16_rne(y), mask=mask)
+    else:
+        tl.store(ptr, y.to(ty), mask=mask)

@@ -1,0 +1,92 @@
+"""Triton kernels for the ``int8`` codec: fused absmax + quantize per block, and dequantize.
+
+Bit-compatible with ``int8_encode_reference`` / ``int8_decode_reference`` in
+``ccfx.codecs.int8``: fp32 arithmetic, correctly rounded division (``div_rn``), round half to
+even, NaN scale for blocks holding NaN or inf.
+
+One program quantizes ``ROWS`` blocks at once (a ``ROWS x WIDTH`` tile, ``WIDTH`` the block
+size rounded up to a power of two and masked), so small blocks still give large programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import block_tile, cdiv, is_nonfinite, rint, store_float
+
+
+# %% kernels
+@triton.jit
+def _int8_encode_kernel(
+    x_ptr,  # *Pointer* to the flattened input, any float dtype
+    q_ptr,  # *Pointer* to the int8 output [n]
+    scale_ptr,  # *Pointer* to the fp32 scales [nblocks]
+    n,  # number of elements
+    nblocks,  # ceil(n / block)
+    block,  # elements per block (runtime: any positive integer)
+    WIDTH: tl.constexpr,  # block rounded up to a power of two
+    ROWS: tl.constexpr,  # blocks per program
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    offs = rows[:, None].to(tl.int64) * block + cols[None, :]
+    mask = (cols[None, :] < block) & (offs < n) & (rows[:, None] < nblocks)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    absmax = tl.max(tl.abs(x), axis=1)
+    bad = tl.sum(is_nonfinite(x).to(tl.int32), axis=1) > 0
+    # scale = absmax / 127, NaN for a block that holds NaN or inf (it decodes to NaN).
+    scale = tl.where(bad, float("nan"), tl.math.div_rn(absmax, 127.0))
+    safe = tl.where(scale > 0, scale, 1.0)
+    q = rint(tl.math.div_rn(x, safe[:, None]))
+    q = tl.where(scale[:, None] > 0, q, 0.0)
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=rows < nblocks)
+
+
+@triton.jit
+def _int8_decode_kernel(
+    q_ptr,  # *Pointer* to int8 codes [n]
+    scale_ptr,  # *Pointer* to fp32 scales [nblocks]
+    out_ptr,  # *Pointer* to the output [n], in the decoded dtype
+    n,
+    block,
+    BLOCK_SIZE: tl.constexpr,  # elements per program
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
+    s = tl.load(scale_ptr + offs // block, mask=mask, other=0.0)
+    store_float(out_ptr + offs, q * s, mask)
+
+
+# %% launchers
+def int8_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (any shape, float) → ``(q int8 [n], scales fp32 [ceil(n / block)])``."""
+    flat = x.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    nblocks = cdiv(n, block)
+    q = torch.empty(n, dtype=torch.int8, device=x.device)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return q, scales
+    width, rows = block_tile(block)
+    grid = (cdiv(nblocks, rows),)
+    _int8_encode_kernel[grid](flat, q, scales, n, nblocks, block, WIDTH=width, ROWS=rows)
+    return q, scales
+
+
+def int8_decode(
+    q: torch.Tensor, scales: torch.Tensor, block: int, shape, dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of :func:`int8_encode`: a tensor of ``shape`` and ``dtype``."""
+    n = q.numel()
+    out = torch.empty(n, dtype=dtype, device=q.device)
+    if n:
+        size = 1024
+        _int8_decode_kernel[(cdiv(n, size),)](q, scales, out, n, block, BLOCK_SIZE=size)
+    return out.view(shape)
