@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from ccfx.config import Config
-from ccfx.errors import ConfigError
+from ccfx.errors import CcfxError, ConfigError
 from ccfx.passes import annotate, cut_edges, partition, run_passes
 from ccfx.plan import GraphPlan, Plan
 from ccfx.runtime.cut_op import Hop, register_hop
@@ -61,6 +61,12 @@ class CcfxBackend:
         return register_hop(Hop(self.ledger, index, edge, hop))
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
+        try:
+            return self._compile(gm, example_inputs, **kwargs)
+        except CcfxError as e:
+            raise _through_dynamo(e) from e
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         if kwargs.get("options"):
             raise ConfigError("this backend is already configured; pass options to ccfx.backend()")
         index = len(self.graphs)
@@ -87,6 +93,23 @@ class CcfxBackend:
         return run
 
 
+@functools.lru_cache(maxsize=None)
+def _passthrough_type(cls: type) -> type:
+    from torch._dynamo.exc import ShortenTraceback
+
+    def __init__(self, message):
+        ShortenTraceback.__init__(self, message, first_useful_frame=None)
+
+    return type(cls.__name__, (cls, ShortenTraceback), {"__init__": __init__,
+                                                       "__module__": cls.__module__})
+
+
+def _through_dynamo(e: CcfxError) -> CcfxError:
+    """Dynamo wraps a backend's exceptions in BackendCompilerFailed, except ShortenTraceback:
+    re-raise ours as a subclass of both, so users catch the ccfx type they were promised."""
+    return _passthrough_type(type(e))(str(e))
+
+
 # backend="ccfx": one CcfxBackend per torch.compile call, found again from its options dict.
 _SESSIONS: dict[int, tuple[object, CcfxBackend]] = {}
 _DEFAULT_KEY = 0
@@ -104,7 +127,11 @@ def _session(options, mode) -> CcfxBackend:
 
 def ccfx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options=None, mode=None):
     """Entry point of ``backend="ccfx"``; ``options`` is the dict given to torch.compile."""
-    return _session(options, mode)(gm, example_inputs, mode=mode)
+    try:
+        backend = _session(options, mode)
+    except CcfxError as e:
+        raise _through_dynamo(e) from e
+    return backend(gm, example_inputs, mode=mode)
 
 
 def backend_of(obj) -> CcfxBackend:

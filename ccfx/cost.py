@@ -162,4 +162,5 @@ def hints_of(gm: torch.fx.GraphModule) -> dict:
     env = getattr(mode, "shape_env", None)
     if env is None:
         return {}
-    return dict(getattr(env, "backed_var_to_val", None) or env.var_to_val)
+    table = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+    return dict(table)

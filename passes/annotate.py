@@ -40,7 +40,8 @@ def _placeholder_kind(node: torch.fx.Node, example) -> tuple[str, str | None]:
         return "symint", None
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
-    source_name = source.name() if source is not None and callable(getattr(source, "name", None)) else ""
+    source_name = getattr(source, "name", "") if source is not None else ""
+    source_name = source_name() if callable(source_name) else str(source_name)
     if isinstance(example, torch.nn.Parameter):
         return "param", _state_name(source_name) if source_name else node.name
     if "_buffers" in source_name:
