@@ -1,6 +1,19 @@
 """The codec catalogue. ``get(spec)`` builds one; ``available()`` lists them."""
 
-from . import cast, identity, int8  # noqa: F401  (each module registers its codecs)
+from . import (  # noqa: F401  (each module registers its codecs)
+    cast,
+    fp8,
+    identity,
+    int4,
+    int8,
+    powersgd,
+    qsgd,
+    randomk,
+    sign,
+    terngrad,
+    threshold,
+    topk,
+)
 from .base import Codec, Context, Encoded
 from .registry import available, canonical, get, names, parse_spec, register
 

@@ -26,3 +26,20 @@ def take_step(state: dict[str, torch.Tensor], key: str = "step") -> int:
     step = int(counter.item())
     counter.add_(1)
     return step
+
+
+class StepCounter:
+    """Mixin for stochastic codecs: a ``step`` state tensor (int64, 0-d) counts encodes.
+
+    Use before a dataclass ``Codec`` base; the subclass declares a ``seed: int = 0`` field.
+    Encoding ``k`` draws from ``generator(seed, k)``: fresh every call, identical after a
+    checkpoint restores ``step``.
+    """
+
+    stateful = True
+
+    def state_layout(self, shape, dtype):
+        return {"step": ((), torch.int64)}
+
+    def draw(self, state, device) -> torch.Generator:
+        return generator(self.seed, take_step(state), device)

@@ -1,0 +1,152 @@
+"""``powersgd``: PowerSGD (Vogels et al., 2019) low-rank ``P Qᵀ`` with warm start.
+
+A tensor of shape ``(d0, d1, ...)`` is the matrix ``M`` of shape ``(d0, d1*...)`` (as PyTorch's
+``powerSGD_hook`` views it), ``r = min(rank, rows, cols)``. One step of subspace iteration,
+as the hook does it:
+
+    Q ← orth(Q);  P ← orth(M Q);  Q ← Mᵀ P;  send P (rows × r) and Q (cols × r);  M ≈ P Qᵀ
+
+``Q`` is the state (fp32, ``q``), kept between calls (warm start), initialised from
+``seed`` exactly like the hook (``randn`` on the CPU generator seeded with ``seed``; the hook
+seeds with ``np.random.RandomState(random_seed).randint(1_000_000_000)``). ``orth`` is
+Gram-Schmidt for ``r <= 2`` and QR otherwise (the hook's choice for fp32); a zero column stays
+zero instead of becoming NaN. Computation is fp32; P and Q travel in the input dtype.
+
+Tensors sent raw, as the hook does: 0-d and 1-D tensors (biases: no matrix structure), and
+matrices where low rank does not pay, ``(rows + cols) * r >= rows * cols``.
+
+Data parallel: ``P`` and ``Q`` are sum-compatible but the exact algorithm all-reduces ``P``
+before orthogonalising it and computing ``Q``. :meth:`PowerSGD.compute_p` and
+:meth:`PowerSGD.compute_q` expose the two halves for that; ``encode`` runs both locally (exact
+for one rank or a point-to-point hop).
+
+Non-finite input makes P and Q (and so the decoded matrix) NaN; the kept Q is then re-seeded
+on the next call, so one bad step does not poison every later one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from .base import Codec, Context, Encoded, numel_of
+from .registry import register
+
+
+def orthogonalize(m: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns, batched over leading dims: ``(..., rows, r)``."""
+    if m.shape[-1] > 2:
+        return torch.linalg.qr(m).Q
+    return gram_schmidt(m)
+
+
+def gram_schmidt(m: torch.Tensor) -> torch.Tensor:
+    m = m.clone()
+    r = m.shape[-1]
+    for i in range(r):
+        col = m[..., i : i + 1]
+        norm = torch.linalg.vector_norm(col, dim=-2, keepdim=True)
+        col /= torch.where(norm > 0, norm, torch.ones_like(norm))
+        if i + 1 < r:
+            rest = m[..., i + 1 :]
+            rest -= (col * rest).sum(dim=-2, keepdim=True) * col
+    return m
+
+
+@register
+@dataclass(frozen=True)
+class PowerSGD(Codec):
+    name = "powersgd"
+    reduction = "sum"
+    stateful = True
+    summary = "low rank P Qᵀ, warm-started Q (state), orthogonalised; vectors travel raw"
+    rank: int = 4
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"rank must be a positive integer, got {self.rank}")
+
+    # -- shapes -----------------------------------------------------------------------------
+
+    def matrix(self, shape):
+        """``(rows, cols, r)`` or None when the tensor travels raw (for int and SymInt shapes)."""
+        if len(shape) < 2:
+            return None
+        rows, cols = shape[0], numel_of(shape[1:])
+        r = min(self.rank, rows, cols)
+        if (rows + cols) * r >= rows * cols:
+            return None
+        return rows, cols, r
+
+    def payload_layout(self, shape, dtype):
+        mat = self.matrix(tuple(shape))
+        if mat is None:
+            return ((tuple(shape), dtype),)
+        rows, cols, r = mat
+        return (((rows, r), dtype), ((cols, r), dtype))
+
+    def wire_bytes(self, shape, dtype):
+        shape = tuple(shape)
+        if len(shape) < 2 or all(isinstance(d, int) for d in shape):
+            return super().wire_bytes(shape, dtype)
+        # Symbolic: which branch applies depends on the sizes.
+        rows, cols = sympy.sympify(shape[0]), sympy.sympify(numel_of(shape[1:]))
+        r = sympy.Min(self.rank, rows, cols)
+        low = (rows + cols) * r * dtype.itemsize
+        raw = rows * cols * dtype.itemsize
+        return sympy.Piecewise((low, (rows + cols) * r < rows * cols), (raw, True))
+
+    def state_layout(self, shape, dtype):
+        mat = self.matrix(tuple(shape))
+        if mat is None:
+            return {}
+        _, cols, r = mat
+        return {"q": ((cols, r), torch.float32)}
+
+    def init_state(self, shape, dtype, device=None):
+        layout = self.state_layout(shape, dtype)
+        if not layout:
+            return {}
+        (cols, r), _ = layout["q"]
+        return {"q": self._seeded_q(cols, r, device)}
+
+    def _seeded_q(self, cols, r, device):
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randn(cols, r, generator=g).to(device)
+
+    # -- the two halves ---------------------------------------------------------------------
+
+    def compute_p(self, x: torch.Tensor, state) -> torch.Tensor:
+        """``M orth(Q)`` in fp32 (all-reduce it, then call :meth:`compute_q`)."""
+        rows, cols, r = self.matrix(tuple(x.shape))
+        q = state["q"]
+        if not torch.isfinite(q).all():
+            q.copy_(self._seeded_q(cols, r, q.device))
+        m = x.reshape(rows, cols).float()
+        return m @ orthogonalize(q)
+
+    def compute_q(self, x: torch.Tensor, p: torch.Tensor, state):
+        """``(orth(P), Mᵀ orth(P))`` in fp32; keeps the new Q as the warm start."""
+        rows, cols, _ = self.matrix(tuple(x.shape))
+        p = orthogonalize(p)
+        q = x.reshape(rows, cols).float().T @ p
+        state["q"].copy_(q.to(x.dtype))
+        return p, q
+
+    # -- codec ------------------------------------------------------------------------------
+
+    def encode_with(self, x, state):
+        ctx = Context(tuple(x.shape), x.dtype)
+        if self.matrix(tuple(x.shape)) is None:
+            return Encoded((x.contiguous(),), ctx)
+        p, q = self.compute_q(x, self.compute_p(x, state), state)
+        return Encoded((p.to(x.dtype), q.to(x.dtype)), ctx)
+
+    def decode_with(self, enc, state):
+        if len(enc.payload) == 1:
+            return enc.payload[0].clone()
+        p, q = enc.payload
+        return (p.float() @ q.float().T).view(enc.ctx.shape).to(enc.ctx.dtype)
