@@ -117,6 +117,11 @@ class PowerSGD(Codec):
         g = torch.Generator().manual_seed(self.seed)
         return torch.randn(cols, r, generator=g).to(device)
 
+    @staticmethod
+    def _matrix(x, rows, cols):
+        # contiguous: the same numbers whatever the input's strides (matmul kernels differ)
+        return x.reshape(rows, cols).contiguous().float()
+
     # -- the two halves ---------------------------------------------------------------------
 
     def compute_p(self, x: torch.Tensor, state) -> torch.Tensor:
@@ -125,14 +130,13 @@ class PowerSGD(Codec):
         q = state["q"]
         if not torch.isfinite(q).all():
             q.copy_(self._seeded_q(cols, r, q.device))
-        m = x.reshape(rows, cols).float()
-        return m @ orthogonalize(q)
+        return self._matrix(x, rows, cols) @ orthogonalize(q)
 
     def compute_q(self, x: torch.Tensor, p: torch.Tensor, state):
         """``(orth(P), Mᵀ orth(P))`` in fp32; keeps the new Q as the warm start."""
         rows, cols, _ = self.matrix(tuple(x.shape))
         p = orthogonalize(p)
-        q = x.reshape(rows, cols).float().T @ p
+        q = self._matrix(x, rows, cols).T @ p
         state["q"].copy_(q.to(x.dtype))
         return p, q
 
