@@ -82,3 +82,11 @@ def _backward(ctx, grad):
 
 
 cut.register_autograd(_backward, setup_context=_setup_context)
+
+
+def describe_uid(uid: int) -> str:
+    """A stable name for a hop, for printing graphs: ``"e3:1->2"`` (edge 3, stage 1 to 2)."""
+    hop = _HOPS.get(uid)
+    if hop is None:
+        return "unregistered"
+    return f"e{hop.edge}:{hop.hop[0]}->{hop.hop[1]}"
