@@ -9,8 +9,9 @@ as the hook does it:
 ``Q`` is the state (fp32, ``q``), kept between calls (warm start), initialised from
 ``seed`` exactly like the hook (``randn`` on the CPU generator seeded with ``seed``; the hook
 seeds with ``np.random.RandomState(random_seed).randint(1_000_000_000)``). ``orth`` is
-Gram-Schmidt for ``r <= 2`` and QR otherwise (the hook's choice for fp32); a zero column stays
-zero instead of becoming NaN. Computation is fp32; P and Q travel in the input dtype.
+Gram-Schmidt for ``r <= 2`` and QR otherwise (the hook's choice for fp32), with two differences
+that matter only on degenerate input: a zero column stays zero instead of becoming NaN, and
+Gram-Schmidt runs twice, so the result is exact whenever ``rank`` covers the matrix's rank. Computation is fp32; P and Q travel in the input dtype.
 
 Tensors sent raw, as the hook does: 0-d and 1-D tensors (biases: no matrix structure), and
 matrices where low rank does not pay, ``(rows + cols) * r >= rows * cols``.
@@ -43,6 +44,14 @@ def orthogonalize(m: torch.Tensor) -> torch.Tensor:
 
 
 def gram_schmidt(m: torch.Tensor) -> torch.Tensor:
+    """The hook's modified Gram-Schmidt, run twice ("twice is enough"): one pass leaves a
+    column that was nearly dependent on the earlier ones (P of a matrix whose rank is below
+    ``rank``) far from orthogonal to them, and ``P Pᵀ M`` then no longer reproduces ``M``. On
+    well-conditioned input the second pass changes the result by rounding only."""
+    return _mgs(_mgs(m))
+
+
+def _mgs(m: torch.Tensor) -> torch.Tensor:
     m = m.clone()
     r = m.shape[-1]
     for i in range(r):
