@@ -13,15 +13,25 @@ import os
 import sys
 
 
-def kernels(module: str):
-    """Import ``ccfx.backends.triton.<module>`` with its kernels interpreted."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    name = f"ccfx.backends.triton.{module}"
+def _stale(mod) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
-    mod = importlib.import_module(name)
-    jitted = [v for k, v in vars(mod).items() if k.startswith("_") and k.endswith("_kernel")]
-    if any(not isinstance(v, InterpretedFunction) for v in jitted):
-        importlib.reload(sys.modules["ccfx.backends.triton._common"])
-        mod = importlib.reload(mod)
+    return any(
+        isinstance(v, JITFunction) and not isinstance(v, InterpretedFunction)
+        for v in vars(mod).values()
+    )
+
+
+def kernels(module: str):
+    """Import ``ccfx.backends.triton.<module>`` with its kernels (and its helpers') interpreted."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    prefix = "ccfx.backends.triton."
+    mod = importlib.import_module(prefix + module)
+    if any(_stale(m) for k, m in list(sys.modules.items()) if k.startswith(prefix)):
+        # Helpers first, so the kernel modules re-import interpreted versions of them.
+        for name in (prefix + "_common", prefix + "blocks", prefix + module):
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])
+        mod = sys.modules[prefix + module]
     return mod

@@ -1,0 +1,59 @@
+"""Per-block scales, shared by the blockwise codecs' Triton kernels (int4, sign, fp8).
+
+``block_scales(x, block, kind, divisor)`` gives one fp32 per block: ``absmax / divisor``
+(``kind="absmax"``, bit-exact with the torch references: correctly rounded division) or the mean
+magnitude (``kind="meanabs"``: fp32 sums in a different order from torch's, so equal to a few
+ulps). A block holding NaN or inf gets NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import block_tile, cdiv, is_nonfinite
+
+
+@triton.jit
+def _block_scale_kernel(
+    x_ptr,  # *Pointer* to the flattened input
+    scale_ptr,  # *Pointer* to the fp32 output [nblocks]
+    n,
+    nblocks,
+    block,
+    divisor,  # absmax is divided by this (fp32)
+    MEAN: tl.constexpr,  # True: mean |x| over the block's real elements; False: absmax
+    WIDTH: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    offs = rows[:, None].to(tl.int64) * block + cols[None, :]
+    mask = (cols[None, :] < block) & (offs < n) & (rows[:, None] < nblocks)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    bad = tl.sum(is_nonfinite(x).to(tl.int32), axis=1) > 0
+    if MEAN:
+        count = tl.minimum(n - rows.to(tl.int64) * block, block).to(tl.float32)
+        scale = tl.math.div_rn(tl.sum(tl.abs(x), axis=1), tl.maximum(count, 1.0))
+    else:
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), divisor)
+    tl.store(scale_ptr + rows, tl.where(bad, float("nan"), scale), mask=rows < nblocks)
+
+
+def block_scales(flat: torch.Tensor, block: int, kind: str = "absmax", divisor: float = 1.0):
+    n = flat.numel()
+    nblocks = cdiv(n, block)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
+    if nblocks:
+        width, rows = block_tile(block)
+        _block_scale_kernel[(cdiv(nblocks, rows),)](
+            flat, scales, n, nblocks, block, divisor,
+            MEAN=kind == "meanabs", WIDTH=width, ROWS=rows,
+        )
+    return scales
+
+
+def flat_contiguous(x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
