@@ -24,7 +24,9 @@ from ccfx.config import Config
 from ccfx.errors import CcfxError, ConfigError
 from ccfx.passes import annotate, cut_edges, partition, run_passes
 from ccfx.plan import GraphPlan, Plan
-from ccfx.runtime.cut_op import Hop, register_hop
+from ccfx import codecs
+from ccfx.passes.graph_utils import facts, val
+from ccfx.runtime.cut_op import Hop, hop_of, register_hop
 from ccfx.runtime.ledger import Ledger
 
 from .lowering import LoweredGraphs, lower
@@ -52,13 +54,33 @@ class CcfxBackend:
         self.mode = mode
         self.ledger = Ledger()
         self.graphs: list[CompiledGraph] = []
+        #: Buffers of stateful codecs on cut edges (live tensors: save and load them here).
+        self.codec_state = torch.nn.Module()
 
     @property
     def plan(self) -> Plan:
         return Plan(config=self.config.to_dict(), graphs=[g.plan for g in self.graphs])
 
-    def _uid_for(self, index: int, edge: int, hop: tuple[int, int]) -> int:
-        return register_hop(Hop(self.ledger, index, edge, hop))
+    def _uid_for(self, index: int, edge: int, hop: tuple[int, int], spec: str, gspec: str) -> int:
+        return register_hop(Hop(self.ledger, index, edge, hop, codecs.get(spec), codecs.get(gspec)))
+
+    def _allocate_codec_state(self, gm: torch.fx.GraphModule) -> None:
+        """Allocate stateful codecs' tensors now (static shapes) and expose them as buffers of
+        ``self.codec_state``, so a checkpoint finds them before the first step."""
+        for node in gm.graph.nodes:
+            if node.target is not torch.ops.ccfx.cut.default:
+                continue
+            uid, value, f = node.args[3], val(node), facts(node)
+            hop = hop_of(uid)
+            for direction, codec in (("fwd", hop.codec), ("bwd", hop.grad_codec)):
+                if not codec.stateful or not codec.applies_to(value.dtype):
+                    continue
+                if not all(isinstance(d, int) for d in value.shape):
+                    continue  # dynamic shapes: allocated at the first step
+                state = codec.reset_state(tuple(value.shape), value.dtype, value.device)
+                prefix = f"graph{hop.graph}_edge{f['edge']}_hop{hop.hop[0]}to{hop.hop[1]}_{direction}"
+                for name, tensor in state.items():
+                    self.codec_state.register_buffer(f"{prefix}_{name}", tensor)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         try:
@@ -79,6 +101,7 @@ class CcfxBackend:
             functools.partial(cut_edges, codec=cfg.activation_codec,
                               uid_for=functools.partial(self._uid_for, index)),
         ])
+        self._allocate_codec_state(gm)
         graph_plan = build_graph_plan(gm, index)
         log.info("ccfx: graph %d partitioned\n%s", index, Plan(cfg.to_dict(), [graph_plan]))
         compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode))

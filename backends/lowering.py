@@ -17,7 +17,8 @@ import torch.fx
 @dataclass
 class LoweredGraphs:
     """What aot_autograd produced: forward, backward (compiled lazily, at the first
-    ``.backward()``) and inference graphs."""
+    ``.backward()``) and inference graphs. With inductor, a hit in its FX-graph or AOT-autograd
+    cache skips the compile and so the recording: these lists may then be empty."""
 
     forward: list[torch.fx.GraphModule] = field(default_factory=list)
     backward: list[torch.fx.GraphModule] = field(default_factory=list)

@@ -34,8 +34,19 @@ def ledger_of(compiled):
     return backend_of(compiled).ledger
 
 
+def codec_state(compiled):
+    """An ``nn.Module`` whose buffers are the live state of the stateful codecs on cut edges
+    (error-feedback residuals, PowerSGD's Q): checkpoint its ``state_dict()`` beside the
+    model's. To resume, compile the restored model, run one forward with grad enabled (ccfx
+    allocates the state when it compiles the training graph; a ``no_grad`` call compiles a
+    separate inference graph with its own state), then ``load_state_dict`` the saved state."""
+    from ccfx.backends.compiler import backend_of
+
+    return backend_of(compiled).codec_state
+
+
 __all__ = [
     "CcfxError", "CcfxWarning", "CodecError", "Config", "ConfigError", "CutEdge", "GraphPlan",
-    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codecs", "ledger_of",
+    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codec_state", "codecs", "ledger_of",
     "plan_of",
 ]

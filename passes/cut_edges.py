@@ -29,7 +29,8 @@ from ccfx.runtime import cut_op  # noqa: F401  (registers torch.ops.ccfx.cut)
 
 from .graph_utils import facts, insert_call, val
 
-UidFor = Callable[[int, tuple[int, int]], int]
+#: (edge index, hop, codec spec, gradient codec spec) → the uid the op reports under.
+UidFor = Callable[[int, tuple[int, int], str, str], int]
 
 
 def cut_edges(
@@ -42,7 +43,7 @@ def cut_edges(
     grad_codec = codecs.canonical(grad_codec) if grad_codec else codec
     if uid_for is None:
         counter = itertools.count(1)
-        uid_for = lambda edge, hop: next(counter)  # noqa: E731  (uncounted hops)
+        uid_for = lambda edge, hop, spec, gspec: next(counter)  # noqa: E731  (uncounted hops)
 
     graph = gm.graph
     first_of_stage: dict[int, torch.fx.Node] = {}
@@ -74,7 +75,7 @@ def cut_edges(
         prev, uids, hops = node, [], []
         for s in range(src_stage + 1, far[-1] + 1):
             hop = (s - 1, s)
-            uid = uid_for(edge, hop)
+            uid = uid_for(edge, hop, spec, gspec)
             link = insert_call(
                 graph, torch.ops.ccfx.cut.default, (prev, spec, gspec, uid, False),
                 before=first_of_stage.get(s, output), like=node, value=value,

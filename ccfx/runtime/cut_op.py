@@ -24,10 +24,15 @@ from .ledger import Ledger
 
 @dataclass(frozen=True)
 class Hop:
+    """One hop's runtime: where its bytes are counted and its own codec objects, which carry
+    the state of stateful codecs (error feedback residual, PowerSGD's Q) from step to step."""
+
     ledger: Ledger
     graph: int
     edge: int
     hop: tuple[int, int]
+    codec: codecs.Codec | None = None
+    grad_codec: codecs.Codec | None = None
 
 
 _HOPS: dict[int, Hop] = {}
@@ -42,6 +47,10 @@ def register_hop(hop: Hop) -> int:
     return uid
 
 
+def hop_of(uid: int) -> Hop:
+    return _HOPS[uid]
+
+
 def forget_hops(uids) -> None:
     with _lock:
         for uid in uids:
@@ -49,12 +58,14 @@ def forget_hops(uids) -> None:
 
 
 def _roundtrip(x: torch.Tensor, spec: str, uid: int, direction: str) -> torch.Tensor:
-    codec = codecs.get(spec)
+    hop = _HOPS.get(uid)
+    codec = getattr(hop, "grad_codec" if direction == "bwd" else "codec", None)
+    if codec is None:
+        codec = codecs.get(spec)
     if not codec.applies_to(x.dtype):
         codec = codecs.get("none")
     enc = codec.encode(x)
     out = codec.decode(enc)
-    hop = _HOPS.get(uid)
     if hop is not None:
         hop.ledger.record(hop.graph, hop.edge, hop.hop, direction,
                           x.numel() * x.element_size(), enc.nbytes)
