@@ -9,6 +9,7 @@ from . import codecs
 from .config import Config
 from .errors import CcfxError, CcfxWarning, CodecError, ConfigError, PartitionError
 from .plan import CutEdge, GraphPlan, Plan, SharedParam, Stage
+from .runtime import cut_op as _cut_op  # noqa: F401  (registers torch.ops.ccfx.cut)
 
 __version__ = "0.1.0"
 

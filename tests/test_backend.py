@@ -254,3 +254,17 @@ def test_stateful_codec_state_is_checkpointed_and_resumes_identically():
     got = [step(restored, compiled2, opt2, x) for x in xs[2:]]
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8", "int8:block=7"])
+@pytest.mark.parametrize("shape", [(5, 7), (1,), (3, 0)])
+def test_cut_op_passes_opcheck(spec, shape):
+    x = torch.randn(shape, requires_grad=True)
+    torch.library.opcheck(torch.ops.ccfx.cut.default, (x, spec, spec, 0, False))
+
+
+def test_cut_op_never_aliases_its_input():
+    x = torch.randn(4, 4)
+    for spec in ("none", "fp16", "int8"):
+        y = torch.ops.ccfx.cut(x, spec, spec, 0, False)
+        assert y.data_ptr() != x.data_ptr()
