@@ -59,3 +59,12 @@ def format_catalogue(specs=None) -> str:
     )
     lines.append("Any codec takes 'ef' (error feedback), e.g. 'topk:ratio=0.01,ef'.")
     return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    """``ccfx codecs`` takes no options: it prints the whole catalogue."""
+
+
+def main(args) -> int:
+    print(format_catalogue())
+    return 0
