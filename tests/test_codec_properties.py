@@ -3,6 +3,7 @@ shape (0-d, empty, odd), magnitudes from 1e-30 to 1e30, and contiguous or not.""
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,3 +164,15 @@ def test_error_feedback_loses_nothing(x, inner):
     sent = sum(codec.roundtrip(v) for v in xs)
     total = sum(xs)
     torch.testing.assert_close(sent + codec.state_dict()["residual"], total, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int8:block=16", "int4", "fp8", "sign"])
+def test_extreme_finite_values_stay_finite(spec):
+    """An additive attention mask holds finfo.min: blockwise codecs must not round it into
+    -inf (127 * (absmax / 127) can land one ulp past FLT_MAX), or the next softmax gives NaN."""
+    big = torch.finfo(torch.float32).max
+    x = torch.zeros(4, 300)
+    x[:, 150:] = -big
+    x[0, 3] = big
+    y = codecs.get(spec).roundtrip(x)
+    assert torch.isfinite(y).all()

@@ -35,7 +35,8 @@ def _block_scale_kernel(
     bad = tl.sum(is_nonfinite(x).to(tl.int32), axis=1) > 0
     if MEAN:
         count = tl.minimum(n - rows.to(tl.int64) * block, block).to(tl.float32)
-        scale = tl.math.div_rn(tl.sum(tl.abs(x), axis=1), tl.maximum(count, 1.0))
+        # Divide before summing, as the reference does: stays finite near FLT_MAX.
+        scale = tl.sum(tl.abs(x) / tl.maximum(count, 1.0)[:, None], axis=1)
     else:
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), divisor)
     tl.store(scale_ptr + rows, tl.where(bad, float("nan"), scale), mask=rows < nblocks)

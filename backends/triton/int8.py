@@ -18,6 +18,10 @@ from ._common import block_tile, cdiv, is_nonfinite, rint, store_float
 
 
 # %% kernels
+#: Largest finite float32: decoded values are clamped to it (never rounded into inf).
+FLT_MAX: tl.constexpr = 3.4028234663852886e38
+
+
 @triton.jit
 def _int8_encode_kernel(
     x_ptr,  # *Pointer* to the flattened input, any float dtype
@@ -59,7 +63,10 @@ def _int8_decode_kernel(
     mask = offs < n
     q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
     s = tl.load(scale_ptr + offs // block, mask=mask, other=0.0)
-    store_float(out_ptr + offs, q * s, mask)
+    y = q * s
+    # Keep 127 * (absmax / 127) finite when it rounds past FLT_MAX; NaN compares false: kept.
+    y = tl.where(y > FLT_MAX, FLT_MAX, tl.where(y < -FLT_MAX, -FLT_MAX, y))
+    store_float(out_ptr + offs, y, mask)
 
 
 # %% launchers

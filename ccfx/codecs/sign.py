@@ -28,7 +28,8 @@ def sign_encode_reference(x: torch.Tensor, block: int):
     rows = blocked(flat, block)
     # The last block may be partial: divide by its real element count, not by ``block``.
     counts = (n - torch.arange(rows.shape[0], device=x.device) * block).clamp(max=block)
-    scales = rows.abs().sum(dim=1, keepdim=True) / counts.view(-1, 1)
+    # Divide before summing: the mean of magnitudes near FLT_MAX stays finite.
+    scales = (rows.abs() / counts.view(-1, 1)).sum(dim=1, keepdim=True)
     scales = torch.where(nonfinite_rows(rows), float("nan"), scales)
     return _bits.pack(flat >= 0, 1), scales.view(-1)
 

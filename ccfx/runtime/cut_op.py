@@ -7,7 +7,8 @@ in the forward graph and in the backward graph.
 
 ``uid`` names the hop in a process-wide table (``register_hop``) so the op can report its bytes
 to the right ledger; an unknown uid still computes the round trip, it just is not counted.
-The op never aliases its input (the identity codec copies), as custom ops must not.
+The op never aliases its input (the identity codec copies), as custom ops must not, and its
+output is always contiguous (a received buffer), whatever the input's strides.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _roundtrip(x: torch.Tensor, spec: str, uid: int, direction: str) -> torch.Te
     if not codec.applies_to(x.dtype):
         codec = codecs.get("none")
     enc = codec.encode(x)
-    out = codec.decode(enc)
+    out = codec.decode(enc).contiguous()  # what the fake kernel promises
     if hop is not None:
         hop.ledger.record(hop.graph, hop.edge, hop.hop, direction,
                           x.numel() * x.element_size(), enc.nbytes)
@@ -79,7 +80,8 @@ def cut(x: torch.Tensor, codec: str, grad_codec: str, uid: int, backward: bool) 
 
 @cut.register_fake
 def _(x, codec, grad_codec, uid, backward):
-    return torch.empty_like(x)
+    # Contiguous whatever the input's strides: what arrives off a wire is a fresh buffer.
+    return x.new_empty(x.shape)
 
 
 def _setup_context(ctx, inputs, output):
