@@ -1,0 +1,303 @@
+"""The main job: train the tiny GPT with compressed pipeline cuts beside an uncompressed baseline.
+
+Two identical copies of ``TinyGPT`` (same initialisation, same batches, same optimiser) train for
+``steps`` steps on the embedded corpus:
+
+* the baseline: the plain eager model (``baseline="eager"``, the default), or the model compiled
+  by ccfx with the same stages and lowering but the identity codec (``baseline="ccfx"``);
+* the compressed model: ``torch.compile(model, backend="ccfx", options={"stages": stages,
+  "activation_codec": codec, "lowering": lowering}, fullgraph=True)``. On one process this runs
+  the whole model with every cut edge's codec applied as a round trip, forward and backward.
+
+``format_demo`` prints the plan, both loss curves' final values and the wire saving.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, batches, load_corpus
+
+DEMO_STEPS = 120
+DEMO_BATCH_SIZE = 16
+DEMO_LR = 3e-3
+BASELINES = ("eager", "ccfx")
+
+
+def demo_model_config(vocab_size: int) -> GPTConfig:
+    """The demo's GPT: 4 layers, width 256, 4 heads, context 64 (about 3.2 M parameters)."""
+    return GPTConfig(vocab_size=vocab_size, block_size=64, n_layer=4, n_head=4, n_embd=256)
+
+
+@dataclass
+class RunResult:
+    """One training run: loss per step and wall times (seconds)."""
+
+    name: str
+    losses: list[float]
+    step_times: list[float]
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.step_times)
+
+    @property
+    def first_step_s(self) -> float:
+        """The first step, which includes compilation for a compiled model."""
+        return self.step_times[0] if self.step_times else 0.0
+
+    @property
+    def steady_step_s(self) -> float:
+        """Median time of the steps after the first."""
+        rest = self.step_times[1:] or self.step_times
+        return statistics.median(rest) if rest else 0.0
+
+    def curve(self, points: int = 12) -> list[float]:
+        """The loss curve in ``points`` windows: the mean loss of each consecutive window."""
+        n = len(self.losses)
+        points = min(points, n)
+        if points < 1:
+            return []
+        bounds = [round(i * n / points) for i in range(points + 1)]
+        return [sum(self.losses[a:b]) / (b - a) for a, b in itertools.pairwise(bounds)]
+
+    def final_loss(self, last: int = 10) -> float:
+        """Mean loss over the last ``last`` steps."""
+        tail = self.losses[-last:]
+        return sum(tail) / len(tail)
+
+
+@dataclass
+class DemoResult:
+    baseline: RunResult
+    compressed: RunResult
+    compiled: nn.Module  # the compressed model as torch.compile returned it: ccfx.plan_of(it)
+    options: dict
+    baseline_kind: str
+    model_config: GPTConfig
+    num_parameters: int
+    batch_size: int
+    seed: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model_config.block_size
+
+
+def ccfx_compile(model: nn.Module, **options) -> nn.Module:
+    return torch.compile(model, backend="ccfx", options=options, fullgraph=True)
+
+
+def train(
+    model: nn.Module,
+    data: torch.Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    block_size: int,
+    seed: int,
+    lr: float = DEMO_LR,
+    name: str = "train",
+    progress: bool = True,
+) -> RunResult:
+    """AdamW at a fixed learning rate, gradient norm clipped at 1; batches drawn from ``seed``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    stream = batches(data, batch_size, block_size, seed)
+    losses: list[float] = []
+    times: list[float] = []
+    bar = tqdm(range(steps), desc=name, disable=not progress, dynamic_ncols=True, leave=True)
+    for _ in bar:
+        x, y = next(stream)
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        value = loss.item()
+        times.append(time.perf_counter() - t0)
+        losses.append(value)
+        bar.set_postfix(loss=f"{value:.3f}")
+    bar.close()
+    return RunResult(name=name, losses=losses, step_times=times)
+
+
+def run_demo(
+    steps: int = DEMO_STEPS,
+    stages: int = 4,
+    codec: str = "int8",
+    batch_size: int = DEMO_BATCH_SIZE,
+    lowering: str = "eager",
+    seed: int = 0,
+    progress: bool = True,
+    compile_fn: Callable[[nn.Module], nn.Module] | None = None,
+    baseline: str = "eager",
+    model_config: GPTConfig | None = None,
+    lr: float = DEMO_LR,
+) -> DemoResult:
+    """Train the baseline and the ccfx-compressed tiny GPT from the same init on the same batches.
+
+    compile_fn: replaces the ccfx compilation (called with the model, returns what to train); it
+        is used for the compressed model and, with ``baseline="ccfx"``, for the baseline too.
+        For tests and experiments.
+    baseline: "eager" (the plain model) or "ccfx" (ccfx with the same stages and lowering and
+        the identity codec "none").
+    model_config: the GPT to train; by default ``demo_model_config`` with the corpus's vocabulary.
+    """
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline={baseline!r} is not valid; choose one of {', '.join(BASELINES)}")
+    text = load_corpus()
+    tokenizer = CharTokenizer(text)
+    data = tokenizer.encode(text)
+    config = model_config or demo_model_config(tokenizer.vocab_size)
+    if config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"model vocab_size={config.vocab_size} is smaller than the corpus's "
+            f"{tokenizer.vocab_size} characters"
+        )
+    options = {"stages": stages, "activation_codec": codec, "lowering": lowering}
+
+    torch.manual_seed(seed)
+    base_model = TinyGPT(config)
+    comp_model = copy.deepcopy(base_model)  # same init; deepcopy keeps the weight tying
+    num_parameters = base_model.num_parameters()
+
+    def compile_with(model: nn.Module, opts: dict) -> nn.Module:
+        return compile_fn(model) if compile_fn is not None else ccfx_compile(model, **opts)
+
+    if baseline == "ccfx":
+        base_run_model = compile_with(base_model, {**options, "activation_codec": "none"})
+        base_name = f"baseline (ccfx {stages} stages, no codec)"
+    else:
+        base_run_model = base_model
+        base_name = "baseline (eager, uncompressed)"
+    compiled = compile_with(comp_model, options)
+
+    common = {
+        "data": data, "steps": steps, "batch_size": batch_size, "block_size": config.block_size,
+        "seed": seed, "lr": lr, "progress": progress,
+    }
+    base_run = train(base_run_model, name=base_name, **common)
+    comp_run = train(compiled, name=f"ccfx {stages} stages, {codec}", **common)
+    return DemoResult(
+        baseline=base_run,
+        compressed=comp_run,
+        compiled=compiled,
+        options=options,
+        baseline_kind=baseline,
+        model_config=config,
+        num_parameters=num_parameters,
+        batch_size=batch_size,
+        seed=seed,
+    )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_demo(result: DemoResult, last: int = 10) -> str:
+    """The report: model, plan, final losses of both runs, timings and the wire saving."""
+    import ccfx
+
+    plan = ccfx.plan_of(result.compiled)
+    ledger = ccfx.ledger_of(result.compiled)
+    cfg = result.model_config
+    out = [
+        (
+            f"tiny GPT: {result.num_parameters / 1e6:.2f} M parameters ({cfg.n_layer} layers, "
+            f"width {cfg.n_embd}, {cfg.n_head} heads, context {cfg.block_size}, "
+            f"vocabulary {cfg.vocab_size}), tied embedding / LM head"
+        ),
+        (
+            f"{len(result.compressed.losses)} steps of {result.batch_size} x {cfg.block_size} "
+            f"tokens, options {result.options}"
+        ),
+        "",
+        str(plan),
+        "",
+        f"loss (mean of the last {last} steps; first step {result.baseline.losses[0]:.3f}):",
+    ]
+    rows = [
+        (r.name, r.final_loss(last), r.total_s, r.first_step_s, r.steady_step_s)
+        for r in (result.baseline, result.compressed)
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, loss, total, first, steady in rows:
+        out.append(
+            f"  {name.ljust(width)}  {loss:.4f}   {total:6.1f} s total, first step {first:.2f} s, "
+            f"then {steady * 1000:.0f} ms/step"
+        )
+    gap = result.compressed.final_loss(last) - result.baseline.final_loss(last)
+    out.append(f"  difference (compressed - baseline): {gap:+.4f}")
+    points = min(12, len(result.baseline.losses))
+    out.append(f"loss curve (mean over {points} consecutive windows of the run):")
+    for r, label in ((result.baseline, "baseline"), (result.compressed, "ccfx")):
+        out.append(f"  {label:<8}  " + " ".join(f"{v:.2f}" for v in r.curve(points)))
+
+    # Wire bytes per training step, as the ledger counted them while the compressed model ran:
+    # every cut edge once per hop, forward activations and backward gradients.
+    out += ["", f"wire per step (counted over {ledger.steps} steps, every cut edge and hop):"]
+    raw_fwd, wire_fwd = ledger.per_step("fwd")
+    raw_bwd, wire_bwd = ledger.per_step("bwd")
+    raw, wire = raw_fwd + raw_bwd, wire_fwd + wire_bwd
+    for label, r, w in (("forward ", raw_fwd, wire_fwd), ("backward", raw_bwd, wire_bwd),
+                        ("total   ", raw, wire)):
+        if r:
+            out.append(
+                f"  {label} {_human_bytes(r):>10} raw -> {_human_bytes(w):>10} on the wire "
+                f"({w / r:.3f} of raw, {r / max(w, 1):.2f}x less)"
+            )
+    if not raw:
+        out.append("  nothing crossed a stage boundary")
+    return "\n".join(out)
+
+
+def add_arguments(parser) -> None:
+    """``ccfx demo`` options (an argparse parser or subparser)."""
+    parser.add_argument("--steps", type=int, default=DEMO_STEPS, help="training steps per run")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    parser.add_argument("--codec", default="int8", help="activation codec spec (default int8)")
+    parser.add_argument("--batch-size", type=int, default=DEMO_BATCH_SIZE)
+    parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager",
+                        help="what runs the partitioned graphs (eager compiles fastest)")
+    parser.add_argument("--baseline", choices=BASELINES, default="eager",
+                        help="eager: the plain model; ccfx: same stages, identity codec")
+    parser.add_argument("--lr", type=float, default=DEMO_LR)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress bars")
+
+
+def main(args) -> int:
+    """Run the demo from parsed ``add_arguments`` options and print the report."""
+    result = run_demo(
+        steps=args.steps, stages=args.stages, codec=args.codec, batch_size=args.batch_size,
+        lowering=args.lowering, seed=args.seed, progress=args.progress, baseline=args.baseline,
+        lr=args.lr,
+    )
+    print(format_demo(result))
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    _parser = argparse.ArgumentParser(prog="python -m ccfx.demo", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    raise SystemExit(main(_parser.parse_args()))

@@ -1,0 +1,61 @@
+"""The main job's driver: run_demo's structure on a tiny model, and one real ccfx run."""
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from ccfx.demo import DemoResult, add_arguments, format_demo, run_demo
+from ccfx.models import GPTConfig
+
+TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models gain nothing from intra-op threads, and lose a lot on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_run_demo_structure_with_injected_compile():
+    result = run_demo(steps=4, batch_size=2, model_config=TINY, compile_fn=lambda m: m,
+                      progress=False)
+    assert isinstance(result, DemoResult)
+    assert result.options == {"stages": 4, "activation_codec": "int8", "lowering": "eager"}
+    for run in (result.baseline, result.compressed):
+        assert len(run.losses) == len(run.step_times) == 4
+        assert all(math.isfinite(v) for v in run.losses)
+        assert run.total_s > 0 and run.final_loss(2) > 0
+    # Same init, same batches, nothing compressed: the two runs are the same computation.
+    assert result.baseline.losses == result.compressed.losses
+    assert result.compiled.lm_head.weight is result.compiled.tok_emb.weight
+    assert result.tokens_per_step == 2 * TINY.block_size
+    assert 20_000 < result.num_parameters < 40_000
+
+
+def test_run_demo_with_ccfx_backend():
+    result = run_demo(steps=2, stages=2, batch_size=2, model_config=TINY, progress=False)
+    assert all(math.isfinite(v) for v in result.baseline.losses + result.compressed.losses)
+    # int8 on the cuts changes the numbers a little, not a lot.
+    assert abs(result.compressed.losses[-1] - result.baseline.losses[-1]) < 0.05
+    report = format_demo(result)
+    assert "ccfx plan" in report and "int8" in report
+    assert "on the wire" in report and "baseline" in report
+
+
+def test_bad_baseline_is_rejected():
+    with pytest.raises(ValueError, match="baseline"):
+        run_demo(steps=1, model_config=TINY, baseline="nope", progress=False)
+
+
+def test_cli_arguments_default_to_the_main_job():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.stages, args.codec, args.lowering, args.baseline) == (4, "int8", "eager", "eager")
+    assert args.progress
+    assert not parser.parse_args(["--no-progress"]).progress
