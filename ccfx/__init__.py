@@ -46,8 +46,18 @@ def codec_state(compiled):
     return backend_of(compiled).codec_state
 
 
+def draw(compiled_or_plan, path, **kw):
+    """Draw a compiled model's partitioned graph (modules in one cluster per stage, codec ops
+    between them) or a Plan's stages to ``path`` (.svg, .png, .pdf or .dot); see
+    :func:`ccfx.viz.draw` for ``which=``, ``depth=``, ``graph=``. Returns the path written."""
+    from ccfx.viz import draw as _draw
+
+    return _draw(compiled_or_plan, path, **kw)
+
+
 __all__ = [
     "CcfxError", "CcfxWarning", "CodecError", "Config", "ConfigError", "CutEdge", "GraphPlan",
-    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codec_state", "codecs", "ledger_of",
+    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codec_state", "codecs", "draw",
+    "ledger_of",
     "plan_of",
 ]

@@ -1,0 +1,91 @@
+"""Rendering DOT text with graphviz's ``dot`` binary (svg, png, pdf), or writing the text.
+
+Without ``dot`` on PATH the ``.dot`` file is still written, and :class:`GraphvizNotFoundError`
+says how to install graphviz.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+from ccfx.errors import CcfxError, CcfxWarning, ConfigError
+
+FORMATS = ("svg", "png", "pdf", "dot")
+INSTALL_HINT = (
+    "install graphviz, which provides `dot`: `apt-get install graphviz` (Debian/Ubuntu), "
+    "`dnf install graphviz` (Fedora), `brew install graphviz` (macOS) or "
+    "`conda install -c conda-forge graphviz`"
+)
+TIMEOUT_S = 300
+
+
+class GraphvizNotFoundError(CcfxError, RuntimeError):
+    """graphviz's ``dot`` binary is not on PATH; the .dot file was written instead."""
+
+    def __init__(self, message: str, dot_path: Path | None = None):
+        super().__init__(message)
+        self.dot_path = dot_path
+
+
+def format_of(path: str | os.PathLike, format: str | None = None) -> str:
+    fmt = (format or Path(path).suffix.lstrip(".") or "svg").lower()
+    fmt = "dot" if fmt == "gv" else fmt
+    if fmt not in FORMATS:
+        raise ConfigError(f"cannot draw to {fmt!r}: choose one of {', '.join(FORMATS)} "
+                          "(from the file suffix or format=)")
+    return fmt
+
+
+def dot_binary() -> str | None:
+    return shutil.which("dot")
+
+
+def run_dot(dot_text: str, fmt: str) -> bytes:
+    """``dot -T<fmt>`` on ``dot_text``; the rendered bytes."""
+    exe = dot_binary()
+    if exe is None:
+        raise GraphvizNotFoundError(f"graphviz's `dot` is not on PATH: {INSTALL_HINT}")
+    try:
+        done = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True,
+                              timeout=TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise CcfxError(f"`dot -T{fmt}` took longer than {TIMEOUT_S} s: draw at module level "
+                        "(a smaller depth) instead of every node") from e
+    err = done.stderr.decode(errors="replace").strip()
+    if done.returncode != 0:
+        raise CcfxError(f"`dot -T{fmt}` failed (exit {done.returncode}): {err}")
+    if err:
+        warnings.warn(f"graphviz: {err}", CcfxWarning, stacklevel=3)
+    return done.stdout
+
+
+def render(dot_text: str, path: str | os.PathLike, format: str | None = None) -> Path:
+    """Write ``dot_text`` rendered to ``path`` (format from ``format`` or the suffix). Returns
+    the path written. Without ``dot``: writes ``path`` with suffix ``.dot`` and raises
+    :class:`GraphvizNotFoundError`."""
+    path = Path(path)
+    fmt = format_of(path, format)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "dot":
+        path.write_text(dot_text)
+        return path
+    if dot_binary() is None:
+        dot_path = path.with_suffix(".dot")
+        dot_path.write_text(dot_text)
+        raise GraphvizNotFoundError(
+            f"cannot render {path}: graphviz's `dot` is not on PATH. The DOT text is in "
+            f"{dot_path} (render it later with `dot -T{fmt} {dot_path} -o {path}`). To render "
+            f"directly, {INSTALL_HINT}.", dot_path)
+    path.write_bytes(run_dot(dot_text, fmt))
+    return path
+
+
+def svg_text(dot_text: str) -> str | None:
+    """The drawing as SVG text (for embedding), or None without ``dot``."""
+    if dot_binary() is None:
+        return None
+    return run_dot(dot_text, "svg").decode()

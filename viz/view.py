@@ -1,0 +1,292 @@
+"""What a drawing shows, taken from a backend's graphs: one :class:`VNode` per FX node with its
+stage, module path, shape and, for codec ops, its cut edge and hop.
+
+The partitioned graph carries ccfx's facts in ``node.meta["ccfx"]``. aot_autograd's forward and
+backward graphs do not, so their stages are recovered:
+
+* forward: ``meta["from_node"]`` names the partitioned node each aten node was traced from;
+* backward: ``meta["seq_nr"]`` pairs a node with the forward nodes of the same autograd step;
+  saved activations are placeholders named like the forward node that produced them;
+* codec ops (``ccfx::cut``) carry their hop's uid, which the partitioned graph's cut nodes map
+  to (edge, hop); a backward cut sends the gradient from ``hop[1]`` to ``hop[0]``;
+* anything left takes the stage of its inputs (latest in forward, earliest in backward), then of
+  its users.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from ccfx.passes.graph_utils import facts, module_paths, normalize_fqn
+
+from ccfx import cost
+from ccfx.errors import ConfigError
+from ccfx.plan import GraphPlan
+
+WHICH = ("partitioned", "forward", "backward")
+
+
+@dataclass
+class VNode:
+    name: str
+    kind: str  # op, cut, param, buffer, input, symint, saved, tangent, output
+    stage: int | None
+    paths: tuple[str, ...]  # enclosing modules, outermost first
+    op: str
+    shape: tuple = ()
+    dtype: str = ""
+    flops: int = 0
+    nbytes: int = 0
+    inputs: list[str] = field(default_factory=list)
+    qualname: str | None = None  # params and buffers: name in the user's module
+    stages: tuple[int, ...] = ()  # params and buffers: every stage that uses them
+    edge: int | None = None  # cut ops
+    hop: tuple[int, int] | None = None
+    direction: str = "fwd"
+
+
+@dataclass
+class GraphView:
+    """One graph of a backend, ready to draw."""
+
+    index: int
+    which: str
+    nodes: list[VNode]
+    plan: GraphPlan
+    balance: str
+
+    @property
+    def num_stages(self) -> int:
+        return self.plan.num_stages
+
+
+def _shape_dtype(value) -> tuple[tuple, str]:
+    if isinstance(value, torch.Tensor):
+        return tuple(d if isinstance(d, int) else str(d) for d in value.shape), \
+            str(value.dtype).replace("torch.", "")
+    if isinstance(value, (tuple, list)):
+        return (), f"{type(value).__name__}[{len(value)}]"
+    if value is None:
+        return (), ""
+    return (), type(value).__name__
+
+
+def _int(x) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _is_cut(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.ccfx.cut.default
+
+
+def _stack_paths(stack) -> tuple[str, ...]:
+    return tuple(normalize_fqn(v[0]) for v in (stack or {}).values())
+
+
+def partitioned_view(gm: torch.fx.GraphModule, plan: GraphPlan, index: int) -> GraphView:
+    nodes = []
+    for n in gm.graph.nodes:
+        f = facts(n)
+        kind = "output" if n.op == "output" else f.get("kind", "op")
+        shape = tuple(f.get("shape", ()))
+        dtype = str(f.get("dtype", "")).replace("torch.", "")
+        nodes.append(VNode(
+            name=n.name, kind=kind, stage=f.get("stage"), paths=tuple(module_paths(n)),
+            op=n.op if n.op in ("placeholder", "output") else cost.op_name(n),
+            shape=shape, dtype=dtype if shape or kind != "output" else "",
+            flops=_int(f.get("flops_hint", 0)), nbytes=_int(f.get("bytes_hint", 0)),
+            inputs=[a.name for a in n.all_input_nodes], qualname=f.get("name"),
+            stages=tuple(f.get("stages", ())), edge=f.get("edge") if kind == "cut" else None,
+            hop=tuple(f["hop"]) if kind == "cut" else None,
+        ))
+    return GraphView(index, "partitioned", nodes, plan, plan.balance)
+
+
+def _uid_map(gm: torch.fx.GraphModule) -> dict[int, tuple[int, tuple[int, int]]]:
+    """hop uid → (edge, hop), from the partitioned graph's codec ops."""
+    out = {}
+    for n in gm.graph.nodes:
+        if _is_cut(n):
+            f = facts(n)
+            out[int(n.args[3])] = (f["edge"], tuple(f["hop"]))
+    return out
+
+
+def _sources(meta_from_node) -> list:
+    """Every NodeSource in a ``from_node`` tree, nearest first."""
+    out, todo = [], list(meta_from_node or [])
+    while todo:
+        s = todo.pop(0)
+        out.append(s)
+        todo.extend(getattr(s, "from_node", []) or [])
+    return out
+
+
+def _placeholder_index(node: torch.fx.Node) -> int | None:
+    desc = node.meta.get("desc")
+    idx = getattr(desc, "idx", None)
+    if type(desc).__name__ in ("PlainAOTInput", "ParamAOTInput", "BufferAOTInput") and \
+            isinstance(idx, int):
+        return idx
+    return None
+
+
+def _aot_view(gm: torch.fx.GraphModule, part: torch.fx.GraphModule, plan: GraphPlan, index: int,
+              which: str, forward_stage_by_seq: dict[int, int], forward_stage_by_name: dict[str, int],
+              ) -> GraphView:
+    backward = which == "backward"
+    part_nodes = {n.name: n for n in part.graph.nodes}
+    part_placeholders = [n for n in part.graph.nodes if n.op == "placeholder"]
+    uids = _uid_map(part)
+    hints = part.meta.get("ccfx", {}).get("hints", {})
+    last_stage = max(plan.num_stages - 1, 0)
+
+    nodes: list[VNode] = []
+    built: dict[str, VNode] = {}
+    for n in gm.graph.nodes:
+        value = n.meta.get("val")
+        shape, dtype = _shape_dtype(value)
+        stack = n.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or \
+            n.meta.get("nn_module_stack")
+        v = VNode(name=n.name, kind="op", stage=None, paths=_stack_paths(stack),
+                  op=n.op if n.op in ("placeholder", "output") else cost.op_name(n),
+                  shape=shape, dtype=dtype, inputs=[a.name for a in n.all_input_nodes])
+        if isinstance(value, torch.Tensor):
+            v.nbytes = cost.evaluate(cost.nbytes(value), hints) if hints else _int(
+                value.numel() * value.element_size())
+        if n.op == "placeholder":
+            k = _placeholder_index(n)
+            desc = type(n.meta.get("desc")).__name__
+            if k is not None and k < len(part_placeholders):
+                src = part_placeholders[k]
+                f = facts(src)
+                v.kind, v.stage = f.get("kind", "input"), f.get("stage")
+                v.qualname, v.stages = f.get("name"), tuple(f.get("stages", ()))
+                v.paths = tuple(module_paths(src))
+            elif desc == "TangentAOTInput":
+                v.kind, v.stage = "tangent", last_stage
+            elif backward and n.name in forward_stage_by_name:
+                v.kind, v.stage = "saved", forward_stage_by_name[n.name]
+            elif isinstance(value, (int, torch.SymInt)):
+                v.kind = "symint"
+            else:
+                v.kind = "input"
+        elif n.op == "output":
+            v.kind = "output"
+        elif _is_cut(n):
+            edge, hop = uids.get(int(n.args[3]), (None, None))
+            v.kind, v.edge, v.hop = "cut", edge, hop
+            v.direction = "bwd" if backward else "fwd"
+            if hop is not None:
+                v.stage = hop[0] if backward else hop[1]
+        else:
+            if backward:
+                # a gradient accumulation sums contributions from several places: it is placed
+                # by its inputs (below), not by the forward op whose seq_nr it carries, and it
+                # belongs to the innermost module that encloses all of them
+                if not n.meta.get("is_gradient_acc"):
+                    v.stage = forward_stage_by_seq.get(n.meta.get("seq_nr"))
+                elif not v.paths:
+                    v.paths = _common_paths([built[a].paths for a in v.inputs
+                                             if a in built and built[a].paths])
+            else:
+                for s in _sources(n.meta.get("from_node")):
+                    src = part_nodes.get(s.name)
+                    if src is not None and s.graph_id in (id(part.graph), -1):
+                        v.stage = facts(src).get("stage")
+                        break
+                else:
+                    for s in _sources(n.meta.get("from_node")):
+                        if s.name in part_nodes:
+                            v.stage = facts(part_nodes[s.name]).get("stage")
+                            break
+            try:
+                v.flops = cost.evaluate(cost.node_flops(n), hints)
+            except Exception:  # noqa: BLE001  (cost is a hint; an odd op costs nothing)
+                v.flops = 0
+        nodes.append(v)
+        built[v.name] = v
+    _fill_stages(nodes, backward, last_stage)
+    return GraphView(index, which, nodes, plan, "flops")
+
+
+def _common_paths(paths: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The enclosing modules every one of ``paths`` shares (outermost first)."""
+    if not paths:
+        return ()
+    out = []
+    for level in zip(*paths):
+        if any(p != level[0] for p in level):
+            break
+        out.append(level[0])
+    return tuple(out)
+
+
+def _fill_stages(nodes: list[VNode], backward: bool, last_stage: int) -> None:
+    by_name = {v.name: v for v in nodes}
+    pick = min if backward else max
+    for v in nodes:  # topological order: inputs first
+        if v.stage is None and v.kind not in ("output",):
+            known = [by_name[a].stage for a in v.inputs
+                     if a in by_name and by_name[a].stage is not None
+                     and by_name[a].kind not in ("param", "buffer", "symint")]
+            if known:
+                v.stage = pick(known)
+    users: dict[str, list[VNode]] = {}
+    for v in nodes:
+        for a in v.inputs:
+            users.setdefault(a, []).append(v)
+    for v in reversed(nodes):
+        if v.stage is None and v.kind != "output":
+            known = [u.stage for u in users.get(v.name, []) if u.stage is not None]
+            v.stage = (max if backward else min)(known) if known else 0
+    for v in nodes:
+        if v.kind == "output":
+            v.stage = 0 if backward else last_stage
+
+
+def graph_views(backend, which: str = "partitioned", graph: int | None = None) -> list[GraphView]:
+    """One view per graph of ``backend`` (or only graph ``graph``)."""
+    if which not in WHICH:
+        raise ConfigError(f"which={which!r}: choose one of {', '.join(WHICH)} (or 'plan')")
+    graphs = backend.graphs
+    if not graphs:
+        raise ConfigError("the backend has compiled no graph yet: run the compiled model once")
+    if graph is not None:
+        if not 0 <= graph < len(graphs):
+            raise ConfigError(f"graph={graph}: the backend has graphs 0..{len(graphs) - 1}")
+        graphs = [graphs[graph]]
+    views = []
+    for g in graphs:
+        if which == "partitioned":
+            views.append(partitioned_view(g.partitioned, g.plan, g.index))
+            continue
+        forward = g.lowered.forward or g.lowered.inference
+        if not forward:
+            raise ConfigError(f"graph {g.index} has no forward graph recorded")
+        fw = forward[-1]
+        fw_view = _aot_view(fw, g.partitioned, g.plan, g.index, "forward", {}, {})
+        if which == "forward":
+            views.append(fw_view)
+            continue
+        if not g.lowered.backward:
+            raise ConfigError(
+                f"graph {g.index} has no backward graph yet: aot_autograd compiles it at the "
+                "first .backward(); run one training step before drawing it"
+            )
+        by_seq: dict[int, int] = {}
+        fw_nodes = {n.name: n for n in fw.graph.nodes}
+        for v in fw_view.nodes:
+            node = fw_nodes[v.name]
+            seq = node.meta.get("seq_nr")
+            if seq is not None and v.stage is not None and v.kind in ("op", "cut"):
+                by_seq.setdefault(seq, v.stage)
+        by_name = {v.name: v.stage for v in fw_view.nodes if v.stage is not None}
+        views.append(_aot_view(g.lowered.backward[-1], g.partitioned, g.plan, g.index,
+                               "backward", by_seq, by_name))
+    return views
