@@ -79,6 +79,7 @@ class Browser:
         self.proc = subprocess.Popen(
             [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--no-first-run", "--no-default-browser-check", "--disable-extensions",
+             "--disable-dev-shm-usage",
              "--disable-component-update", "--disable-sync", "--mute-audio", "--hide-scrollbars",
              f"--user-data-dir={self._profile.name}", "--remote-debugging-pipe", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
