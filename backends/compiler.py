@@ -29,10 +29,14 @@ from ccfx.passes.graph_utils import facts, val
 from ccfx.runtime.cut_op import Hop, hop_of, register_hop
 from ccfx.runtime.ledger import Ledger
 
+from ccfx.viz.observability import emit_plan_artifact
+from ccfx.viz.observability import install as _install_torch_logs
+
 from .lowering import LoweredGraphs, lower
 from .plan_builder import build_graph_plan
 
 log = logging.getLogger("ccfx")
+_install_torch_logs()  # TORCH_LOGS=ccfx, TORCH_TRACE artifacts
 
 
 @dataclass
@@ -104,6 +108,7 @@ class CcfxBackend:
         self._allocate_codec_state(gm)
         graph_plan = build_graph_plan(gm, index)
         log.info("ccfx: graph %d partitioned\n%s", index, Plan(cfg.to_dict(), [graph_plan]))
+        emit_plan_artifact(Plan(cfg.to_dict(), [graph_plan]).to_json(), index)
         compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode))
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered))
         ledger = self.ledger
