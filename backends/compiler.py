@@ -20,15 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ccfx import codecs
 from ccfx.config import Config
 from ccfx.errors import CcfxError, ConfigError
 from ccfx.passes import annotate, cut_edges, partition, run_passes
-from ccfx.plan import GraphPlan, Plan
-from ccfx import codecs
 from ccfx.passes.graph_utils import facts, val
+from ccfx.plan import GraphPlan, Plan
 from ccfx.runtime.cut_op import Hop, hop_of, register_hop
 from ccfx.runtime.ledger import Ledger
-
 from ccfx.viz.observability import emit_plan_artifact
 from ccfx.viz.observability import install as _install_torch_logs
 
@@ -121,7 +120,7 @@ class CcfxBackend:
         return run
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _passthrough_type(cls: type) -> type:
     from torch._dynamo.exc import ShortenTraceback
 

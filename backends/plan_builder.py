@@ -7,8 +7,8 @@ import torch
 import torch.fx
 
 from ccfx import codecs, cost
-from ccfx.plan import CutEdge, GraphPlan, SharedParam, Stage
 from ccfx.passes.graph_utils import facts, val
+from ccfx.plan import CutEdge, GraphPlan, SharedParam, Stage
 
 
 def _expr_str(expr) -> str:

@@ -73,7 +73,7 @@ class Config:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_options(cls, options: dict[str, Any] | None) -> "Config":
+    def from_options(cls, options: dict[str, Any] | None) -> Config:
         """Build from a ``torch.compile(options=...)`` dict; unknown keys are an error."""
         if options is None:
             return cls()
@@ -95,7 +95,7 @@ class Config:
             d["split_points"] = list(d["split_points"])
         return d
 
-    def replace(self, **changes) -> "Config":
+    def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
 
 

@@ -118,7 +118,7 @@ class Plan:
         return json.dumps({"format": PLAN_FORMAT, **dataclasses.asdict(self)}, indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         if data.pop("format", None) != PLAN_FORMAT:
             raise ValueError(f"not a ccfx plan of format {PLAN_FORMAT}")
@@ -154,7 +154,7 @@ def human_bytes(n: float) -> str:
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
 
 

@@ -18,8 +18,8 @@ Facts: cut nodes get ``{"kind": "cut", "stage", "edge", "hop", "codec", "grad_co
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -43,7 +43,7 @@ def cut_edges(
     grad_codec = codecs.canonical(grad_codec) if grad_codec else codec
     if uid_for is None:
         counter = itertools.count(1)
-        uid_for = lambda edge, hop, spec, gspec: next(counter)  # noqa: E731  (uncounted hops)
+        uid_for = lambda edge, hop, spec, gspec: next(counter)
 
     graph = gm.graph
     first_of_stage: dict[int, torch.fx.Node] = {}

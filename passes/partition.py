@@ -95,10 +95,10 @@ def _crossing(gm, ops, index, skip) -> tuple[list[int], list[int]]:
         if isinstance(value, torch.Tensor):
             b = facts(node).get("bytes_hint", 0)
             nbytes[start] += b
-            nbytes[last + 1 if last + 1 <= n else n] -= b
+            nbytes[min(last + 1, n)] -= b
         elif not isinstance(value, (torch.SymInt, int, float, bool)):
             blocked[start] += 1
-            blocked[last + 1 if last + 1 <= n else n] -= 1
+            blocked[min(last + 1, n)] -= 1
     for p in range(1, n + 1):
         nbytes[p] += nbytes[p - 1]
         blocked[p] += blocked[p - 1]

@@ -62,8 +62,8 @@ def test_golden(name, ccfx_golden):
     ccfx_golden(compiled, name=name)
 
     torch._dynamo.reset()
-    eager, mine, be = run_both(model, *args, stages=stages)
+    eager, mine, _ = run_both(model, *args, stages=stages)
     assert_same(eager, mine, atol=1e-6, rtol=1e-6)
     torch._dynamo.reset()
-    eager, mine, be = run_both(model, *args, stages=stages, activation_codec="int8")
+    eager, mine, _ = run_both(model, *args, stages=stages, activation_codec="int8")
     _check_int8(eager, mine)

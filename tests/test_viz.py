@@ -17,10 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ccfx.viz.dot import Digraph, Html, html_text, quote
-from ccfx.viz.drawing import truncate_path
-from ccfx.viz.render import GraphvizNotFoundError, run_dot
-from ccfx.viz.report import report_html
 
 import ccfx
 from ccfx import cli, viz
@@ -28,6 +24,10 @@ from ccfx.errors import CcfxWarning, ConfigError
 from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
 from ccfx.plan import Plan
 from ccfx.testing import assert_golden
+from ccfx.viz.dot import Digraph, Html, html_text, quote
+from ccfx.viz.drawing import truncate_path
+from ccfx.viz.render import GraphvizNotFoundError, run_dot
+from ccfx.viz.report import report_html
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "viz"

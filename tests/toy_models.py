@@ -1,8 +1,8 @@
 """Small models the tests share: each exercises one thing the partitioner must handle."""
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class MLP(nn.Module):

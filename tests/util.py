@@ -37,6 +37,6 @@ def assert_same(a, b, atol=1e-6, rtol=1e-6):
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], atol=atol, rtol=rtol,
-                                   msg=lambda m: f"grad of {name}: {m}")
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
     for name in bufs_a:
         torch.testing.assert_close(bufs_b[name], bufs_a[name], atol=atol, rtol=rtol)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from ccfx.passes.graph_utils import facts, module_paths, normalize_fqn
 
 from ccfx import cost
 from ccfx.errors import ConfigError
+from ccfx.passes.graph_utils import facts, module_paths, normalize_fqn
 from ccfx.plan import GraphPlan
 
 WHICH = ("partitioned", "forward", "backward")

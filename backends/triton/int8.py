@@ -16,7 +16,6 @@ import triton.language as tl
 
 from ._common import block_tile, cdiv, is_nonfinite, rint, store_float
 
-
 # %% kernels
 #: Largest finite float32: decoded values are clamped to it (never rounded into inf).
 FLT_MAX: tl.constexpr = 3.4028234663852886e38
