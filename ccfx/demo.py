@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+import ccfx
 from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, batches, load_corpus
+from ccfx.viz.progress import progress as progress_bar
 
 DEMO_STEPS = 120
 DEMO_BATCH_SIZE = 16
@@ -45,6 +46,9 @@ class RunResult:
     name: str
     losses: list[float]
     step_times: list[float]
+    #: Per step, bytes that crossed stage boundaries (ledger): raw, and on the wire.
+    raw_bytes: list[int] = field(default_factory=list)
+    wire_bytes: list[int] = field(default_factory=list)
 
     @property
     def total_s(self) -> float:
@@ -116,7 +120,10 @@ def train(
     stream = batches(data, batch_size, block_size, seed)
     losses: list[float] = []
     times: list[float] = []
-    bar = tqdm(range(steps), desc=name, disable=not progress, dynamic_ncols=True, leave=True)
+    raw_per_step: list[int] = []
+    wire_per_step: list[int] = []
+    ledger, seen = None, (0, 0)
+    bar = progress_bar(range(steps), desc=name, disable=None if progress else True, leave=True)
     for _ in bar:
         x, y = next(stream)
         t0 = time.perf_counter()
@@ -128,9 +135,24 @@ def train(
         value = loss.item()
         times.append(time.perf_counter() - t0)
         losses.append(value)
+        if ledger is None:
+            ledger = _ledger_or_none(model)
+        if ledger is not None:
+            now = ledger.totals()
+            raw_per_step.append(now[0] - seen[0])
+            wire_per_step.append(now[1] - seen[1])
+            seen = now
         bar.set_postfix(loss=f"{value:.3f}")
     bar.close()
-    return RunResult(name=name, losses=losses, step_times=times)
+    return RunResult(name=name, losses=losses, step_times=times, raw_bytes=raw_per_step,
+                     wire_bytes=wire_per_step)
+
+
+def _ledger_or_none(model):
+    try:
+        return ccfx.ledger_of(model)
+    except ccfx.CcfxError:
+        return None  # not compiled by ccfx (the eager baseline, or an injected compile_fn)
 
 
 def run_demo(
@@ -282,6 +304,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bars")
+    parser.add_argument("--report", default="ccfx-demo-report.html", metavar="PATH",
+                        help="self-contained HTML report to write ('' for none)")
 
 
 def main(args) -> int:
@@ -292,7 +316,29 @@ def main(args) -> int:
         lr=args.lr,
     )
     print(format_demo(result))
+    if args.report:
+        path = write_demo_report(result, args.report)
+        print(f"\nreport: {path} (plan, drawing, loss curves, wire bytes per step)")
     return 0
+
+
+def write_demo_report(result: DemoResult, path):
+    """The HTML report of a demo run: plan, drawing, both loss curves, wire bytes per step."""
+    from ccfx.viz.report import write_report
+
+    comp = result.compressed
+    wire = {f"on the wire ({result.options['activation_codec']})": comp.wire_bytes,
+            "uncompressed": comp.raw_bytes}
+    notes = [
+        (f"TinyGPT, {result.num_parameters / 1e6:.2f} M parameters, {result.batch_size} x "
+         f"{result.model_config.block_size} tokens per step, seed {result.seed}."),
+        (f"Final loss (mean of the last 10 steps): {result.baseline.name} "
+         f"{result.baseline.final_loss():.3f}; {comp.name} {comp.final_loss():.3f}."),
+    ]
+    return write_report(path, result.compiled,
+                        losses={result.baseline.name: result.baseline.losses,
+                                comp.name: comp.losses},
+                        wire_per_step=wire, title="ccfx demo", notes=notes)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ccfx.demo import DemoResult, add_arguments, format_demo, run_demo
+from ccfx.demo import DemoResult, add_arguments, format_demo, run_demo, write_demo_report
 from ccfx.models import GPTConfig
 
 TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -37,7 +37,7 @@ def test_run_demo_structure_with_injected_compile():
     assert 20_000 < result.num_parameters < 40_000
 
 
-def test_run_demo_with_ccfx_backend():
+def test_run_demo_with_ccfx_backend(tmp_path):
     result = run_demo(steps=2, stages=2, batch_size=2, model_config=TINY, progress=False)
     assert all(math.isfinite(v) for v in result.baseline.losses + result.compressed.losses)
     # int8 on the cuts changes the numbers a little, not a lot.
@@ -45,6 +45,13 @@ def test_run_demo_with_ccfx_backend():
     report = format_demo(result)
     assert "ccfx plan" in report and "int8" in report
     assert "on the wire" in report and "baseline" in report
+    # Per-step wire bytes come from the ledger: int8 sends about a quarter of the raw bytes.
+    comp = result.compressed
+    assert len(comp.wire_bytes) == 2 and all(0 < w < r / 3 for w, r in zip(comp.wire_bytes,
+                                                                         comp.raw_bytes))
+    assert result.baseline.wire_bytes == []  # the eager baseline has no ledger
+    html = write_demo_report(result, tmp_path / "demo.html").read_text()
+    assert "<svg" in html and "ccfx demo" in html and result.compressed.name in html
 
 
 def test_bad_baseline_is_rejected():
