@@ -16,7 +16,8 @@ import torch
 
 from . import _bits
 from ._fast import fast
-from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
+from .base import blocked, nonfinite_rows, numel_of
+from .blockwise import BlockScaled
 from .registry import register
 
 
@@ -44,32 +45,9 @@ def int4_decode_reference(packed, scales, block: int, shape, dtype):
 
 @register
 @dataclass(frozen=True)
-class Int4(Codec):
+class Int4(BlockScaled):
     name = "int4"
     summary = "blockwise absmax int4, two codes per byte, one fp32 scale per block"
-    block: int = 256
-
-    def __post_init__(self):
-        if self.block < 1:
-            raise ValueError(f"block must be a positive integer, got {self.block}")
-
-    def payload_layout(self, shape, dtype):
-        n = numel_of(shape)
-        return (((ceil_div(n, 2),), torch.uint8), ((ceil_div(n, self.block),), torch.float32))
-
-    def encode_with(self, x, state):
-        if x.is_cuda:
-            from ccfx.backends.triton.int4 import int4_encode
-
-            payload = int4_encode(x, self.block)
-        else:
-            payload = int4_encode_reference(x, self.block)
-        return Encoded(payload, Context(tuple(x.shape), x.dtype))
-
-    def decode_with(self, enc, state):
-        packed, scales = enc.payload
-        if packed.is_cuda:
-            from ccfx.backends.triton.int4 import int4_decode
-
-            return int4_decode(packed, scales, self.block, enc.ctx.shape, enc.ctx.dtype)
-        return int4_decode_reference(packed, scales, self.block, enc.ctx.shape, enc.ctx.dtype)
+    bits = 4
+    encode_reference = staticmethod(int4_encode_reference)
+    decode_reference = staticmethod(int4_decode_reference)

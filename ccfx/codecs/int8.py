@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ._fast import fast
-from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
+from .base import blocked, nonfinite_rows
+from .blockwise import BlockScaled
 from .registry import register
 
 
@@ -52,32 +53,10 @@ def int8_decode_reference(
 
 @register
 @dataclass(frozen=True)
-class Int8(Codec):
+class Int8(BlockScaled):
     name = "int8"
     summary = "blockwise absmax int8, one fp32 scale per block"
-    block: int = 256
-
-    def __post_init__(self):
-        if self.block < 1:
-            raise ValueError(f"block must be a positive integer, got {self.block}")
-
-    def payload_layout(self, shape, dtype):
-        n = numel_of(shape)
-        return (((n,), torch.int8), ((ceil_div(n, self.block),), torch.float32))
-
-    def encode_with(self, x, state):
-        if x.is_cuda:
-            from ccfx.backends.triton.int8 import int8_encode
-
-            q, scales = int8_encode(x, self.block)
-        else:
-            q, scales = int8_encode_reference(x, self.block)
-        return Encoded((q, scales), Context(tuple(x.shape), x.dtype))
-
-    def decode_with(self, enc, state):
-        q, scales = enc.payload
-        if q.is_cuda:
-            from ccfx.backends.triton.int8 import int8_decode
-
-            return int8_decode(q, scales, self.block, enc.ctx.shape, enc.ctx.dtype)
-        return int8_decode_reference(q, scales, self.block, enc.ctx.shape, enc.ctx.dtype)
+    bits = 8
+    code_dtype = torch.int8
+    encode_reference = staticmethod(int8_encode_reference)
+    decode_reference = staticmethod(int8_decode_reference)

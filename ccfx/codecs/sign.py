@@ -16,7 +16,8 @@ import torch
 
 from . import _bits
 from ._fast import fast
-from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
+from .base import blocked, nonfinite_rows, numel_of
+from .blockwise import BlockScaled
 from .registry import register
 
 
@@ -45,32 +46,9 @@ def sign_decode_reference(bits, scales, block: int, shape, dtype):
 
 @register
 @dataclass(frozen=True)
-class Sign(Codec):
+class Sign(BlockScaled):
     name = "sign"
     summary = "1 bit per element (packed) and a mean-magnitude fp32 scale per block"
-    block: int = 256
-
-    def __post_init__(self):
-        if self.block < 1:
-            raise ValueError(f"block must be a positive integer, got {self.block}")
-
-    def payload_layout(self, shape, dtype):
-        n = numel_of(shape)
-        return (((ceil_div(n, 8),), torch.uint8), ((ceil_div(n, self.block),), torch.float32))
-
-    def encode_with(self, x, state):
-        if x.is_cuda:
-            from ccfx.backends.triton.sign import sign_encode
-
-            payload = sign_encode(x, self.block)
-        else:
-            payload = sign_encode_reference(x, self.block)
-        return Encoded(payload, Context(tuple(x.shape), x.dtype))
-
-    def decode_with(self, enc, state):
-        bits, scales = enc.payload
-        if bits.is_cuda:
-            from ccfx.backends.triton.sign import sign_decode
-
-            return sign_decode(bits, scales, self.block, enc.ctx.shape, enc.ctx.dtype)
-        return sign_decode_reference(bits, scales, self.block, enc.ctx.shape, enc.ctx.dtype)
+    bits = 1
+    encode_reference = staticmethod(sign_encode_reference)
+    decode_reference = staticmethod(sign_decode_reference)
