@@ -150,3 +150,18 @@ def test_wire_ratios_on_4096_square_fp32():
     for spec, ratio in expect.items():
         got = codecs.get(spec).wire_bytes((4096, 4096), torch.float32) / raw
         assert math.isclose(got, ratio, rel_tol=1e-4), (spec, got)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "sign"])
+def test_blockwise_codecs_dispatch_to_triton_on_cuda(name):
+    """No GPU here: check the dispatch itself picks the Triton launchers for CUDA tensors and
+    the torch references otherwise."""
+    import importlib
+    from types import SimpleNamespace
+
+    codec = codecs.get(name)
+    kernels = importlib.import_module(f"ccfx.backends.triton.{name}")
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    assert codec._impl(cuda, "encode") is getattr(kernels, f"{name}_encode")
+    assert codec._impl(cuda, "decode") is getattr(kernels, f"{name}_decode")
+    assert codec._impl(cpu, "encode") is type(codec).encode_reference
