@@ -8,6 +8,11 @@ index 0 and decode to nothing. When more than ``capacity`` entries pass, the lar
 kept (the rest drop: use ``ef`` to carry them over). Wire bytes ``capacity * (itemsize + 4) + 4``.
 
 NaN and ±inf pass any threshold (they rank first) and propagate.
+
+On CUDA the selection runs as Triton stream compaction (``ccfx.backends.triton.threshold``):
+the same payload, entries of equal magnitude in ascending index order (``torch.topk`` leaves
+their order unspecified); more than ``capacity`` passing entries fall back to this reference.
+Decode is an ``index_add_`` scatter on every device.
 """
 
 from __future__ import annotations
@@ -47,11 +52,18 @@ class Threshold(Codec):
         c = _sparse.count(numel_of(shape), self.cap)
         return (((c,), dtype), ((c,), _sparse.INDEX_DTYPE), ((1,), torch.int32))
 
+    @staticmethod
+    def _impl(t: torch.Tensor):
+        if t.is_cuda:  # imported lazily: only CUDA tensors need triton
+            from ccfx.backends.triton.threshold import threshold_encode
+
+            return threshold_encode
+        return threshold_encode_reference
+
     def encode_with(self, x, state):
         _sparse.check_indexable(x.numel())
         capacity = _sparse.count(x.numel(), self.cap)
-        # Selection is torch.topk on every device (no Triton selection kernel yet).
-        payload = threshold_encode_reference(x, self.tau, capacity)
+        payload = self._impl(x)(x, self.tau, capacity)
         return Encoded(payload, Context(tuple(x.shape), x.dtype))
 
     def decode_with(self, enc, state):
