@@ -3,6 +3,11 @@
 Kept entries are exact; the rest decode to 0, so use it with ``ef`` (Stich et al. 2018; Lin et
 al., DGC). Wire bytes ``k * (itemsize + 4)``: 0.02 of fp32 at ratio 0.01. NaN and ±inf rank
 above every finite magnitude, so they are sent and propagate (up to ``k`` of them).
+
+No Triton kernel, by choice: selection is ``torch.topk`` on every device, CUDA included (its
+radix select is what a Triton top-k would have to reimplement), and decode is the shared
+``index_add_`` scatter (one kernel on CUDA). ``threshold`` is the codec with a Triton selection
+(stream compaction) when a fixed cut-off is acceptable.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class TopK(Codec):
     def encode_with(self, x, state):
         _sparse.check_indexable(x.numel())
         k = _sparse.count(x.numel(), self.ratio)
-        # Selection is torch.topk on every device (no Triton selection kernel yet).
+        # torch.topk on every device (see the module docstring).
         payload = topk_encode_reference(x, k)
         return Encoded(payload, Context(tuple(x.shape), x.dtype))
 
