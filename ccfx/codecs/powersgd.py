@@ -13,6 +13,10 @@ Gram-Schmidt for ``r <= 2`` and QR otherwise (the hook's choice for fp32), with 
 that matter only on degenerate input: a zero column stays zero instead of becoming NaN, and
 Gram-Schmidt runs twice, so the result is exact whenever ``rank`` covers the matrix's rank. Computation is fp32; P and Q travel in the input dtype.
 
+On CUDA, ``orth`` is the Triton Gram-Schmidt kernel (``ccfx.backends.triton.powersgd``, the
+same two passes) for every ``r``: for ``r > 2`` its columns can differ from QR's by a sign, so P
+and Q on the wire may differ in sign from the CPU path while ``P Qᵀ`` agrees to rounding.
+
 Tensors sent raw, as the hook does: 0-d and 1-D tensors (biases: no matrix structure), and
 matrices where low rank does not pay, ``(rows + cols) * r >= rows * cols``.
 
@@ -38,9 +42,19 @@ from .registry import register
 
 def orthogonalize(m: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns, batched over leading dims: ``(..., rows, r)``."""
-    if m.shape[-1] > 2:
-        return torch.linalg.qr(m).Q
-    return gram_schmidt(m)
+    return _orth_impl(m)(m)
+
+
+def _qr(m: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.qr(m).Q
+
+
+def _orth_impl(m: torch.Tensor):
+    if m.is_cuda:  # imported lazily: only CUDA tensors need triton
+        from ccfx.backends.triton.powersgd import gram_schmidt as gram_schmidt_kernel
+
+        return gram_schmidt_kernel
+    return _qr if m.shape[-1] > 2 else gram_schmidt
 
 
 def gram_schmidt(m: torch.Tensor) -> torch.Tensor:
