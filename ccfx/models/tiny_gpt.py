@@ -117,3 +117,13 @@ class TinyGPT(nn.Module):
             return logits
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
+
+
+def demo_model(batch_size: int = 4) -> tuple[TinyGPT, tuple[torch.Tensor]]:
+    """The demo's GPT (96-character vocabulary) with example token ids: a factory for
+    ``ccfx viz ccfx.models.tiny_gpt:demo_model`` and ``ccfx report``."""
+    config = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=256)
+    torch.manual_seed(0)
+    model = TinyGPT(config)
+    idx = torch.randint(0, config.vocab_size, (batch_size, config.block_size))
+    return model, (idx,)
