@@ -2,13 +2,20 @@
 
 Tolerance: none. The kernels do the reference's fp32 arithmetic (correctly rounded division) and
 encode float8 with integer ops, round to nearest even, so codes, scales and decoded values must
-match ``fp8_encode_reference`` / ``fp8_decode_reference`` bit for bit, for e4m3fn and e5m2.
+match ``fp8_encode_reference`` / ``fp8_decode_reference`` bit for bit, for e4m3fn and e5m2. The
+reference's own integer encoding is checked against torch's float8 casts here too.
 """
 
 import pytest
 import torch
 
-from ccfx.codecs.fp8 import FORMATS, fp8_decode_reference, fp8_encode_reference
+from ccfx.codecs.fp8 import (
+    FORMATS,
+    fp8_bits,
+    fp8_decode_reference,
+    fp8_encode_reference,
+    fp8_values,
+)
 from tests._triton_interp import kernels
 
 K = kernels("fp8")
@@ -56,6 +63,23 @@ def test_rounding_every_code_and_tie(fmt):
     off = mids.abs() * 2.0**-12
     x = torch.cat([v, mids, mids + off, mids - off, torch.tensor([-0.0, 2.0**-30, -(2.0**-30)])])
     _check(x, x.numel(), fmt)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_reference_matches_torch_float8_cast(fmt):
+    """The reference's integer encoding and decoding against torch's own float8 casts: every
+    code, every tie and its neighbours, random values over the whole range, all 256 codes."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    v = codes.view(fmt).float()
+    v = v[torch.isfinite(v)].unique()
+    mids = (v[1:] + v[:-1]) / 2
+    fmax = torch.finfo(fmt).max
+    rand = (torch.randn(20000) * torch.logspace(-12, 0, 20000) * fmax).clamp(-fmax, fmax)
+    for y in [v, mids, mids * (1 + 2.0**-12), mids * (1 - 2.0**-12), rand, torch.tensor([-0.0])]:
+        assert torch.equal(fp8_bits(y, fmt).to(torch.uint8), y.to(fmt).view(torch.uint8))
+    torch.testing.assert_close(fp8_values(codes, fmt), codes.view(fmt).float(), rtol=0, atol=0,
+                               equal_nan=True)
+    assert torch.equal(torch.signbit(fp8_values(codes, fmt)), torch.signbit(codes.view(fmt).float()))
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -6,7 +6,8 @@ fp32 arithmetic, correctly rounded division (``div_rn``), scale ``absmax / fmax`
 (and zero codes) for a block holding NaN or inf.
 
 The float8 encoding is written with integer ops (:func:`_fp8_bits`, :func:`_fp8_value`) instead
-of ``.to(tl.float8e4nv)``: the interpreter's float8 casts truncate and drop the mantissa carry
+of ``.to(tl.float8e4nv)`` (the same integer form as the torch reference's ``fp8_bits``): the
+interpreter's float8 casts truncate and drop the mantissa carry
 (``1.0625 -> 1.125``, ``-127.8 -> -64`` for e4m3), so a cast would not match torch's
 round-to-nearest-even there. On a GPU the integer form is the same result as ``cvt.rn``, and the
 kernels stay memory-bound, so there is one code path everywhere. Codes travel as uint8.
@@ -21,18 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ccfx.codecs.fp8 import BITS
+
 from ._common import block_tile, cdiv, is_nonfinite, rint, store_float
 
+
 # %% the float8 formats
-#: torch dtype -> (exponent bits, mantissa bits, bias, "fn": no inf, one NaN per sign).
-FORMATS = {
-    torch.float8_e4m3fn: (4, 3, 7, True),
-    torch.float8_e5m2: (5, 2, 15, False),
-}
-
-
 def _format_args(fmt: torch.dtype) -> dict:
-    exp, man, bias, fn = FORMATS[fmt]
+    exp, man, bias, fn = BITS[fmt]  # (exponent bits, mantissa bits, bias, no-inf "fn" format)
     return {
         "FMAX": float(torch.finfo(fmt).max),
         "EXP": exp,
