@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _bits
 from ._fast import fast
 from .base import blocked, nonfinite_rows, numel_of
 from .blockwise import BlockScaled
@@ -32,15 +31,22 @@ def sign_encode_reference(x: torch.Tensor, block: int):
     # Divide before summing: the mean of magnitudes near FLT_MAX stays finite.
     scales = (rows.abs() / counts.view(-1, 1)).sum(dim=1, keepdim=True)
     scales = torch.where(nonfinite_rows(rows), float("nan"), scales)
-    return _bits.pack(flat >= 0, 1), scales.view(-1)
+    # _bits.pack's layout (bit j of byte i is element 8i + j), written so inductor fuses it into
+    # one pass over x: padding reads -1.0, whose bit is 0 (as is NaN's).
+    eights = torch.nn.functional.pad(flat, (0, -(-n // 8) * 8 - n), value=-1.0).view(-1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=x.device)
+    bits = torch.where(eights >= 0, weights, 0).sum(dim=1).to(torch.uint8)
+    return bits, scales.view(-1)
 
 
 @fast
 def sign_decode_reference(bits, scales, block: int, shape, dtype):
     n = numel_of(shape)
-    positive = _bits.unpack(bits, n, 1).bool()
-    s = blocked(torch.ones(n, device=bits.device), block) * scales.view(-1, 1)
-    s = s.view(-1)[:n]
+    # Unpack (_bits.unpack's layout) and look each element's scale up by index: no padded
+    # temporaries, so inductor makes it one pass (3x faster compiled than unpack + blocked).
+    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
+    positive = ((bits.to(torch.int32).view(-1, 1) >> shifts) & 1).view(-1)[:n] != 0
+    s = scales[torch.arange(n, device=bits.device) // block]
     return torch.where(positive, s, -s).view(shape).to(dtype)
 
 
