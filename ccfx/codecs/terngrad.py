@@ -30,9 +30,19 @@ def terngrad_encode_reference(x, noise, block: int):
     scales = rows.abs().amax(dim=1, keepdim=True)
     scales = torch.where(nonfinite_rows(rows), float("nan"), scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    keep = (noise < rows.abs() / safe) & (scales > 0)
-    t = torch.where(keep, torch.sign(rows), torch.zeros_like(rows))
-    return _bits.pack((t + 1).view(-1)[:n], 2), scales.view(-1)
+    # Codes straight in _bits.pack's layout, four per byte: element i reads its block's scale
+    # and its noise by index (no padded (nblocks, block) temporaries, so inductor fuses it into
+    # one pass; 4x faster compiled). Padding fields past n are 0, as _bits.pack pads.
+    n4 = -(-n // 4) * 4
+    i = torch.arange(n4, device=x.device).view(-1, 4)
+    valid = i < n
+    j = i.clamp(max=max(n - 1, 0))
+    v = flat[j]
+    s, sf = scales.view(-1)[j // block], safe.view(-1)[j // block]
+    keep = (noise.reshape(-1)[j] < v.abs() / sf) & (s > 0)
+    code = torch.where(valid, torch.where(keep, torch.sign(v), 0.0) + 1, 0.0).to(torch.int32)
+    shifts = torch.arange(0, 8, 2, dtype=torch.int32, device=x.device)
+    return (code << shifts).sum(dim=1).to(torch.uint8), scales.view(-1)
 
 
 @fast
