@@ -2,8 +2,9 @@
 
 Triton decides at decoration time (``@triton.jit``) whether a kernel is compiled or interpreted,
 from ``TRITON_INTERPRET``. So the variable is set before a kernel module is imported, and a
-module that an earlier test imported without it is reloaded. This keeps the kernel tests
-independent of test order, with no conftest.py involvement.
+module that an earlier test imported without it is reloaded. triton.language itself cannot be
+reloaded that way: when something imports it first (transformers does), only a session-wide
+TRITON_INTERPRET works, which tests/conftest.py sets on machines without a GPU.
 """
 
 from __future__ import annotations
