@@ -64,6 +64,11 @@ def ceil_div(a, b: int):
 Layout = tuple[tuple[tuple, torch.dtype], ...]
 
 
+def _must_implement(codec, method: str) -> TypeError:
+    return TypeError(f"{type(codec).__name__} is a Codec and must implement {method}() "
+                     "(the interface: payload_layout, encode_with, decode_with)")
+
+
 @dataclass(frozen=True)
 class Codec:
     """Base class. Subclasses set ``name`` and implement ``payload_layout``, ``encode_with`` and
@@ -99,14 +104,14 @@ class Codec:
 
     def payload_layout(self, shape, dtype: torch.dtype) -> Layout:
         """(shape, dtype) of every payload tensor, for an input of ``shape`` and ``dtype``."""
-        raise NotImplementedError(f"{type(self).__name__}.payload_layout")
+        raise _must_implement(self, "payload_layout")
 
     def encode_with(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Encoded:
         """Encode ``x`` using and updating ``state`` in place (empty for stateless codecs)."""
-        raise NotImplementedError(f"{type(self).__name__}.encode_with")
+        raise _must_implement(self, "encode_with")
 
     def decode_with(self, enc: Encoded, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__}.decode_with")
+        raise _must_implement(self, "decode_with")
 
     def state_layout(self, shape, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
         """Name → (shape, dtype) of each state tensor for inputs of ``shape``/``dtype``."""
