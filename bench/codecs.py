@@ -1,18 +1,32 @@
 """Codec throughput over ``torch.clone`` bandwidth, measured in the same run (issue 3, Numbers).
 
-For each tensor size and codec: encode+decode round-trip throughput (input bytes / second)
-divided by clone throughput on the same tensor, eager and compiled (the CPU fast path,
-``ccfx.codecs._fast``), plus the exact wire ratio. On CUDA (when present) the same table runs
-the Triton kernels.
+For each tensor size and codec, the encode+decode round trip and the encode alone, as
+throughput (input bytes / second) over the throughput of ``torch.clone`` on the same tensor.
+Every codec's timings are interleaved with clone's (clone, codec, clone, codec, ...) and the
+ratio is of the medians, so a machine that slows down mid-run moves both.
 
-    python bench/codecs.py                      # 64 MB fp32, every codec
-    python bench/codecs.py --mb 1 16 256 --codecs int8 fp16
+CPU: the eager torch reference and the compiled one (the CPU fast path, ``ccfx.codecs._fast``).
+Page faults matter there: a fresh 64 MB tensor costs ~16k minor faults, which on a VM is most
+of clone's time, and a round trip must allocate the payload *and* the decoded tensor. The
+``ceiling`` column is what that alone allows, ``raw / (raw + wire)``; ``faults`` is the round
+trip's minor faults per call over clone's.
+
+CUDA: the Triton kernels (the default there), the eager torch reference and the
+inductor-compiled reference (64 MB only, to stay within the time budget: compiling takes
+seconds per codec and size), timed with ``triton.testing.do_bench``.
+
+    python bench/codecs.py                            # 64 MB fp32, every codec
+    python bench/codecs.py --mb 1 16 64 256 --codecs int8 fp16
+    python bench/codecs.py --json codecs.json         # the figures, machine-readable
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import resource
 import statistics
 import time
 
@@ -20,36 +34,106 @@ import torch
 
 from ccfx import codecs
 
+CPU_MODES = {"eager": "0", "compiled": "1"}  # CCFX_CODEC_COMPILE for each
 
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up (and compile)
-    samples = []
+
+@contextlib.contextmanager
+def compile_mode(value: str):
+    old = os.environ.get("CCFX_CODEC_COMPILE")
+    os.environ["CCFX_CODEC_COMPILE"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CCFX_CODEC_COMPILE", None)
+        else:
+            os.environ["CCFX_CODEC_COMPILE"] = old
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def paired_cpu(fn, baseline, reps: int) -> dict:
+    """Median seconds of ``fn`` and ``baseline``, interleaved, and ``fn``'s faults per call."""
+    fn(), baseline()  # warm-up (and compile)
+    a, b, faults = [], [], 0
     for _ in range(reps):
         t = time.perf_counter()
+        baseline()
+        b.append(time.perf_counter() - t)
+        f = _faults()
+        t = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+        a.append(time.perf_counter() - t)
+        faults += _faults() - f
+    return {"s": statistics.median(a), "base_s": statistics.median(b), "faults": faults / reps}
 
 
-def bench(mb: float, specs, reps: int, device: str, modes):
+def cuda_time(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def sample(mb: float, device: str) -> torch.Tensor:
     n = int(mb * 2**20) // 4
-    x = torch.randn(n // 4096, 4096, device=device)  # 2-D, so powersgd compresses
+    gen = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(max(n // 4096, 1), 4096, device=device, generator=gen)  # 2-D: powersgd
+
+
+def bench_cpu(x, specs, reps, modes):
     nbytes = x.numel() * x.element_size()
-    clone_s = _time(lambda: x.clone(), reps)
-    print(f"\n{mb:g} MB fp32 on {device}: clone {nbytes / clone_s / 1e9:.2f} GB/s")
-    print(f"{'codec':<12} {'wire':>7} " + " ".join(f"{m + ' xclone':>14}" for m in modes))
+    f0 = _faults()
+    x.clone()
+    clone_faults = _faults() - f0
+    rows = []
+    head = f"{'codec':<10} {'wire':>7} {'ceiling':>7}"
+    head += "".join(f" {m + ' rt':>11} {m + ' enc':>12}" for m in modes)
+    print(head + f" {'faults':>7}")
     for spec in specs:
         codec = codecs.get(spec)
-        cells = []
+        wire = codec.wire_bytes(x.shape, x.dtype) / nbytes
+        # The identity's payload is the input itself: only decode allocates.
+        row = {"codec": spec, "wire": wire, "ceiling": 1.0 if codec.lossless else 1 / (1 + wire)}
         for mode in modes:
-            os.environ["CCFX_CODEC_COMPILE"] = {"eager": "0", "compiled": "1"}[mode]
-            s = _time(lambda c=codec: c.decode(c.encode(x)), reps)
-            cells.append(f"{clone_s / s:>14.2f}")
-        ratio = codec.wire_bytes(x.shape, x.dtype) / nbytes
-        print(f"{spec:<12} {ratio:>7.4f} " + " ".join(cells), flush=True)
-    os.environ.pop("CCFX_CODEC_COMPILE", None)
+            with compile_mode(CPU_MODES[mode]):
+                rt = paired_cpu(lambda c=codec: c.decode(c.encode(x)), x.clone, reps)
+                enc = paired_cpu(lambda c=codec: c.encode(x), x.clone, reps)
+            row[f"{mode}_rt"] = rt["base_s"] / rt["s"]
+            row[f"{mode}_enc"] = enc["base_s"] / enc["s"]
+            row["faults"] = rt["faults"] / max(clone_faults, 1)
+        rows.append(row)
+        cells = "".join(f" {row[m + '_rt']:>11.2f} {row[m + '_enc']:>12.2f}" for m in modes)
+        print(f"{spec:<10} {wire:>7.4f} {row['ceiling']:>7.3f}{cells} {row['faults']:>7.2f}",
+              flush=True)
+    return rows
+
+
+def bench_cuda(x, specs, compiled: bool):
+    clone_s = cuda_time(x.clone)
+    nbytes = x.numel() * x.element_size()
+    print(f"clone {nbytes / clone_s / 1e9:.0f} GB/s")
+    impls = {"triton": ("auto", "0"), "torch": ("reference", "0")}
+    if compiled:
+        impls["inductor"] = ("reference", "1")
+    print(f"{'codec':<10} {'wire':>7}" + "".join(f" {k + ' enc':>13} {k + ' rt':>12}" for k in impls)
+          + f" {'triton/torch':>12}" + (f" {'triton/ind':>10}" if compiled else ""))
+    rows = []
+    for spec in specs:
+        codec = codecs.get(spec)
+        row = {"codec": spec, "wire": codec.wire_bytes(x.shape, x.dtype) / nbytes}
+        for impl, (choice, comp) in impls.items():
+            with codecs.implementation(choice), compile_mode(comp):
+                row[f"{impl}_enc"] = clone_s / cuda_time(lambda c=codec: c.encode(x))
+                row[f"{impl}_rt"] = clone_s / cuda_time(lambda c=codec: c.decode(c.encode(x)))
+        cells = "".join(f" {row[k + '_enc']:>13.2f} {row[k + '_rt']:>12.2f}" for k in impls)
+        cells += f" {row['triton_rt'] / row['torch_rt']:>12.2f}"
+        if compiled:
+            cells += f" {row['triton_rt'] / row['inductor_rt']:>10.2f}"
+        print(f"{spec:<10} {row['wire']:>7.4f}{cells}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def main():
@@ -57,13 +141,24 @@ def main():
     ap.add_argument("--mb", type=float, nargs="+", default=[64])
     ap.add_argument("--codecs", nargs="+", default=codecs.names())
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--modes", nargs="+", default=["eager", "compiled"])
+    ap.add_argument("--modes", nargs="+", default=list(CPU_MODES), choices=list(CPU_MODES))
+    ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    modes = ["eager"] if device == "cuda" else args.modes
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    name = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {device} ({name})")
+    results = []
     for mb in args.mb:
-        bench(mb, args.codecs, args.reps, device, modes)
+        x = sample(mb, device)
+        print(f"\n{mb:g} MB fp32 on {device}, ratios over clone (higher is better)")
+        if device == "cuda":
+            rows = bench_cuda(x, args.codecs, compiled=mb == 64)
+        else:
+            rows = bench_cpu(x, args.codecs, args.reps, args.modes)
+        results += [{"mb": mb, "device": device, **r} for r in rows]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": name, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ from . import (  # noqa: F401  (each module registers its codecs)
     topk,
 )
 from .base import Codec, Context, Encoded
+from .dispatch import implementation
 from .registry import available, canonical, get, names, parse_spec, register
 
 __all__ = [
-    "Codec", "Context", "Encoded", "available", "canonical", "get", "names", "parse_spec",
-    "register",
+    "Codec", "Context", "Encoded", "available", "canonical", "get", "implementation", "names",
+    "parse_spec", "register",
 ]

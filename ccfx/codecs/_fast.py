@@ -4,9 +4,11 @@ Eager torch runs a blockwise codec as a chain of full-size temporaries (the issu
 int8 round trip at 0.20x of clone bandwidth eagerly, 0.80x compiled), so large CPU tensors go
 through ``torch.compile``d copies of the same reference functions. Small tensors, tensors under
 tracing (fake/functional subclasses, dispatch modes, an enclosing torch.compile) and CUDA tensors
-take the eager function: compiling costs seconds and would dominate there.
+take the eager function: compiling costs seconds and would dominate there (and CUDA tensors
+normally run Triton kernels, not the reference).
 
-``CCFX_CODEC_COMPILE=0`` turns the compiled path off, ``=1`` forces it for every size;
+``CCFX_CODEC_COMPILE=0`` turns the compiled path off, ``=1`` forces it for every size and device
+(bench/codecs.py uses that to time an inductor-compiled reference against the Triton kernels);
 ``CCFX_CODEC_COMPILE_MIN_NUMEL`` sets the size threshold (default 2**20 elements).
 """
 
@@ -28,11 +30,11 @@ def _min_numel() -> int:
 
 def _eligible(x) -> bool:
     mode = _mode()
-    if mode == "0" or type(x) is not torch.Tensor or x.device.type != "cpu":
+    if mode == "0" or type(x) is not torch.Tensor:
         return False
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
-    return mode == "1" or x.numel() >= _min_numel()
+    return mode == "1" or (x.device.type == "cpu" and x.numel() >= _min_numel())
 
 
 def fast(fn):

@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, Context, Encoded, ceil_div, numel_of
+from .dispatch import use_triton
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class BlockScaled(Codec):
                 ((ceil_div(n, self.block),), torch.float32))
 
     def _impl(self, t: torch.Tensor, which: str) -> Callable:
-        if t.is_cuda:
+        if use_triton(t):
             kernels = importlib.import_module(f"ccfx.backends.triton.{self.name}")
             return getattr(kernels, f"{self.name}_{which}")
         return getattr(type(self), f"{which}_reference")

@@ -21,6 +21,7 @@ import torch
 
 from ._fast import fast
 from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
+from .dispatch import use_triton
 from .registry import register
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -107,7 +108,7 @@ class Fp8(Codec):
 
     @staticmethod
     def _impl(t: torch.Tensor, which: str):
-        if t.is_cuda:  # imported lazily: only CUDA tensors need triton
+        if use_triton(t):  # imported lazily: only the Triton path needs triton
             from ccfx.backends.triton import fp8 as kernels
 
             return getattr(kernels, f"fp8_{which}")

@@ -37,6 +37,7 @@ import sympy
 import torch
 
 from .base import Codec, Context, Encoded, numel_of
+from .dispatch import use_triton
 from .registry import register
 
 
@@ -50,7 +51,7 @@ def _qr(m: torch.Tensor) -> torch.Tensor:
 
 
 def _orth_impl(m: torch.Tensor):
-    if m.is_cuda:  # imported lazily: only CUDA tensors need triton
+    if use_triton(m):  # imported lazily: only the Triton path needs triton
         from ccfx.backends.triton.powersgd import gram_schmidt as gram_schmidt_kernel
 
         return gram_schmidt_kernel
