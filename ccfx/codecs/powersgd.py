@@ -160,7 +160,9 @@ class PowerSGD(Codec):
         """``(orth(P), Mᵀ orth(P))`` in fp32; keeps the new Q as the warm start."""
         rows, cols, _ = self.matrix(tuple(x.shape))
         p = orthogonalize(p)
-        q = self._matrix(x, rows, cols).T @ p
+        # (Pᵀ M)ᵀ, not Mᵀ P: the same product, but CPU BLAS runs a transposed skinny matmul
+        # 3-6x slower (it reads M column by column); this form reads M row by row.
+        q = (p.T @ self._matrix(x, rows, cols)).T.contiguous()
         state["q"].copy_(q.to(x.dtype))
         return p, q
 
