@@ -105,6 +105,26 @@ def test_compressed_backprop_is_in_the_forward_and_backward_graphs():
     assert bwd.args[1:3] == ("int8", "int8") and bwd.args[4] is True
 
 
+def test_eager_lowering_runs_the_cut_body_without_the_dispatcher():
+    """The eager lowering runs a copy of each graph whose cut calls skip the custom-op
+    dispatcher; the recorded graph keeps the op, both compute the same, bytes are counted."""
+    from ccfx.backends.lowering import direct_cut_calls
+    from ccfx.runtime.cut_op import cut_body
+
+    compiled, be = compile_ccfx(models.MLP(depth=4), stages=2, activation_codec="int8")
+    loss_of(compiled(torch.randn(4, 32))).backward()
+    fw = be.graphs[0].lowered.forward[0]
+    fast = direct_cut_calls(fw)
+    targets = lambda gm: [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.ccfx.cut.default in targets(fw) and cut_body not in targets(fw)
+    assert cut_body in targets(fast) and torch.ops.ccfx.cut.default not in targets(fast)
+    inputs = [torch.randn(n.meta["val"].shape) for n in fw.graph.find_nodes(op="placeholder")]
+    wire_before = ccfx.ledger_of(compiled).totals()[1]
+    for a, b in zip(fw(*inputs), fast(*inputs), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert ccfx.ledger_of(compiled).totals()[1] > wire_before
+
+
 def test_ledger_counts_what_ran_both_directions():
     compiled, _ = compile_ccfx(models.LongSkip(depth=8), stages=4, activation_codec="int8")
     x = torch.randn(4, 32)

@@ -73,9 +73,15 @@ def _roundtrip(x: torch.Tensor, spec: str, uid: int, direction: str) -> torch.Te
     return out
 
 
+def cut_body(x: torch.Tensor, codec: str, grad_codec: str, uid: int,
+             backward: bool) -> torch.Tensor:
+    """The op's computation, callable without the dispatcher (see ``backends.lowering``)."""
+    return _roundtrip(x, codec, uid, "bwd" if backward else "fwd")
+
+
 @torch.library.custom_op("ccfx::cut", mutates_args=())
 def cut(x: torch.Tensor, codec: str, grad_codec: str, uid: int, backward: bool) -> torch.Tensor:
-    return _roundtrip(x, codec, uid, "bwd" if backward else "fwd")
+    return cut_body(x, codec, grad_codec, uid, backward)
 
 
 @cut.register_fake
