@@ -23,6 +23,25 @@ def is_nonfinite(x):
     return (x - x) != 0.0
 
 
+@triton.jit
+def load_block_tile(x_ptr, n, nblocks, block, WIDTH: tl.constexpr, ROWS: tl.constexpr):
+    """This program's ``ROWS`` blocks of the flattened input as an fp32 ``(ROWS, WIDTH)`` tile
+    (``WIDTH`` = block rounded up to a power of two; masked lanes read 0), with the tile's
+    offsets, mask and block (row) indices."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    offs = rows[:, None].to(tl.int64) * block + cols[None, :]
+    mask = (cols[None, :] < block) & (offs < n) & (rows[:, None] < nblocks)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return x, offs, mask, rows
+
+
+@triton.jit
+def row_absmax(x):
+    """Per row of a tile: ``(absmax, holds NaN or inf)``."""
+    return tl.max(tl.abs(x), axis=1), tl.sum(is_nonfinite(x).to(tl.int32), axis=1) > 0
+
+
 def block_tile(block: int, target: int = 4096) -> tuple[int, int]:
     """(padded block width, blocks per program) for kernels that reduce one row per block."""
     width = triton.next_power_of_2(max(block, 1))

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block_tile, cdiv, is_nonfinite
+from ._common import block_tile, cdiv, load_block_tile, row_absmax
 
 
 @triton.jit
@@ -27,18 +27,14 @@ def _block_scale_kernel(
     WIDTH: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, WIDTH)
-    offs = rows[:, None].to(tl.int64) * block + cols[None, :]
-    mask = (cols[None, :] < block) & (offs < n) & (rows[:, None] < nblocks)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    bad = tl.sum(is_nonfinite(x).to(tl.int32), axis=1) > 0
+    x, _offs, _mask, rows = load_block_tile(x_ptr, n, nblocks, block, WIDTH, ROWS)
+    absmax, bad = row_absmax(x)
     if MEAN:
         count = tl.minimum(n - rows.to(tl.int64) * block, block).to(tl.float32)
         # Divide before summing, as the reference does: stays finite near FLT_MAX.
         scale = tl.sum(tl.abs(x) / tl.maximum(count, 1.0)[:, None], axis=1)
     else:
-        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), divisor)
+        scale = tl.math.div_rn(absmax, divisor)
     tl.store(scale_ptr + rows, tl.where(bad, float("nan"), scale), mask=rows < nblocks)
 
 

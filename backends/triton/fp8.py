@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ccfx.codecs.fp8 import BITS
 
-from ._common import block_tile, cdiv, is_nonfinite, rint, store_float
+from ._common import block_tile, cdiv, load_block_tile, rint, row_absmax, store_float
 
 
 # %% the float8 formats
@@ -101,13 +101,8 @@ def _fp8_encode_kernel(
     WIDTH: tl.constexpr,  # block rounded up to a power of two
     ROWS: tl.constexpr,  # blocks per program
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, WIDTH)
-    offs = rows[:, None].to(tl.int64) * block + cols[None, :]
-    mask = (cols[None, :] < block) & (offs < n) & (rows[:, None] < nblocks)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    absmax = tl.max(tl.abs(x), axis=1)
-    bad = tl.sum(is_nonfinite(x).to(tl.int32), axis=1) > 0
+    x, offs, mask, rows = load_block_tile(x_ptr, n, nblocks, block, WIDTH, ROWS)
+    absmax, bad = row_absmax(x)
     # scale = absmax / fmax; NaN for a block that holds NaN or inf (its codes are 0).
     scale = tl.where(bad, float("nan"), tl.math.div_rn(absmax, FMAX))
     safe = tl.where(scale > 0, scale, 1.0)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block_tile, cdiv, is_nonfinite, rint, store_float
+from ._common import block_tile, cdiv, load_block_tile, rint, row_absmax, store_float
 
 # %% kernels
 #: Largest finite float32: decoded values are clamped to it (never rounded into inf).
@@ -32,13 +32,8 @@ def _int8_encode_kernel(
     WIDTH: tl.constexpr,  # block rounded up to a power of two
     ROWS: tl.constexpr,  # blocks per program
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, WIDTH)
-    offs = rows[:, None].to(tl.int64) * block + cols[None, :]
-    mask = (cols[None, :] < block) & (offs < n) & (rows[:, None] < nblocks)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    absmax = tl.max(tl.abs(x), axis=1)
-    bad = tl.sum(is_nonfinite(x).to(tl.int32), axis=1) > 0
+    x, offs, mask, rows = load_block_tile(x_ptr, n, nblocks, block, WIDTH, ROWS)
+    absmax, bad = row_absmax(x)
     # scale = absmax / 127, NaN for a block that holds NaN or inf (it decodes to NaN).
     scale = tl.where(bad, float("nan"), tl.math.div_rn(absmax, 127.0))
     safe = tl.where(scale > 0, scale, 1.0)
