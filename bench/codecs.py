@@ -15,16 +15,14 @@ CUDA: the Triton kernels (the default there), the eager torch reference and the
 inductor-compiled reference (64 MB only, to stay within the time budget: compiling takes
 seconds per codec and size), timed with ``triton.testing.do_bench``.
 
-    python bench/codecs.py                            # 64 MB fp32, every codec
-    python bench/codecs.py --mb 1 16 64 256 --codecs int8 fp16
-    python bench/codecs.py --json codecs.json         # the figures, machine-readable
+    python -m bench.codecs                            # 64 MB fp32, every codec
+    python -m bench.codecs --mb 1 16 64 256 --codecs int8 fp16
+    python -m bench.codecs --json codecs.json         # the figures, machine-readable
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import resource
 import statistics
@@ -33,6 +31,8 @@ import time
 import torch
 
 from ccfx import codecs
+
+from . import common
 
 CPU_MODES = {"eager": "0", "compiled": "1"}  # CCFX_CODEC_COMPILE for each
 
@@ -137,12 +137,11 @@ def bench_cuda(x, specs, compiled: bool):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--mb", type=float, nargs="+", default=[64])
     ap.add_argument("--codecs", nargs="+", default=codecs.names())
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=list(CPU_MODES), choices=list(CPU_MODES))
-    ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
@@ -156,9 +155,7 @@ def main():
         else:
             rows = bench_cpu(x, args.codecs, args.reps, args.modes)
         results += [{"mb": mb, "device": device, **r} for r in rows]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": name, "rows": results}, f, indent=1)
+    common.write_json(args.json, "codecs", {"rows": results})
 
 
 if __name__ == "__main__":
