@@ -46,6 +46,16 @@ def codec_state(compiled):
     return backend_of(compiled).codec_state
 
 
+def stage_boundary() -> None:
+    """Mark a pipeline stage boundary in a model's ``forward``: ccfx cuts each graph exactly at
+    its markers (one stage more than markers; no ``stages`` option needed). It is
+    ``torch.distributed.pipelining.pipe_split()``, so a model marked for ccfx splits the same
+    way with torch's own ``pipeline()``. Run eagerly, it does nothing."""
+    from torch.distributed.pipelining import pipe_split
+
+    pipe_split()
+
+
 def draw(compiled_or_plan, path, **kw):
     """Draw a compiled model's partitioned graph (modules in one cluster per stage, codec ops
     between them) or a Plan's stages to ``path`` (.svg, .png, .pdf or .dot); see
@@ -58,6 +68,5 @@ def draw(compiled_or_plan, path, **kw):
 __all__ = [
     "CcfxError", "CcfxWarning", "CodecError", "Config", "ConfigError", "CutEdge", "GraphPlan",
     "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codec_state", "codecs", "draw",
-    "ledger_of",
-    "plan_of",
+    "ledger_of", "plan_of", "stage_boundary",
 ]

@@ -22,7 +22,7 @@ import torch.fx
 
 from ccfx import cost
 
-from .graph_utils import facts, val
+from .graph_utils import facts, is_stage_marker, val
 
 
 def _state_name(source_name: str) -> str:
@@ -50,7 +50,8 @@ def _placeholder_kind(node: torch.fx.Node, example) -> tuple[str, str | None]:
 
 
 def _ensure_vals(gm: torch.fx.GraphModule, example_inputs) -> None:
-    missing = [n for n in gm.graph.nodes if n.op != "output" and val(n) is None]
+    missing = [n for n in gm.graph.nodes
+               if n.op != "output" and val(n) is None and not is_stage_marker(n)]
     if not missing:
         return
     from torch._guards import detect_fake_mode

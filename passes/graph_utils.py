@@ -41,6 +41,12 @@ def insert_call(
     return node
 
 
+def is_stage_marker(node: torch.fx.Node) -> bool:
+    """A ``pipe_split()`` call (``ccfx.stage_boundary()``), as Dynamo records it: no inputs,
+    no value; partition cuts there and removes it."""
+    return node.op == "call_function" and str(node.target).startswith("pippy._pipe_split")
+
+
 def module_path(node: torch.fx.Node) -> str:
     """The innermost module that produced the node, as a qualified name ("blocks.2.attn")."""
     stack = node.meta.get("nn_module_stack") or {}

@@ -19,7 +19,9 @@ inputs mutated in place: those stay where they are (the caller must see the muta
 
 If the graph has fewer cost-bearing nodes than stages, ccfx uses fewer stages and warns
 (``CcfxWarning``) rather than failing: a small graph next to a graph break is common. With
-``split_points``, the cuts are exactly before those modules.
+``split_points``, the cuts are exactly before those modules. A graph holding stage markers
+(``ccfx.stage_boundary()``, which is ``torch.distributed.pipelining.pipe_split()``) is cut
+exactly at them, one stage more than markers; the markers are then removed from the graph.
 
 Facts: ``node.meta["ccfx"]["stage"]`` on every node, ``["stages"]`` (all user stages) on
 placeholders, and ``gm.meta["ccfx"]["partition"]``.
@@ -38,7 +40,7 @@ import torch.fx
 from ccfx import cost as costs
 from ccfx.errors import CcfxWarning, PartitionError
 
-from .graph_utils import facts, module_paths, val
+from .graph_utils import facts, is_stage_marker, module_paths, val
 
 WINDOW = 0.05
 STATE_KINDS = ("param", "buffer")
@@ -131,6 +133,31 @@ def _split_point_cuts(ops, split_points, valid, notes) -> list[int]:
     return cuts
 
 
+def _marker_cuts(ops, markers, stages, valid, notes) -> list[int]:
+    """One cut right after each marker (moved later only to keep a multi-output op whole)."""
+    if stages not in (1, len(markers) + 1):
+        raise PartitionError(
+            f"this graph has {len(markers)} stage_boundary() marker(s), making "
+            f"{len(markers) + 1} stages, but stages={stages}; drop `stages` (the markers decide) "
+            f"or change the markers"
+        )
+    cuts: list[int] = []
+    for m in markers:
+        moved = next((p for p in range(m + 1, len(ops)) if valid[p]), None)
+        start = cuts[-1] if cuts else 0
+        empty = not any(not is_stage_marker(n) for n in ops[start:m])
+        if empty or moved is None or not any(not is_stage_marker(n) for n in ops[moved:]):
+            raise PartitionError(
+                f"stage_boundary() marker {ops[m].name} leaves a stage with no computation "
+                "(it comes first, last, or right after another marker); remove it"
+            )
+        if moved != m + 1:
+            notes.append(f"stage marker {ops[m].name} moved {moved - m - 1} node(s) later to "
+                         "keep a multi-output op with its users")
+        cuts.append(moved)
+    return cuts
+
+
 def _balanced_cuts(prefix, crossing, valid, stages) -> list[int]:
     total = prefix[-1]
     ideal = total / stages
@@ -181,7 +208,14 @@ def partition(
     valid = [b == 0 for b in blocked]
 
     requested = stages
-    if split_points:
+    markers = [i for i, n in enumerate(ops) if is_stage_marker(n)]
+    if markers and split_points:
+        raise PartitionError("the model has stage_boundary() markers and split_points were "
+                             "given: use one or the other")
+    if markers:
+        cuts = _marker_cuts(ops, markers, stages, valid, notes)
+        requested = len(cuts) + 1
+    elif split_points:
         cuts = _split_point_cuts(ops, list(split_points), valid, notes)
     else:
         bearing = sum(1 for v in values if v > 0)
@@ -209,6 +243,11 @@ def partition(
             else:
                 facts(n)["stage"] = 0
             facts(n)["stages"] = user_stages
+
+    for i in markers:
+        gm.graph.erase_node(ops[i])
+    if markers:
+        gm.recompile()
 
     bounds = [0, *cuts, len(ops)]
     stage_costs = [sum(node_costs[bounds[s]:bounds[s + 1]], sympy.Integer(0))

@@ -126,6 +126,71 @@ def test_unknown_split_point_lists_the_modules():
         compiled(torch.randn(4, 32))
 
 
+class Marked(torch.nn.Module):
+    """Three linear layers with ``ccfx.stage_boundary()`` where the caller asks."""
+
+    def __init__(self, after=(0, 1)):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.after = after
+
+    def forward(self, x):
+        if -1 in self.after:
+            ccfx.stage_boundary()
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            for _ in range(self.after.count(i)):
+                ccfx.stage_boundary()
+        return x
+
+
+def test_stage_boundary_markers_are_the_cuts_and_leave_the_graph():
+    model = Marked(after=(0, 1))
+    eager, mine, be = run_both(model, torch.randn(4, 16), activation_codec="none")
+    assert_same(eager, mine, atol=0, rtol=0)
+    plan = be.plan.graphs[0]
+    assert plan.num_stages == 3 and plan.requested_stages == 3
+    gm = be.graphs[0].partitioned
+    assert not any("pipe_split" in str(n.target) for n in gm.graph.nodes)
+    from ccfx.passes.graph_utils import module_path
+
+    first = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and facts(n).get("kind") == "op":
+            first.setdefault(facts(n)["stage"], module_path(n))
+    assert first == {0: "layers.0", 1: "layers.1", 2: "layers.2"}
+    # The backward is compressed too: the markers do not lose the activations' requires_grad.
+    assert all(e.wire_bytes_bwd > 0 for e in plan.edges)
+
+
+def test_stage_boundary_is_torch_pipelinings_pipe_split():
+    """The same marked model splits with torch's own pipeline tracer (the real multi-rank
+    pipeline builds on it), at the same places."""
+    from torch.distributed.pipelining import pipeline
+
+    model = Marked(after=(0, 1))
+    pipe = pipeline(model, mb_args=(torch.randn(2, 16),))
+    assert pipe.num_stages == 3
+
+
+@pytest.mark.parametrize("after, stages, message", [
+    ((0, 1), 4, "2 stage_boundary.. marker.s., making 3 stages, but stages=4"),
+    ((-1,), 1, "leaves a stage with no computation"),
+    ((2,), 1, "leaves a stage with no computation"),
+    ((0, 0), 1, "leaves a stage with no computation"),
+])
+def test_bad_stage_boundary_markers_are_named(after, stages, message):
+    compiled, _ = compile_ccfx(Marked(after=after), stages=stages)
+    with pytest.raises(ccfx.PartitionError, match=message):
+        compiled(torch.randn(4, 16))
+
+
+def test_stage_boundary_markers_and_split_points_do_not_mix():
+    compiled, _ = compile_ccfx(Marked(), split_points=["layers.2"])
+    with pytest.raises(ccfx.PartitionError, match="one or the other"):
+        compiled(torch.randn(4, 16))
+
+
 @pytest.mark.parametrize("balance", ["flops", "params", "memory"])
 def test_every_balance_metric_partitions(balance):
     compiled, be = compile_ccfx(models.MLP(depth=8), stages=4, balance=balance)
