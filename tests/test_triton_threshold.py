@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ccfx.codecs import _sparse
-from ccfx.codecs.threshold import threshold_encode_reference
+from ccfx.codecs.threshold import threshold_encode_compact, threshold_encode_reference
 from tests._triton_interp import kernels
 
 K = kernels("threshold")
@@ -73,6 +73,20 @@ def test_overflow_keeps_the_largest():
     torch.manual_seed(2)
     x = torch.randn(257, 33)
     assert _check(x, 0.1, 0.01) == _sparse.count(x.numel(), 0.01)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_compaction_is_the_kernels_payload(dtype):
+    """The CPU path (``threshold_encode_compact``) and the kernel agree slot for slot, ties
+    included: both compact in index order, then sort stably by magnitude."""
+    torch.manual_seed(3)
+    x = torch.randn(257, 33).mul(3).round().to(dtype)  # ties everywhere
+    x[0, [4, 9]] = torch.tensor([float("nan"), -float("inf")], dtype=dtype)
+    capacity = _sparse.count(x.numel(), 0.2)
+    for tau in (5.0, 1e6):
+        got = threshold_encode_compact(x, tau, capacity)
+        for a, b in zip(got, K.threshold_encode(x, tau, capacity), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def test_codec_dispatches_to_triton_on_cuda():

@@ -9,9 +9,20 @@ kept (the rest drop: use ``ef`` to carry them over). Wire bytes ``capacity * (it
 
 NaN and ±inf pass any threshold (they rank first) and propagate.
 
-On CUDA the selection runs as Triton stream compaction (``ccfx.backends.triton.threshold``):
-the same payload, entries of equal magnitude in ascending index order (``torch.topk`` leaves
-their order unspecified); more than ``capacity`` passing entries fall back to this reference.
+Where what runs:
+
+* CUDA: Triton stream compaction (``ccfx.backends.triton.threshold``), then a stable sort of the
+  kept slots by magnitude; more than ``capacity`` passing entries fall back to the reference.
+* CPU (plain tensors, not under tracing): :func:`threshold_encode_compact`, the same payload in
+  the same order as the Triton path. The passing entries are compacted in ascending index order
+  and stably sorted by magnitude, largest first, so entries of equal magnitude come in ascending
+  index order (``torch.topk`` leaves their order unspecified). When more than ``capacity`` pass,
+  the largest ``capacity`` are selected by :func:`ccfx.codecs._sparse.largest` (a sampled
+  cut-off above ``tau`` and a topk over the candidates, not over the whole tensor: with the
+  default ``tau`` nearly every entry of a unit-scale tensor passes).
+* Anything else (fake tensors, dispatch modes, ``implementation("reference")``):
+  :func:`threshold_encode_reference`, which defines the payload with ``torch.topk``.
+
 Decode is an ``index_add_`` scatter on every device.
 """
 
@@ -23,16 +34,34 @@ import torch
 
 from . import _sparse
 from .base import Codec, Context, Encoded, numel_of
+from .dispatch import current, use_triton
 from .registry import register
 
 
 def threshold_encode_reference(x: torch.Tensor, tau: float, capacity: int):
+    """The definition: of the ``capacity`` largest magnitudes, those ``> tau``, largest first
+    (``tau`` compared in ``x``'s dtype, as torch compares a tensor with a Python float)."""
     flat = x.reshape(-1)
     mag, idx = torch.topk(_sparse.magnitude(flat), capacity, sorted=True)
     keep = mag > tau  # sorted descending: the kept slots come first
     values = torch.where(keep, flat[idx], torch.zeros((), dtype=flat.dtype, device=flat.device))
     idx = torch.where(keep, idx, 0).to(_sparse.INDEX_DTYPE)
     return values, idx, keep.sum().to(torch.int32).view(1)
+
+
+def threshold_encode_compact(x: torch.Tensor, tau: float, capacity: int):
+    """The reference's payload by compaction; equal magnitudes in ascending index order."""
+    flat = x.reshape(-1)
+    tau_t = torch.tensor(tau, dtype=flat.dtype)  # in x's dtype, as the reference's mag > tau
+    idx, values = _sparse.largest(flat, capacity, above=tau_t)  # ascending index
+    order = _sparse.by_magnitude(values)
+    kept = idx.numel()
+    padded = torch.zeros(capacity, dtype=flat.dtype, device=flat.device)
+    slots = torch.zeros(capacity, dtype=torch.int64, device=flat.device)
+    torch.index_select(values, 0, order, out=padded[:kept])  # written in place: fewer copies
+    torch.index_select(idx, 0, order, out=slots[:kept])
+    slots = slots.to(_sparse.INDEX_DTYPE)
+    return padded, slots, torch.tensor([kept], dtype=torch.int32, device=flat.device)
 
 
 @register
@@ -54,10 +83,12 @@ class Threshold(Codec):
 
     @staticmethod
     def _impl(t: torch.Tensor):
-        if t.is_cuda:  # imported lazily: only CUDA tensors need triton
+        if use_triton(t):  # imported lazily: only the Triton path needs triton
             from ccfx.backends.triton.threshold import threshold_encode
 
             return threshold_encode
+        if current() != "reference" and _sparse.sampled_path(t):
+            return threshold_encode_compact
         return threshold_encode_reference
 
     def encode_with(self, x, state):
