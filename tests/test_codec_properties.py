@@ -166,13 +166,26 @@ def test_error_feedback_loses_nothing(x, inner):
     torch.testing.assert_close(sent + codec.state_dict()["residual"], total, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int8:block=16", "int4", "fp8", "sign"])
+@pytest.mark.parametrize("spec", ["int8", "int8:block=16", "int4", "fp8", "sign", "qsgd",
+                                  "qsgd:levels=1,block=16", "terngrad"])
 def test_extreme_finite_values_stay_finite(spec):
     """An additive attention mask holds finfo.min: blockwise codecs must not round it into
-    -inf (127 * (absmax / 127) can land one ulp past FLT_MAX), or the next softmax gives NaN."""
+    -inf (127 * (absmax / 127) can land one ulp past FLT_MAX), or the next softmax gives NaN.
+    qsgd's L2 norm of such a block is past FLT_MAX itself."""
     big = torch.finfo(torch.float32).max
     x = torch.zeros(4, 300)
     x[:, 150:] = -big
     x[0, 3] = big
     y = codecs.get(spec).roundtrip(x)
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qsgd_saturates_at_the_output_dtype(dtype):
+    """Stochastic rounding can decode above the block's largest value; at the top of a half
+    precision range that would cast to inf."""
+    x = torch.full((4, 256), torch.finfo(dtype).max, dtype=dtype)
+    x[1] = -x[1]
+    codec = codecs.get("qsgd:levels=4")
+    for _ in range(5):
+        assert torch.isfinite(codec.roundtrip(x)).all()

@@ -6,7 +6,17 @@ and ``E[decode(encode(x))] = x``. Levels travel as int8 (``levels <= 127``) or i
 32767). Randomness: fresh on every call, deterministic from ``seed`` and the step counter
 (a state tensor). Give each data-parallel rank its own seed for independent noise.
 
-A block holding NaN or ±inf gets a NaN norm and decodes to NaN everywhere.
+``u`` is ``_random.uniform`` of the element's flat index and the step's key, computed inside the
+compiled encode (no noise tensor). This replaced ``torch.rand``: the same seed and step now draw
+different numbers than before, so a checkpoint from an older version resumes with another
+(equally valid) stream. Tensors of more than 2**32 elements raise CodecError.
+
+The norm is taken as ``absmax * ||x / absmax||`` and saturates at FLT_MAX: a block full of
+``finfo.min`` (an additive attention mask) would otherwise square to inf and decode to NaN.
+Any scale at or above the block's absmax keeps the levels unbiased, so saturating only costs
+variance. Decoded values saturate at the output dtype's largest finite value (stochastic
+rounding can land above the largest input). A block holding NaN or ±inf gets a NaN norm and
+decodes to NaN everywhere.
 """
 
 from __future__ import annotations
@@ -16,30 +26,49 @@ from dataclasses import dataclass
 import torch
 
 from ._fast import fast
-from ._random import StepCounter
+from ._random import StepCounter, uniform
 from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
 from .registry import register
 
 
+def _block_norms(rows: torch.Tensor) -> torch.Tensor:
+    """``(nblocks, 1)`` fp32 L2 norms, finite for every finite block (see the module docstring);
+    NaN for a block holding NaN or ±inf."""
+    absmax = rows.abs().amax(dim=1, keepdim=True)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    norms = absmax * torch.linalg.vector_norm(rows / safe, dim=1, keepdim=True)
+    norms = torch.clamp(norms, max=torch.finfo(torch.float32).max)
+    return torch.where(nonfinite_rows(rows), float("nan"), norms)
+
+
 @fast
-def qsgd_encode_reference(x, noise, block: int, levels: int, qdtype: torch.dtype):
-    """``x``, ``noise`` U[0,1) of shape (nblocks, block) → ``(levels [n], norms fp32 [nblocks])``."""
-    flat = x.reshape(-1).float()
-    n = flat.numel()
-    rows = blocked(flat, block)
-    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
-    norms = torch.where(nonfinite_rows(rows), float("nan"), norms)
+def qsgd_encode_reference(x, key, block: int, levels: int, qdtype: torch.dtype):
+    """``x``, 0-d int64 ``key`` → ``(levels [n], norms fp32 [nblocks])``."""
+    n = x.numel()
+    rows = blocked(x.reshape(-1).float(), block)
+    norms = _block_norms(rows).view(-1)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    level = torch.floor(rows.abs() / safe * levels + noise).clamp_(max=levels)
-    q = torch.where(norms > 0, torch.sign(rows) * level, torch.zeros_like(rows))
-    return q.to(qdtype).view(-1)[:n], norms.view(-1)
+    # Element-wise over the flat index, each element reading its block's norm: so inductor
+    # hashes the noise inside the quantization loop. Over (nblocks, block) rows it stored the
+    # noise in a 64 MB buffer first (1.8x slower encode). Over the padded length: with a
+    # ragged last block, inductor 2.13 splits the loop at i // block and drops the tail.
+    flat = rows.view(-1)
+    i = torch.arange(flat.numel(), device=x.device)
+    b = i // block
+    level = torch.floor(flat.abs() / safe[b] * levels + uniform(i, key)).clamp_(max=levels)
+    q = torch.where(norms[b] > 0, torch.sign(flat) * level, torch.zeros_like(flat))
+    return q.to(qdtype)[:n], norms
 
 
 @fast
 def qsgd_decode_reference(q, norms, block: int, levels: int, shape, dtype):
     n = q.numel()
     rows = blocked(q.float(), block)
-    return (rows * (norms.view(-1, 1) / levels)).view(-1)[:n].view(shape).to(dtype)
+    y = rows * (norms.view(-1, 1) / levels)
+    # NaN (a non-finite block) is left alone: the comparisons are false for NaN.
+    big = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+    y = torch.where(y > big, big, torch.where(y < -big, -big, y))
+    return y.view(-1)[:n].view(shape).to(dtype)
 
 
 @register
@@ -66,10 +95,8 @@ class Qsgd(StepCounter, Codec):
         return (((n,), self.qdtype), ((ceil_div(n, self.block),), torch.float32))
 
     def encode_with(self, x, state):
-        g = self.draw(state, x.device)
-        nblocks = -(-x.numel() // self.block)
-        noise = torch.rand(nblocks, self.block, generator=g, device=x.device)
-        payload = qsgd_encode_reference(x, noise, self.block, self.levels, self.qdtype)
+        key = self.noise_key(state, x)
+        payload = qsgd_encode_reference(x, key, self.block, self.levels, self.qdtype)
         return Encoded(payload, Context(tuple(x.shape), x.dtype))
 
     def decode_with(self, enc, state):
