@@ -70,3 +70,25 @@ def store_float(ptr, y, mask):
         tl.store(ptr, to_bf16_rne(y), mask=mask)
     else:
         tl.store(ptr, y.to(ty), mask=mask)
+
+
+@triton.jit
+def _lowbias32(x):
+    """Chris Wellons' lowbias32 on uint32 (wrapping multiplies): ``ccfx.codecs._random``'s
+    ``lowbias32``, which does the same arithmetic in int64 tensors."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def uniform(index, key_ptr):
+    """``ccfx.codecs._random.uniform(index, key)`` bit for bit: fp32 in [0, 1) from int64 flat
+    indices and the 0-d int64 key at ``key_ptr`` (read on the device: no host sync)."""
+    key = tl.load(key_ptr)
+    lo = (key & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    h = _lowbias32(_lowbias32((index & 0xFFFFFFFF).to(tl.uint32) ^ lo) ^ hi)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)

@@ -17,6 +17,10 @@ Any scale at or above the block's absmax keeps the levels unbiased, so saturatin
 variance. Decoded values saturate at the output dtype's largest finite value (stochastic
 rounding can land above the largest input). A block holding NaN or ±inf gets a NaN norm and
 decodes to NaN everywhere.
+
+On CUDA the Triton kernels in ``ccfx.backends.triton.qsgd`` run (norms, then levels with the
+same hashed noise): levels bit for bit the same as here given the same norms, norms to a few
+ulps (block sums in another order).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from ._fast import fast
 from ._random import StepCounter, uniform
 from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
+from .dispatch import use_triton
 from .registry import register
 
 
@@ -94,11 +99,20 @@ class Qsgd(StepCounter, Codec):
         n = numel_of(shape)
         return (((n,), self.qdtype), ((ceil_div(n, self.block),), torch.float32))
 
+    @staticmethod
+    def _impl(t: torch.Tensor, which: str):
+        if use_triton(t):  # imported lazily: only the Triton path needs triton
+            from ccfx.backends.triton import qsgd as kernels
+
+            return getattr(kernels, f"qsgd_{which}")
+        return qsgd_encode_reference if which == "encode" else qsgd_decode_reference
+
     def encode_with(self, x, state):
         key = self.noise_key(state, x)
-        payload = qsgd_encode_reference(x, key, self.block, self.levels, self.qdtype)
+        payload = self._impl(x, "encode")(x, key, self.block, self.levels, self.qdtype)
         return Encoded(payload, Context(tuple(x.shape), x.dtype))
 
     def decode_with(self, enc, state):
         q, norms = enc.payload
-        return qsgd_decode_reference(q, norms, self.block, self.levels, enc.ctx.shape, enc.ctx.dtype)
+        shape, dtype = enc.ctx.shape, enc.ctx.dtype
+        return self._impl(q, "decode")(q, norms, self.block, self.levels, shape, dtype)

@@ -12,6 +12,9 @@ version resumes with another (equally valid) stream. Tensors of more than 2**32 
 CodecError.
 
 A block holding NaN or ±inf gets a NaN scale and decodes to NaN everywhere.
+
+On CUDA the Triton kernels in ``ccfx.backends.triton.terngrad`` run, bit for bit the same as
+the references here (the same hashed noise, in uint32 arithmetic).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from . import _bits
 from ._fast import fast
 from ._random import StepCounter, uniform
 from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
+from .dispatch import use_triton
 from .registry import register
 
 
@@ -83,11 +87,20 @@ class TernGrad(StepCounter, Codec):
         n = numel_of(shape)
         return (((ceil_div(n, 4),), torch.uint8), ((ceil_div(n, self.block),), torch.float32))
 
+    @staticmethod
+    def _impl(t: torch.Tensor, which: str):
+        if use_triton(t):  # imported lazily: only the Triton path needs triton
+            from ccfx.backends.triton import terngrad as kernels
+
+            return getattr(kernels, f"terngrad_{which}")
+        return terngrad_encode_reference if which == "encode" else terngrad_decode_reference
+
     def encode_with(self, x, state):
         key = self.noise_key(state, x)
-        payload = terngrad_encode_reference(x, key, self.block)
+        payload = self._impl(x, "encode")(x, key, self.block)
         return Encoded(payload, Context(tuple(x.shape), x.dtype))
 
     def decode_with(self, enc, state):
         codes, scales = enc.payload
-        return terngrad_decode_reference(codes, scales, self.block, enc.ctx.shape, enc.ctx.dtype)
+        shape, dtype = enc.ctx.shape, enc.ctx.dtype
+        return self._impl(codes, "decode")(codes, scales, self.block, shape, dtype)
