@@ -196,6 +196,24 @@ def test_tiny_sizes_through_the_codec(compiled, n, ratio):
     assert torch.equal(codec.decode(codec.encode(x)).reshape(-1)[idx.long()], values)
 
 
+def test_past_the_recompile_limit_the_plain_mask_runs(compiled, monkeypatch):
+    """One compile per shape: past dynamo's limit the packing function runs eagerly, where it
+    would cost 8 strided passes, so it declines and the plain mask runs instead."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    packed = []
+    reach_bits = _sparse._reach_bits
+
+    def spy(*args):
+        out = reach_bits(*args)
+        packed.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_sparse, "_reach_bits", spy)
+    for n in (4096, 4096 + 8):
+        check_largest(_randn(n, seed=n), 100, above=torch.tensor(0.1))
+    assert packed == [True, False]
+
+
 def test_ratio_one_keeps_everything(compiled):
     x = _randn(seed=11)
     idx = check_largest(x, N)

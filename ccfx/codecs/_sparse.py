@@ -47,7 +47,7 @@ from fractions import Fraction
 import torch
 
 from ..errors import CodecError
-from ._fast import _eligible, fast
+from ._fast import fast
 from .base import ceil_div
 
 INDEX_DTYPE = torch.int32
@@ -123,15 +123,19 @@ def _reaches(flat: torch.Tensor, cut: torch.Tensor, strict: bool) -> torch.Tenso
 
 
 @fast
-def _reach_bits(flat: torch.Tensor, cut: torch.Tensor, strict: bool) -> torch.Tensor:
-    """:func:`_reaches` packed: a uint8 per 8 entries (``flat.numel() % 8 == 0``), bit ``j`` of
-    byte ``i`` for entry ``8 i + j``.
+def _reach_bits(flat: torch.Tensor, cut: torch.Tensor, strict: bool) -> torch.Tensor | None:
+    """:func:`_reaches` packed, when compiled: a uint8 per 8 entries (``flat.numel() % 8 == 0``),
+    bit ``j`` of byte ``i`` for entry ``8 i + j``. None when the call runs eagerly (the sizes and
+    devices that ``fast`` leaves eager, or dynamo past its recompile limit, one compile per
+    shape): eagerly this spelling costs 8 strided passes, 2.5x the plain mask.
 
-    The compiled form of the mask. Packing writes an eighth of the bytes and leaves ``nonzero``
-    an eighth of the entries to scan (only the bytes with a bit set are unpacked), 2x faster
-    than a byte mask in all. The spelling matters to inductor's CPU code: ``where`` of integer
-    constants, one column at a time, vectorizes; a bool mask, ``.to(uint8)`` of one, or a sum
-    over a dimension of 8 stores or reduces through slow paths (3-10x)."""
+    Packing writes an eighth of the bytes and leaves ``nonzero`` an eighth of the entries to
+    scan (only the bytes with a bit set are unpacked), 2x faster than a byte mask in all. The
+    spelling matters to inductor's CPU code: ``where`` of integer constants, one column at a
+    time, vectorizes; a bool mask, ``.to(uint8)`` of one, or a sum over a dimension of 8 stores
+    or reduces through slow paths (3-10x)."""
+    if not torch.compiler.is_compiling():
+        return None
     rows = flat.view(-1, 8)
     bits = 0
     for j in range(8):
@@ -144,30 +148,30 @@ def _reach_bits(flat: torch.Tensor, cut: torch.Tensor, strict: bool) -> torch.Te
 _BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.uint8)
 
 
-def _compact_bits(flat: torch.Tensor, cut: torch.Tensor, strict: bool) -> torch.Tensor:
-    """:func:`_compact` through :func:`_reach_bits` (contiguous ``flat``)."""
-    body = flat.numel() - flat.numel() % 8
-    packed = _reach_bits(flat[:body], cut, strict)
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Ascending indices of the set bits of :func:`_reach_bits`'s bytes."""
     groups = packed.nonzero().view(-1)  # bytes with a bit set
     bits = _BITS.index_select(0, packed.index_select(0, groups).int())  # (groups, 8) of 0/1
     row, bit = bits.nonzero().unbind(1)
     # In place where possible: few and small ops matter here (see the module docstring).
-    idx = groups.index_select(0, row).mul_(8).add_(bit)
-    if body == flat.numel():
-        return idx
-    tail = _reaches(flat[body:], cut, strict).nonzero().view(-1) + body
-    return torch.cat([idx, tail])
+    return groups.index_select(0, row).mul_(8).add_(bit)
 
 
 def _compact(flat: torch.Tensor, cut: torch.Tensor, strict: bool = False) -> torch.Tensor:
     """Ascending int64 indices of the entries whose magnitude reaches ``cut`` (a 0-d tensor of
-    ``flat``'s dtype, so the comparison happens in that dtype): packed when compiled (see
-    :func:`_reach_bits`), a plain mask otherwise (eager, the packing costs 8 strided passes)."""
+    ``flat``'s dtype, so the comparison happens in that dtype; ``flat`` contiguous): packed
+    when compiled (see :func:`_reach_bits`), a plain mask otherwise."""
     if strict and torch.isinf(cut):  # nothing, not even NaN (read as +inf), exceeds +inf
         return torch.zeros(0, dtype=torch.long, device=flat.device)
-    if _eligible(flat):
-        return _compact_bits(flat, cut, strict)
-    return _reaches(flat, cut, strict).nonzero().view(-1)
+    body = flat.numel() - flat.numel() % 8
+    packed = _reach_bits(flat[:body], cut, strict)
+    if packed is None:
+        return _reaches(flat, cut, strict).nonzero().view(-1)
+    idx = _unpack(packed)
+    if body == flat.numel():
+        return idx
+    tail = _reaches(flat[body:], cut, strict).nonzero().view(-1) + body
+    return torch.cat([idx, tail])
 
 
 def _top_positions(mag: torch.Tensor, k: int, floor: torch.Tensor) -> torch.Tensor:
