@@ -42,3 +42,21 @@ def test_compiled_equals_eager_on_a_ragged_tensor(spec, monkeypatch):
             torch.testing.assert_close(a, b, rtol=1e-6 if summed else 0, atol=0)
     torch.testing.assert_close(y_c, y_e, rtol=1e-6 if summed else 0,
                                atol=2 * enc_e.payload[1].max().item() / 127 if spec == "qsgd" else 0)
+
+
+def test_many_shapes_stay_compiled(monkeypatch):
+    """A model's edges come in many shapes: past dynamo's default recompile limit (8) the fast
+    path must still compile, not fall back to eager silently."""
+    from torch._dynamo.utils import counters
+
+    from ccfx.codecs._fast import fast
+
+    @fast
+    def double(x):
+        return x * 2
+
+    monkeypatch.setenv("CCFX_CODEC_COMPILE", "1")
+    counters.clear()
+    for n in range(1, 11):
+        assert torch.equal(double(torch.ones(n)), torch.full((n,), 2.0))
+    assert counters["stats"]["unique_graphs"] == 10
