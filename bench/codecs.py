@@ -9,7 +9,9 @@ CPU: the eager torch reference and the compiled one (the CPU fast path, ``ccfx.c
 Page faults matter there: a fresh 64 MB tensor costs ~16k minor faults, which on a VM is most
 of clone's time, and a round trip must allocate the payload *and* the decoded tensor. The
 ``ceiling`` column is what that alone allows, ``raw / (raw + wire)``; ``faults`` is the round
-trip's minor faults per call over clone's.
+trip's minor faults per call over clone's. The last row, ``naive int8``, is the plainest
+blockwise int8 round trip compiled by inductor (the issue's yardstick): what this machine
+allows for that computation today, beside ccfx's int8.
 
 CUDA: the Triton kernels (the default there), the eager torch reference and the
 inductor-compiled reference (64 MB only, to stay within the time budget: compiling takes
@@ -82,6 +84,28 @@ def sample(mb: float, device: str) -> torch.Tensor:
     return torch.randn(max(n // 4096, 1), 4096, device=device, generator=gen)  # 2-D: powersgd
 
 
+def naive_int8(block: int = 256):
+    """The issue's yardstick: the plainest blockwise int8 round trip, compiled by inductor (no
+    NaN handling, no ragged last block, no FLT_MAX clamp). What this machine allows for that
+    shape of computation, measured beside ccfx's int8."""
+
+    @torch.compile(dynamic=False)
+    def encode(x):
+        rows = x.view(-1, block)
+        scale = rows.abs().amax(1, keepdim=True) / 127
+        return (rows / scale).round().to(torch.int8), scale
+
+    @torch.compile(dynamic=False)
+    def decode(q, scale, shape):
+        return (q.float() * scale).view(shape)
+
+    def roundtrip(x):
+        with torch.no_grad():
+            return decode(*encode(x), x.shape)
+
+    return roundtrip
+
+
 def bench_cpu(x, specs, reps, modes):
     nbytes = x.numel() * x.element_size()
     f0 = _faults()
@@ -107,6 +131,12 @@ def bench_cpu(x, specs, reps, modes):
         cells = "".join(f" {row[m + '_rt']:>11.2f} {row[m + '_enc']:>12.2f}" for m in modes)
         print(f"{spec:<10} {wire:>7.4f} {row['ceiling']:>7.3f}{cells} {row['faults']:>7.2f}",
               flush=True)
+    if x.numel() % 256 == 0:
+        naive = naive_int8()
+        rt = paired_cpu(lambda: naive(x), x.clone, reps)
+        rows.append({"codec": "naive-int8", "compiled_rt": rt["base_s"] / rt["s"]})
+        print(f"naive int8 (the plainest int8 round trip, compiled): "
+              f"{rows[-1]['compiled_rt']:.2f} rt over clone")
     return rows
 
 
