@@ -13,12 +13,20 @@ trip's minor faults per call over clone's. The last row, ``naive int8``, is the 
 blockwise int8 round trip compiled by inductor (the issue's yardstick): what this machine
 allows for that computation today, beside ccfx's int8.
 
+Which allocator regime a run measures matters more than any codec: glibc maps every block over
+its (moving) mmap threshold fresh, so what is "cold" changes during a run. ``--allocator``
+pins it (the script re-executes itself with glibc's ``MALLOC_*`` variables set):
+``cold`` maps every block ≥ 128 KiB fresh (page faults on every call: clone is fault-bound);
+``warm`` never returns memory to the system (no faults after warm-up: clone runs at memory
+bandwidth and the codecs' compute shows); ``default`` leaves glibc alone.
+
 CUDA: the Triton kernels (the default there), the eager torch reference and the
 inductor-compiled reference (64 MB only, to stay within the time budget: compiling takes
 seconds per codec and size), timed with ``triton.testing.do_bench``.
 
     python -m bench.codecs                            # 64 MB fp32, every codec
     python -m bench.codecs --mb 1 16 64 256 --codecs int8 fp16
+    python -m bench.codecs --allocator warm           # no page faults: compute vs bandwidth
     python -m bench.codecs --json codecs.json         # the figures, machine-readable
 """
 
@@ -28,6 +36,7 @@ import contextlib
 import os
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -166,16 +175,35 @@ def bench_cuda(x, specs, compiled: bool):
     return rows
 
 
+ALLOCATORS = {
+    "cold": {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
+    "warm": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
+}
+
+
+def pin_allocator(regime: str) -> None:
+    """Re-execute this script with ``regime``'s glibc variables (read at process start only)."""
+    want = ALLOCATORS.get(regime, {})
+    if all(os.environ.get(k) == v for k, v in want.items()):
+        return
+    env = {**os.environ, **want}
+    os.execve(sys.executable, [sys.executable, "-m", "bench.codecs", *sys.argv[1:]], env)
+
+
 def main():
     ap = common.parser(__doc__)
     ap.add_argument("--mb", type=float, nargs="+", default=[64])
     ap.add_argument("--codecs", nargs="+", default=codecs.names())
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=list(CPU_MODES), choices=list(CPU_MODES))
+    ap.add_argument("--allocator", choices=["default", *ALLOCATORS], default="default",
+                    help="pin glibc's allocator regime (see above); CPU only")
     args = ap.parse_args()
+    if args.allocator != "default":
+        pin_allocator(args.allocator)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__}, {device} ({name})")
+    print(f"torch {torch.__version__}, {device} ({name}), allocator {args.allocator}")
     results = []
     for mb in args.mb:
         x = sample(mb, device)
@@ -185,7 +213,7 @@ def main():
         else:
             rows = bench_cpu(x, args.codecs, args.reps, args.modes)
         results += [{"mb": mb, "device": device, **r} for r in rows]
-    common.write_json(args.json, "codecs", {"rows": results})
+    common.write_json(args.json, "codecs", {"allocator": args.allocator, "rows": results})
 
 
 if __name__ == "__main__":
