@@ -67,7 +67,8 @@ def _faults() -> int:
 
 def paired_cpu(fn, baseline, reps: int) -> dict:
     """Median seconds of ``fn`` and ``baseline``, interleaved, and ``fn``'s faults per call."""
-    fn(), baseline()  # warm-up (and compile)
+    for _ in range(3):  # warm-up (and compile); the warm allocator grows its heap meanwhile
+        fn(), baseline()
     a, b, faults = [], [], 0
     for _ in range(reps):
         t = time.perf_counter()
