@@ -121,6 +121,8 @@ def bench_cpu(x, specs, reps, modes):
     f0 = _faults()
     x.clone()
     clone_faults = _faults() - f0
+    clone_s = paired_cpu(x.clone, x.clone, reps)["s"]
+    print(f"clone {nbytes / clone_s / 1e9:.2f} GB/s, {clone_faults} faults per call")
     rows = []
     head = f"{'codec':<10} {'wire':>7} {'ceiling':>7}"
     head += "".join(f" {m + ' rt':>11} {m + ' enc':>12}" for m in modes)
