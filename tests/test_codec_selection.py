@@ -197,9 +197,12 @@ def test_tiny_sizes_through_the_codec(compiled, n, ratio):
 
 
 def test_past_the_recompile_limit_the_plain_mask_runs(compiled, monkeypatch):
-    """One compile per shape: past dynamo's limit the packing function runs eagerly, where it
-    would cost 8 strided passes, so it declines and the plain mask runs instead."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    """One compile per shape: past the fast path's recompile limit (``_fast.RECOMPILE_LIMIT``)
+    the packing function runs eagerly, where it would cost 8 strided passes, so it declines and
+    the plain mask runs instead."""
+    from ccfx.codecs import _fast
+
+    monkeypatch.setattr(_fast, "RECOMPILE_LIMIT", 1)
     packed = []
     reach_bits = _sparse._reach_bits
 
