@@ -231,12 +231,16 @@ def test_training_steps_match_eager():
 
 
 @pytest.mark.inductor
-def test_inductor_lowering_matches_eager(monkeypatch):
+def test_inductor_lowering_matches_eager():
     # Cache hits skip inductor's inner compile, where the graphs are recorded: force a compile.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    eager, mine, be = run_both(models.TiedLM(depth=4), torch.randint(0, 64, (2, 8)), stages=2,
-                               lowering="inductor")
+    # (config.patch, not monkeypatch.setattr: recent pytest undoes a setattr on torch's config
+    # modules with delattr, which hides the option from every later compile.)
+    import torch._functorch.config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        eager, mine, be = run_both(models.TiedLM(depth=4), torch.randint(0, 64, (2, 8)),
+                                   stages=2, lowering="inductor")
     assert be.plan.num_stages == 2
     assert be.graphs[0].lowered.backward, "inductor compiled a backward graph"
     assert_same(eager, mine, atol=1e-5, rtol=1e-5)  # inductor fuses and reorders reductions
