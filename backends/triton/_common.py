@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -50,6 +51,24 @@ def block_tile(block: int, target: int = 4096) -> tuple[int, int]:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+#: Elements per program of the elementwise decode kernels.
+DECODE_BLOCK = 1024
+
+
+def launch_decode(kernel, codes, scales, block: int, shape, dtype, *extra, **constexprs):
+    """Allocate the decoded tensor and run an elementwise decode kernel over it, called as
+    ``kernel(codes, scales, out, n, block, *extra, BLOCK_SIZE=..., **constexprs)`` (the
+    signature every codec's ``_*_decode_kernel`` / ``_*_unpack_kernel`` has)."""
+    n = 1
+    for d in shape:
+        n *= d
+    out = torch.empty(n, dtype=dtype, device=codes.device)
+    if n:
+        kernel[(cdiv(n, DECODE_BLOCK),)](codes, scales, out, n, block, *extra,
+                                         BLOCK_SIZE=DECODE_BLOCK, **constexprs)
+    return out.view(shape)
 
 
 @triton.jit

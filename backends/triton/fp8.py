@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ccfx.codecs.fp8 import BITS
 
-from ._common import block_tile, cdiv, load_block_tile, rint, row_absmax, store_float
+from ._common import block_tile, cdiv, launch_decode, load_block_tile, rint, row_absmax, store_float
 
 
 # %% the float8 formats
@@ -159,12 +159,6 @@ def fp8_encode(x: torch.Tensor, block: int, fmt: torch.dtype) -> tuple[torch.Ten
 def fp8_decode(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: torch.dtype, shape,
                dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`fp8_encode`: a tensor of ``shape`` and ``dtype``."""
-    n = codes.numel()
-    out = torch.empty(n, dtype=dtype, device=codes.device)
-    if n:
-        size = 1024
-        _fp8_decode_kernel[(cdiv(n, size),)](
-            codes, scales, out, n, block, **_format_args(fmt), BLOCK_SIZE=size,
-        )
-    return out.view(shape)
+    return launch_decode(_fp8_decode_kernel, codes, scales, block, shape, dtype,
+                         **_format_args(fmt))
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, rint, store_float
+from ._common import cdiv, launch_decode, rint, store_float
 from .blocks import block_scales, flat_contiguous
 
 
@@ -61,11 +61,4 @@ def int4_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def int4_decode(packed, scales, block: int, shape, dtype) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    out = torch.empty(n, dtype=dtype, device=packed.device)
-    if n:
-        size = 1024
-        _int4_unpack_kernel[(cdiv(n, size),)](packed, scales, out, n, block, BLOCK_SIZE=size)
-    return out.view(shape)
+    return launch_decode(_int4_unpack_kernel, packed, scales, block, shape, dtype)

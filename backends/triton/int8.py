@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block_tile, cdiv, load_block_tile, rint, row_absmax, store_float
+from ._common import block_tile, cdiv, launch_decode, load_block_tile, rint, row_absmax, store_float
 
 # %% kernels
 #: Largest finite float32: decoded values are clamped to it (never rounded into inf).
@@ -85,9 +85,4 @@ def int8_decode(
     q: torch.Tensor, scales: torch.Tensor, block: int, shape, dtype: torch.dtype
 ) -> torch.Tensor:
     """Inverse of :func:`int8_encode`: a tensor of ``shape`` and ``dtype``."""
-    n = q.numel()
-    out = torch.empty(n, dtype=dtype, device=q.device)
-    if n:
-        size = 1024
-        _int8_decode_kernel[(cdiv(n, size),)](q, scales, out, n, block, BLOCK_SIZE=size)
-    return out.view(shape)
+    return launch_decode(_int8_decode_kernel, q, scales, block, shape, dtype)

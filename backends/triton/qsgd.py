@@ -14,7 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block_tile, cdiv, load_block_tile, row_absmax, store_float, uniform
+from ._common import (
+    block_tile,
+    cdiv,
+    launch_decode,
+    load_block_tile,
+    row_absmax,
+    store_float,
+    uniform,
+)
 
 FLT_MAX: tl.constexpr = 3.4028234663852886e38
 
@@ -110,11 +118,6 @@ def qsgd_encode(x: torch.Tensor, key: torch.Tensor, block: int, levels: int, qdt
 
 
 def qsgd_decode(q, norms, block: int, levels: int, shape, dtype) -> torch.Tensor:
-    n = q.numel()
-    out = torch.empty(n, dtype=dtype, device=q.device)
-    if n:
-        size = 1024
-        big = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-        _qsgd_decode_kernel[(cdiv(n, size),)](q, norms, out, n, block, float(levels),
-                                              BIG=big, BLOCK_SIZE=size)
-    return out.view(shape)
+    big = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+    return launch_decode(_qsgd_decode_kernel, q, norms, block, shape, dtype, float(levels),
+                         BIG=big)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, store_float
+from ._common import cdiv, launch_decode, store_float
 from .blocks import block_scales, flat_contiguous
 
 
@@ -46,11 +46,4 @@ def sign_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def sign_decode(bits, scales, block: int, shape, dtype) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    out = torch.empty(n, dtype=dtype, device=bits.device)
-    if n:
-        size = 1024
-        _sign_unpack_kernel[(cdiv(n, size),)](bits, scales, out, n, block, BLOCK_SIZE=size)
-    return out.view(shape)
+    return launch_decode(_sign_unpack_kernel, bits, scales, block, shape, dtype)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, store_float, uniform
+from ._common import cdiv, launch_decode, store_float, uniform
 from .blocks import block_scales, flat_contiguous
 
 
@@ -69,11 +69,4 @@ def terngrad_encode(x: torch.Tensor, key: torch.Tensor, block: int):
 
 
 def terngrad_decode(codes, scales, block: int, shape, dtype) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    out = torch.empty(n, dtype=dtype, device=codes.device)
-    if n:
-        size = 1024
-        _terngrad_unpack_kernel[(cdiv(n, size),)](codes, scales, out, n, block, BLOCK_SIZE=size)
-    return out.view(shape)
+    return launch_decode(_terngrad_unpack_kernel, codes, scales, block, shape, dtype)
