@@ -5,7 +5,6 @@ kernels ``<name>_encode`` / ``<name>_decode`` in ``ccfx.backends.triton.<name>``
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -13,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, Context, Encoded, ceil_div, numel_of
-from .dispatch import use_triton
+from .dispatch import pick
 
 
 @dataclass(frozen=True)
@@ -36,10 +35,7 @@ class BlockScaled(Codec):
                 ((ceil_div(n, self.block),), torch.float32))
 
     def _impl(self, t: torch.Tensor, which: str) -> Callable:
-        if use_triton(t):
-            kernels = importlib.import_module(f"ccfx.backends.triton.{self.name}")
-            return getattr(kernels, f"{self.name}_{which}")
-        return getattr(type(self), f"{which}_reference")
+        return pick(t, self.name, which, getattr(type(self), f"{which}_reference"))
 
     def encode_with(self, x, state):
         codes, scales = self._impl(x, "encode")(x, self.block)

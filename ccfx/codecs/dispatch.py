@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import os
 
 import torch
@@ -59,3 +60,12 @@ def use_triton(t: torch.Tensor) -> bool:
             "interpret them on the CPU."
         )
     return True
+
+
+def pick(t: torch.Tensor, family: str, which: str, reference):
+    """``ccfx.backends.triton.<family>.<family>_<which>`` when :func:`use_triton` says so (the
+    module is imported then: only the Triton path needs triton), else ``reference``."""
+    if use_triton(t):
+        kernels = importlib.import_module(f"ccfx.backends.triton.{family}")
+        return getattr(kernels, f"{family}_{which}")
+    return reference

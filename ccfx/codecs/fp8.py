@@ -21,7 +21,7 @@ import torch
 
 from ._fast import fast
 from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
-from .dispatch import use_triton
+from .dispatch import pick
 from .registry import register
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -108,11 +108,8 @@ class Fp8(Codec):
 
     @staticmethod
     def _impl(t: torch.Tensor, which: str):
-        if use_triton(t):  # imported lazily: only the Triton path needs triton
-            from ccfx.backends.triton import fp8 as kernels
-
-            return getattr(kernels, f"fp8_{which}")
-        return fp8_encode_reference if which == "encode" else fp8_decode_reference
+        return pick(t, "fp8", which, fp8_encode_reference if which == "encode"
+                    else fp8_decode_reference)
 
     def encode_with(self, x, state):
         payload = self._impl(x, "encode")(x, self.block, FORMATS[self.fmt])

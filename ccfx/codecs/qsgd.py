@@ -32,7 +32,7 @@ import torch
 from ._fast import fast
 from ._random import StepCounter, uniform
 from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
-from .dispatch import use_triton
+from .dispatch import pick
 from .registry import register
 
 
@@ -101,11 +101,8 @@ class Qsgd(StepCounter, Codec):
 
     @staticmethod
     def _impl(t: torch.Tensor, which: str):
-        if use_triton(t):  # imported lazily: only the Triton path needs triton
-            from ccfx.backends.triton import qsgd as kernels
-
-            return getattr(kernels, f"qsgd_{which}")
-        return qsgd_encode_reference if which == "encode" else qsgd_decode_reference
+        return pick(t, "qsgd", which, qsgd_encode_reference if which == "encode"
+                    else qsgd_decode_reference)
 
     def encode_with(self, x, state):
         key = self.noise_key(state, x)

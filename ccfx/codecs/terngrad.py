@@ -27,7 +27,7 @@ from . import _bits
 from ._fast import fast
 from ._random import StepCounter, uniform
 from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
-from .dispatch import use_triton
+from .dispatch import pick
 from .registry import register
 
 
@@ -89,11 +89,8 @@ class TernGrad(StepCounter, Codec):
 
     @staticmethod
     def _impl(t: torch.Tensor, which: str):
-        if use_triton(t):  # imported lazily: only the Triton path needs triton
-            from ccfx.backends.triton import terngrad as kernels
-
-            return getattr(kernels, f"terngrad_{which}")
-        return terngrad_encode_reference if which == "encode" else terngrad_decode_reference
+        return pick(t, "terngrad", which, terngrad_encode_reference if which == "encode"
+                    else terngrad_decode_reference)
 
     def encode_with(self, x, state):
         key = self.noise_key(state, x)
