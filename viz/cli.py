@@ -71,10 +71,15 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default 0)")
 
 
-def add_viz_arguments(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser) -> None:
+    """The model arguments and the module docstring's examples as the epilog."""
     p.epilog = __doc__.split("\n\n", 2)[2] if __doc__ else None
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     _add_model_arguments(p)
+
+
+def add_viz_arguments(p: argparse.ArgumentParser) -> None:
+    _add_common(p)
     p.add_argument("-o", "--output", default="plan.svg",
                    help="file to write: .svg, .png, .pdf or .dot (default plan.svg)")
     p.add_argument("--format", choices=("svg", "png", "pdf", "dot"), default=None,
@@ -91,9 +96,7 @@ def add_viz_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = __doc__.split("\n\n", 2)[2] if __doc__ else None
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    _add_model_arguments(p)
+    _add_common(p)
     p.add_argument("-o", "--output", default="ccfx-report.html",
                    help="HTML file to write (default ccfx-report.html)")
     p.add_argument("--steps", type=int, default=1,

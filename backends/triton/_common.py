@@ -53,6 +53,25 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def launch_block_encode(kernel, x, block: int, code_dtype, **constexprs):
+    """Flatten ``x``, allocate one code per element and one fp32 scale per block, and run a
+    fused per-block encode kernel over ``(ROWS, WIDTH)`` tiles, called as
+    ``kernel(flat, codes, scales, n, nblocks, block, WIDTH=..., ROWS=..., **constexprs)``.
+    Returns ``(codes [n], scales [ceil(n / block)])``."""
+    flat = x.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    nblocks = cdiv(n, block)
+    codes = torch.empty(n, dtype=code_dtype, device=x.device)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    if n:
+        width, rows = block_tile(block)
+        kernel[(cdiv(nblocks, rows),)](flat, codes, scales, n, nblocks, block,
+                                       WIDTH=width, ROWS=rows, **constexprs)
+    return codes, scales
+
+
 #: Elements per program of the elementwise decode kernels.
 DECODE_BLOCK = 1024
 

@@ -24,7 +24,14 @@ import triton.language as tl
 
 from ccfx.codecs.fp8 import BITS
 
-from ._common import block_tile, cdiv, launch_decode, load_block_tile, rint, row_absmax, store_float
+from ._common import (
+    launch_block_encode,
+    launch_decode,
+    load_block_tile,
+    rint,
+    row_absmax,
+    store_float,
+)
 
 
 # %% the float8 formats
@@ -140,20 +147,7 @@ def _fp8_decode_kernel(
 # %% launchers
 def fp8_encode(x: torch.Tensor, block: int, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any shape, float) → ``(codes uint8 [n], scales fp32 [ceil(n / block)])``."""
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    n = flat.numel()
-    nblocks = cdiv(n, block)
-    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return codes, scales
-    width, rows = block_tile(block)
-    _fp8_encode_kernel[(cdiv(nblocks, rows),)](
-        flat, codes, scales, n, nblocks, block, **_format_args(fmt), WIDTH=width, ROWS=rows,
-    )
-    return codes, scales
+    return launch_block_encode(_fp8_encode_kernel, x, block, torch.uint8, **_format_args(fmt))
 
 
 def fp8_decode(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: torch.dtype, shape,

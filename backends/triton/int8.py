@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block_tile, cdiv, launch_decode, load_block_tile, rint, row_absmax, store_float
+from ._common import (
+    launch_block_encode,
+    launch_decode,
+    load_block_tile,
+    rint,
+    row_absmax,
+    store_float,
+)
 
 # %% kernels
 #: Largest finite float32: decoded values are clamped to it (never rounded into inf).
@@ -66,19 +73,7 @@ def _int8_decode_kernel(
 # %% launchers
 def int8_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any shape, float) → ``(q int8 [n], scales fp32 [ceil(n / block)])``."""
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    n = flat.numel()
-    nblocks = cdiv(n, block)
-    q = torch.empty(n, dtype=torch.int8, device=x.device)
-    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return q, scales
-    width, rows = block_tile(block)
-    grid = (cdiv(nblocks, rows),)
-    _int8_encode_kernel[grid](flat, q, scales, n, nblocks, block, WIDTH=width, ROWS=rows)
-    return q, scales
+    return launch_block_encode(_int8_encode_kernel, x, block, torch.int8)
 
 
 def int8_decode(
