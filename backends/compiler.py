@@ -8,12 +8,22 @@ A :class:`CcfxBackend` is called once per graph Dynamo captures. For each it run
 (annotate → partition → cut_edges), records the graph's plan, registers every hop with its
 ledger, and lowers the result. It keeps everything it decided — the plan, the partitioned
 graphs, the forward/backward graphs — for ``ccfx.plan_of``, tests and drawings.
+
+Ownership: each ``torch.compile(..., backend="ccfx")`` call gets a backend of its own, kept on
+the compiled object's Dynamo context (``compiled.dynamo_ctx`` for a module; the context a
+compiled function closes over), so it lives and dies with the compiled object. Dynamo keeps
+its caches (and the callables a backend returns) until ``torch._dynamo.reset()``: what ccfx
+returns to it holds only a weak reference to the backend. Dynamo would also hand one
+compile's cached graphs to another ``torch.compile`` of the same code with equal options;
+each ccfx compile therefore marks its ``torch.compile`` wrapper with a token of its own.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,11 +32,12 @@ import torch.fx
 
 from ccfx import codecs
 from ccfx.config import Config
-from ccfx.errors import CcfxError, ConfigError
+from ccfx.errors import CcfxError, CcfxWarning, ConfigError
 from ccfx.passes import annotate, cut_edges, partition, run_passes
 from ccfx.passes.graph_utils import facts, val
 from ccfx.plan import GraphPlan, Plan
 from ccfx.runtime.cut_op import Hop, hop_of, register_hop
+from ccfx.runtime.data_parallel import DataParallel, inside_ddp
 from ccfx.runtime.ledger import Ledger
 from ccfx.viz.observability import emit_plan_artifact
 from ccfx.viz.observability import install as _install_torch_logs
@@ -50,22 +61,43 @@ class CompiledGraph:
 class CcfxBackend:
     """A configured ccfx backend; pass it as ``torch.compile(model, backend=...)``."""
 
-    def __init__(self, config: Config | None = None, mode: str | None = None, **options):
+    def __init__(self, config: Config | None = None, mode: str | None = None, *,
+                 option_sources: dict[str, str] | None = None, **options):
         if config is not None and options:
             raise ConfigError("give either a Config or option keywords, not both")
-        self.config = config if config is not None else Config.from_options(options or None)
+        if config is None:
+            config, sources = Config.resolve(options or None)
+            option_sources = option_sources or sources
+        self.config = config
+        self.option_sources = dict(option_sources or {})
         self.mode = mode
         self.ledger = Ledger()
         self.graphs: list[CompiledGraph] = []
-        #: Buffers of stateful codecs on cut edges (live tensors: save and load them here).
+        #: The hops this backend registered (the cut op's table refers to them weakly).
+        self.hops: list[Hop] = []
+        #: Buffers of stateful codecs on cut edges and gradient buckets (live tensors: save
+        #: and load them here).
         self.codec_state = torch.nn.Module()
+        #: Data-parallel gradient synchronization (``data_parallel=True``), made at the first
+        #: compile (it creates a process group: every rank compiles together).
+        self.data_parallel: DataParallel | None = None
+        _LIVE.add(self)
 
     @property
     def plan(self) -> Plan:
-        return Plan(config=self.config.to_dict(), graphs=[g.plan for g in self.graphs])
+        graphs = [g.plan for g in self.graphs]
+        dp = self.data_parallel
+        if dp is not None:
+            for g in graphs:
+                g.buckets = dp.buckets(g.index)
+        return Plan(config=self.config.to_dict(), graphs=graphs,
+                    option_sources=self.option_sources,
+                    data_parallel=dp.info() if dp is not None else None)
 
     def _uid_for(self, index: int, edge: int, hop: tuple[int, int], spec: str, gspec: str) -> int:
-        return register_hop(Hop(self.ledger, index, edge, hop, codecs.get(spec), codecs.get(gspec)))
+        hop_ = Hop(self.ledger, index, edge, hop, codecs.get(spec), codecs.get(gspec))
+        self.hops.append(hop_)
+        return register_hop(hop_)
 
     def _allocate_codec_state(self, gm: torch.fx.GraphModule) -> None:
         """Allocate stateful codecs' tensors now (static shapes) and expose them as buffers of
@@ -86,16 +118,33 @@ class CcfxBackend:
                     self.codec_state.register_buffer(f"{prefix}_{name}", tensor)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
+        kwargs.pop("ccfx_owner", None)
         try:
+            _adopt(self)
             return self._compile(gm, example_inputs, **kwargs)
         except CcfxError as e:
             raise _through_dynamo(e) from e
+
+    def _setup_data_parallel(self) -> DataParallel | None:
+        if not self.config.data_parallel:
+            return None
+        if inside_ddp():
+            raise ConfigError(
+                "this model runs inside DistributedDataParallel and data_parallel=True would "
+                "all-reduce its gradients a second time: drop the DDP wrapper (ccfx synchronizes "
+                "the gradients itself), or keep DDP, drop data_parallel and give DDP ccfx's codec "
+                "with model.register_comm_hook(*ccfx.ddp_comm_hook(spec))")
+        if self.data_parallel is None:
+            self.data_parallel = DataParallel(self.config, self.ledger)
+            self.codec_state.add_module("buckets", self.data_parallel.state)
+        return self.data_parallel
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         if kwargs.get("options"):
             raise ConfigError("this backend is already configured; pass options to ccfx.backend()")
         index = len(self.graphs)
         cfg = self.config
+        dp = self._setup_data_parallel()
         captured = gm.code
         gm = run_passes(gm, [
             functools.partial(annotate, example_inputs=example_inputs),
@@ -108,15 +157,26 @@ class CcfxBackend:
         graph_plan = build_graph_plan(gm, index)
         log.info("ccfx: graph %d partitioned\n%s", index, Plan(cfg.to_dict(), [graph_plan]))
         emit_plan_artifact(Plan(cfg.to_dict(), [graph_plan]).to_json(), index)
-        compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode))
+        rewrite = None
+        if dp is not None:
+            params, synced = _parameter_inputs(gm)
+            dp.add_graph(index, params, synced)
+            rewrite = functools.partial(_rewrite_backward, weakref.ref(dp), index)
+        compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode),
+                                  rewrite_backward=rewrite)
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered))
-        ledger = self.ledger
+        # Dynamo keeps what a backend returns until torch._dynamo.reset(): refer to this
+        # backend weakly, so its ledger, hops and state die with the compiled model.
+        owner = weakref.ref(self)
 
         def run(*args):
-            ledger.count_call(index)
+            backend = owner()
+            if backend is not None:
+                backend.ledger.count_call(index)
+                if backend.data_parallel is not None:
+                    backend.data_parallel.before_call(index, args)
             return compiled(*args)
 
-        run._ccfx_backend = self  # type: ignore[attr-defined]
         return run
 
 
@@ -137,55 +197,136 @@ def _through_dynamo(e: CcfxError) -> CcfxError:
     return _passthrough_type(type(e))(str(e))
 
 
-# backend="ccfx": one CcfxBackend per torch.compile call, found again from its options dict.
-_SESSIONS: dict[int, tuple[object, CcfxBackend]] = {}
-_DEFAULT_KEY = 0
-
-
-def _session(options, mode) -> CcfxBackend:
-    key = id(options) if options is not None else _DEFAULT_KEY
-    entry = _SESSIONS.get(key)
-    if entry is None or entry[0] is not options:
-        backend = CcfxBackend(Config.from_options(options), mode=mode)
-        _SESSIONS[key] = (options, backend)  # holding `options` keeps its id unique
-        return backend
-    return entry[1]
-
-
-def ccfx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options=None, mode=None):
-    """Entry point of ``backend="ccfx"``; ``options`` is the dict given to torch.compile."""
+def _rewrite_backward(dp_ref, index, gm, compile_fn, decompositions, record):
+    dp = dp_ref()
+    if dp is None:  # the compiled model is gone; nothing to synchronize for
+        return compile_fn(gm)
     try:
-        backend = _session(options, mode)
+        return dp.compile_backward(index, gm, compile_fn, decompositions, record)
     except CcfxError as e:
         raise _through_dynamo(e) from e
+
+
+def _parameter_inputs(gm: torch.fx.GraphModule) -> tuple[dict[int, str], list[int]]:
+    """Forward inputs that are parameters (index → name), and those to broadcast from rank 0
+    at the first call (parameters and buffers)."""
+    params, synced = {}, []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for k, node in enumerate(placeholders):
+        kind = facts(node).get("kind")
+        if kind == "param":
+            params[k] = facts(node).get("name", node.name)
+        if kind in ("param", "buffer"):
+            synced.append(k)
+    return params, synced
+
+
+# -- one backend per torch.compile call -------------------------------------------------------
+
+#: Every live backend, weakly (tests check that compiled models free theirs).
+_LIVE: weakref.WeakSet[CcfxBackend] = weakref.WeakSet()
+
+
+def live_backends() -> int:
+    return len(_LIVE)
+
+
+class _OwnerToken:
+    """Put in a torch.compile wrapper's kwargs: equal only to itself, so Dynamo never serves
+    this compile's cached graphs to another torch.compile call (it compares wrappers with ==)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        return self is other
+
+    def __hash__(self):
+        return id(self)
+
+
+def _dynamo_callers():
+    """The Dynamo context running this compile (its ``compile_wrapper`` frame's ``self``) and
+    the ``torch.compile`` wrapper that called the backend, either of them None if not found."""
+    from torch import _TorchCompileWrapper
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    ctx = wrapper = None
+    frame = sys._getframe(1)
+    while frame is not None and (ctx is None or wrapper is None):
+        candidate = frame.f_locals.get("self")
+        if wrapper is None and isinstance(candidate, _TorchCompileWrapper):
+            wrapper = candidate
+        if ctx is None and isinstance(candidate, _TorchDynamoContext):
+            ctx = candidate
+        frame = frame.f_back
+    return ctx, wrapper
+
+
+def _adopt(backend: CcfxBackend) -> None:
+    """Keep ``backend`` on the Dynamo context of the compile that is running."""
+    ctx, _ = _dynamo_callers()
+    if ctx is not None and getattr(ctx, "_ccfx_backend", None) is None:
+        ctx._ccfx_backend = backend
+
+
+#: Dynamo counts every torch.compile's graphs of one code object (a model class's forward)
+#: against one recompile limit, 8 by default, and then runs that code eagerly (for data
+#: parallel: with no gradient synchronization). ccfx gives each torch.compile a backend of its
+#: own, so a process that compiles the same model class many times reaches it; ccfx raises it.
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit() -> None:
+    config = torch._dynamo.config
+    if config.recompile_limit < RECOMPILE_LIMIT:
+        log.info("ccfx: raising torch._dynamo.config.recompile_limit from %d to %d",
+                 config.recompile_limit, RECOMPILE_LIMIT)
+        config.recompile_limit = RECOMPILE_LIMIT
+
+
+def ccfx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options=None, mode=None,
+                 ccfx_owner=None):
+    """Entry point of ``backend="ccfx"``; ``options`` is the dict given to torch.compile."""
+    ctx, wrapper = _dynamo_callers()
+    backend = getattr(ctx, "_ccfx_backend", None)
+    if backend is None:
+        _raise_recompile_limit()
+        try:
+            config, sources = Config.resolve(options)
+            backend = CcfxBackend(config, mode=mode, option_sources=sources)
+        except CcfxError as e:
+            raise _through_dynamo(e) from e
+        if ctx is not None:
+            ctx._ccfx_backend = backend
+        else:
+            import warnings
+
+            warnings.warn("ccfx could not find torch.compile's context: this graph gets a "
+                          "backend of its own, and ccfx.plan_of() will not find it",
+                          CcfxWarning, stacklevel=2)
+        if wrapper is not None and "ccfx_owner" not in wrapper.kwargs:
+            wrapper.kwargs["ccfx_owner"] = _OwnerToken()
     return backend(gm, example_inputs, mode=mode)
 
 
 def backend_of(obj) -> CcfxBackend:
-    """The CcfxBackend behind a compiled module or function, a backend, or its session."""
+    """The CcfxBackend behind a compiled module (``torch.compile(model)``, or a model after
+    ``model.compile()``), a compiled function, or a backend itself."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
     if isinstance(obj, CcfxBackend):
         return obj
-    seen = set()
-    todo = [obj]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, CcfxBackend):
-            return x
-        if getattr(x, "compiler_fn", None) is not None and getattr(x, "kwargs", None) is not None:
-            fn = x.compiler_fn
-            if isinstance(fn, CcfxBackend):
-                return fn
-            if getattr(fn, "__name__", "") == "ccfx_backend":
-                options = x.kwargs.get("options")
-                key = id(options) if options is not None else _DEFAULT_KEY
-                if key in _SESSIONS and _SESSIONS[key][0] is options:
-                    return _SESSIONS[key][1]
-        for attr in ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "compiler_fn",
-                     "__wrapped__", "_torchdynamo_inline"):
-            todo.append(getattr(x, attr, None))
+    candidates = [getattr(obj, "dynamo_ctx", None)]
+    inner = getattr(obj, "_compiled_call_impl", None)  # nn.Module.compile()
+    for fn in (obj, inner):
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                candidates.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+    for c in candidates:
+        if isinstance(c, _TorchDynamoContext) and getattr(c, "_ccfx_backend", None) is not None:
+            return c._ccfx_backend
     raise ConfigError(
         f"{type(obj).__name__} was not compiled by ccfx, or has not run yet: call "
         "torch.compile(model, backend='ccfx', options={...}) and run it once before plan_of()"

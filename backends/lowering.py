@@ -8,6 +8,7 @@ body directly, skipping the dispatcher (``direct_cut_calls``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,13 +47,23 @@ def direct_cut_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def _eager(graphs: LoweredGraphs):
+#: ``rewrite(backward_gm, compile_fn, decompositions, record) -> boxed callable``: how the
+#: data-parallel runtime takes over the backward (``DataParallel.compile_backward``).
+BackwardRewrite = Callable[..., Callable]
+
+
+def _eager(graphs: LoweredGraphs, rewrite: BackwardRewrite | None):
     from functorch.compile import make_boxed_func
+
+    def compile_eager(gm: torch.fx.GraphModule):
+        return make_boxed_func(direct_cut_calls(gm).forward)
 
     def compiler(kind):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            if kind == "backward" and rewrite is not None:
+                return rewrite(gm, compile_eager, None, graphs.backward.append)
             getattr(graphs, kind).append(gm)
-            return make_boxed_func(direct_cut_calls(gm).forward)
+            return compile_eager(gm)
         return compile_graph
 
     from torch._dynamo.backends.common import aot_autograd
@@ -63,10 +74,21 @@ def _eager(graphs: LoweredGraphs):
     )
 
 
-def _inductor(graphs: LoweredGraphs, mode: str | None):
+def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite | None):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(gm, example_inputs, **kwargs):
+        if kwargs.get("is_backward") and rewrite is not None:
+            from torch._inductor.decomposition import select_decomp_table
+
+            def compile_backward(rewritten: torch.fx.GraphModule):
+                inputs = [n.meta["val"] for n in rewritten.graph.nodes if n.op == "placeholder"]
+                # Keep each collective where the pass put it: inductor's default memory
+                # reordering moves waits early and collectives late.
+                with torch._inductor.config.patch(reorder_for_peak_memory=False):
+                    return compile_fx_inner(rewritten, inputs, **kwargs)
+
+            return rewrite(gm, compile_backward, select_decomp_table(), graphs.backward.append)
         if kwargs.get("is_backward"):
             graphs.backward.append(gm)
         elif kwargs.get("is_inference"):
@@ -85,8 +107,24 @@ def _inductor(graphs: LoweredGraphs, mode: str | None):
     return compile_graph
 
 
+def _rewriting_backward():
+    """A hit in AOT autograd's cache skips the backward compiler, and with it the gradient
+    buckets: graphs ccfx rewrites are never served from (or stored in) that cache. And the
+    backward compiles with the forward (not lazily at the first ``.backward()``), so buckets,
+    their codec state and the plan exist after the first call, and every rank checks the bucket
+    plan at the same point."""
+    return torch._functorch.config.patch(enable_autograd_cache=False,
+                                         force_non_lazy_backward_lowering=True)
+
+
 def lower(gm: torch.fx.GraphModule, example_inputs: Sequence, lowering: str,
-          mode: str | None = None) -> tuple[Callable, LoweredGraphs]:
+          mode: str | None = None,
+          rewrite_backward: BackwardRewrite | None = None) -> tuple[Callable, LoweredGraphs]:
     graphs = LoweredGraphs()
-    compiler = _eager(graphs) if lowering == "eager" else _inductor(graphs, mode)
-    return compiler(gm, list(example_inputs)), graphs
+    if lowering == "eager":
+        compiler = _eager(graphs, rewrite_backward)
+    else:
+        compiler = _inductor(graphs, mode, rewrite_backward)
+    guard = _rewriting_backward() if rewrite_backward is not None else contextlib.nullcontext()
+    with guard:
+        return compiler(gm, list(example_inputs)), graphs

@@ -14,6 +14,9 @@ from .errors import ConfigError
 
 BALANCE = ("flops", "params", "memory")
 LOWERING = ("inductor", "eager")
+#: Environment variable holding a JSON object of options, for frameworks that pass only a
+#: backend name (``TrainingArguments(torch_compile_backend="ccfx")``). Explicit options win.
+OPTIONS_ENV = "CCFX_OPTIONS"
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,24 @@ class Config:
         "memory" (activation bytes).
     lowering: what runs the partitioned graphs after aot_autograd: "inductor" (default; fastest
         on CPU and CUDA) or "eager" (aten ops one by one: quick to compile, for tests).
+
+    Data parallel (gradients averaged over the ranks of the default process group, from
+    inside the compiled backward; no DDP wrapper):
+
+    data_parallel: synchronize parameter gradients across ranks. Without a process group it
+        runs as world size 1 (each bucket's codec applied as a local round trip).
+    gradient_codec: codec on each gradient bucket ("none", "fp16", "powersgd:rank=4", "int8",
+        "topk:ratio=0.01,ef", ...). Sum-compatible codecs all-reduce; others all-gather.
+    bucket_mb: bucket size cap in MiB; gradients fill buckets in the order backward makes them.
+    compress_min_numel: parameters with fewer elements, and every 0-d/1-D parameter (biases,
+        norms), go in uncompressed buckets.
+    min_compression_rate: a bucket whose codec would not shrink it by at least this factor
+        (raw / wire) is sent uncompressed.
+    warmup_steps: this many first backward passes are all-reduced uncompressed (PowerSGD's
+        ``start_powerSGD_iter``), then the codec starts.
+    error_feedback: wrap the gradient codec in error feedback (same as appending ",ef").
+    collective_timeout_s: how long a rank waits on a gradient collective before failing with
+        an error naming the rank and the bucket (a peer died or diverged).
     """
 
     stages: int = 1
@@ -36,6 +57,14 @@ class Config:
     split_points: tuple[str, ...] | None = None
     balance: str = "flops"
     lowering: str = "inductor"
+    data_parallel: bool = False
+    gradient_codec: str = "none"
+    bucket_mb: float = 25.0
+    compress_min_numel: int = 1024
+    min_compression_rate: float = 2.0
+    warmup_steps: int = 0
+    error_feedback: bool = False
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
@@ -51,6 +80,7 @@ class Config:
         from . import codecs
 
         object.__setattr__(self, "activation_codec", codecs.canonical(self.activation_codec))
+        self._check_data_parallel()
         if self.split_points is not None:
             points = self.split_points
             if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
@@ -67,6 +97,29 @@ class Config:
                     f"{len(points)} split_points make {len(points) + 1} stages, but "
                     f"stages={self.stages}; drop `stages` or give {self.stages - 1} split points"
                 )
+
+    def _check_data_parallel(self) -> None:
+        from . import codecs
+
+        for name in ("data_parallel", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} is True or False, got {getattr(self, name)!r}")
+        positive = {"bucket_mb": "a bucket's size cap in MiB, e.g. 25",
+                    "min_compression_rate": "raw / wire bytes, e.g. 2.0",
+                    "collective_timeout_s": "seconds, e.g. 300"}
+        for name, what in positive.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number ({what}), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("compress_min_numel", "warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer ≥ 0, got {value!r}")
+        spec = codecs.canonical(self.gradient_codec)
+        if self.error_feedback and not spec.endswith("ef"):
+            spec = codecs.canonical(spec + (",ef" if ":" in spec else ":ef"))
+        object.__setattr__(self, "gradient_codec", spec)
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -88,6 +141,40 @@ class Config:
                 f"valid options: {', '.join(cls.keys())}"
             )
         return cls(**options)
+
+    @classmethod
+    def resolve(cls, options: dict[str, Any] | Config | None,
+                environ: dict[str, str] | None = None) -> tuple[Config, dict[str, str]]:
+        """The Config for one compile and where each option came from ("default",
+        "environment" for ``$CCFX_OPTIONS``, "options" for torch.compile's dict): explicit
+        options win over the environment, which wins over the defaults."""
+        import json
+        import os
+
+        if isinstance(options, Config):
+            return options, dict.fromkeys(cls.keys(), "Config")
+        environ = os.environ if environ is None else environ
+        merged: dict[str, Any] = {}
+        names = cls.keys()
+        sources = dict.fromkeys(names, "default")
+        text = environ.get(OPTIONS_ENV, "").strip()
+        if text:
+            try:
+                from_env = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"${OPTIONS_ENV} must be a JSON object of ccfx options such "
+                                  f'as {{"data_parallel": true}}; it does not parse: {e}') from None
+            if not isinstance(from_env, dict):
+                raise ConfigError(f"${OPTIONS_ENV} must be a JSON object, got {text!r}")
+            merged.update(from_env)
+            sources.update({k: "environment" for k in from_env})
+        if options:
+            if not isinstance(options, dict):
+                raise ConfigError(
+                    f"options must be a dict of ccfx options, got {type(options).__name__}")
+            merged.update(options)
+            sources.update({k: "options" for k in options})
+        return cls.from_options(merged or None), {k: v for k, v in sources.items() if k in names}
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -73,6 +73,44 @@ class SharedParam:
 
 
 @dataclass
+class Bucket:
+    """One data-parallel gradient bucket: parameters whose gradients travel together.
+
+    ``codec`` is what is applied (``"none"`` where the policy skipped compression, ``reason``
+    says why); ``collective`` is how the payload is reduced: ``all_reduce`` (sum-compatible
+    payloads), ``all_gather`` (then every rank decodes every payload and sums in rank order, so
+    all ranks get the same bits), or ``powersgd`` (two all-reduces: P, then Q). ``wire_bytes``
+    is the payload one rank contributes per step, exact from the codec's payload layout.
+    """
+
+    graph: int
+    index: int
+    params: list[str]
+    numel: int
+    dtype: str
+    codec: str
+    collective: str
+    raw_bytes: int
+    wire_bytes: int
+    reason: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.wire_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+
+@dataclass
+class DataParallelInfo:
+    """How gradients are synchronized: the world the plan was made for and the policy."""
+
+    world_size: int
+    backend: str  # "gloo", "nccl", ... or "none" (no process group: world size 1)
+    gradient_codec: str
+    warmup_steps: int = 0
+    note: str = ""
+
+
+@dataclass
 class GraphPlan:
     index: int
     requested_stages: int
@@ -83,6 +121,8 @@ class GraphPlan:
     shared: list[SharedParam]
     notes: list[str] = field(default_factory=list)
     symbolic: bool = False
+    #: Data-parallel gradient buckets, filled when the backward graph is compiled.
+    buckets: list[Bucket] = field(default_factory=list)
 
     @property
     def imbalance(self) -> float:
@@ -96,6 +136,9 @@ class GraphPlan:
 class Plan:
     config: dict[str, Any]
     graphs: list[GraphPlan] = field(default_factory=list)
+    #: Where each option came from: "default", "environment" ($CCFX_OPTIONS) or "options".
+    option_sources: dict[str, str] = field(default_factory=dict)
+    data_parallel: DataParallelInfo | None = None
 
     # Convenience views over every graph.
     @property
@@ -109,6 +152,16 @@ class Plan:
     @property
     def shared(self) -> list[SharedParam]:
         return [p for g in self.graphs for p in g.shared]
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [b for g in self.graphs for b in g.buckets]
+
+    def fingerprint(self) -> str:
+        """A hash of the plan's JSON: ranks compare it before their first collective."""
+        import hashlib
+
+        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
 
     @property
     def num_stages(self) -> int:
@@ -132,10 +185,14 @@ class Plan:
                         "stages": [Stage(**s) for s in g["stages"]],
                         "edges": edges,
                         "shared": [SharedParam(**p) for p in g["shared"]],
+                        "buckets": [Bucket(**b) for b in g.get("buckets", [])],
                     }
                 )
             )
-        return cls(config=data["config"], graphs=graphs)
+        dp = data.get("data_parallel")
+        return cls(config=data["config"], graphs=graphs,
+                   option_sources=data.get("option_sources", {}),
+                   data_parallel=DataParallelInfo(**dp) if dp else None)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -203,4 +260,32 @@ def format_plan(plan: Plan) -> str:
             out.append("  shared parameters (used in several stages, gradients summed):")
             for p in g.shared:
                 out.append(f"    {p.name}: stages {p.stages}, {human_bytes(p.nbytes)}")
+        if g.buckets:
+            out.append("")
+            out.append("  gradient buckets (in the order backward makes them):")
+            rows = [[b.index, len(b.params), b.numel, b.codec, b.collective,
+                     human_bytes(b.raw_bytes), human_bytes(b.wire_bytes), f"{b.ratio:.4f}",
+                     b.reason or _param_summary(b.params)] for b in g.buckets]
+            out += ["  " + r for r in _table(
+                rows, ["bucket", "params", "numel", "codec", "collective", "raw/step",
+                       "wire/step", "ratio", "holds"])]
+            raw = sum(b.raw_bytes for b in g.buckets)
+            wire = sum(b.wire_bytes for b in g.buckets)
+            out.append(f"  gradients per step per rank: {human_bytes(raw)} raw -> "
+                       f"{human_bytes(wire)} on the wire ({wire / raw if raw else 1.0:.4f})")
+    if plan.data_parallel is not None:
+        dp = plan.data_parallel
+        out.append("")
+        out.append(f"data parallel: world size {dp.world_size} ({dp.backend}), gradient codec "
+                   f"{dp.gradient_codec}" + (f", {dp.warmup_steps} uncompressed warm-up steps"
+                                             if dp.warmup_steps else ""))
+        if dp.note:
+            out.append(f"  note: {dp.note}")
+    changed = {k: v for k, v in plan.option_sources.items() if v != "default"}
+    if changed:
+        out.append("options from: " + ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
     return "\n".join(out)
+
+
+def _param_summary(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} … {names[-1]}"

@@ -16,9 +16,9 @@ from . import (  # noqa: F401  (each module registers its codecs)
 )
 from .base import Codec, Context, Encoded
 from .dispatch import implementation
-from .registry import available, canonical, get, names, parse_spec, register
+from .registry import available, canonical, get, names, parse_spec, prototype, register
 
 __all__ = [
     "Codec", "Context", "Encoded", "available", "canonical", "get", "implementation", "names",
-    "parse_spec", "register",
+    "parse_spec", "prototype", "register",
 ]

@@ -158,13 +158,18 @@ class PowerSGD(Codec):
 
     def compute_q(self, x: torch.Tensor, p: torch.Tensor, state):
         """``(orth(P), Mᵀ orth(P))`` in fp32; keeps the new Q as the warm start."""
+        p, q = self.project(x, p)
+        state["q"].copy_(q.to(x.dtype))
+        return p, q
+
+    def project(self, x: torch.Tensor, p: torch.Tensor):
+        """``(orth(P), Mᵀ orth(P))`` in fp32, keeping nothing (data parallel keeps the
+        all-reduced Q instead)."""
         rows, cols, _ = self.matrix(tuple(x.shape))
         p = orthogonalize(p)
         # (Pᵀ M)ᵀ, not Mᵀ P: the same product, but CPU BLAS runs a transposed skinny matmul
         # 3-6x slower (it reads M column by column); this form reads M row by row.
-        q = (p.T @ self._matrix(x, rows, cols)).T.contiguous()
-        state["q"].copy_(q.to(x.dtype))
-        return p, q
+        return p, (p.T @ self._matrix(x, rows, cols)).T.contiguous()
 
     # -- codec ------------------------------------------------------------------------------
 
@@ -180,3 +185,44 @@ class PowerSGD(Codec):
             return enc.payload[0].clone()
         p, q = enc.payload
         return (p.float() @ q.float().T).view(enc.ctx.shape).to(enc.ctx.dtype)
+
+
+# -- the two halves as custom ops, for graphs that all-reduce P and Q in between ----------------
+# (data-parallel gradient buckets: see ccfx.runtime.bucket_exchange). Functional, like
+# ccfx_codecs::encode: the caller copies the returned Q into the state it owns.
+
+
+def _powersgd_of(spec: str) -> PowerSGD:
+    from .registry import prototype
+
+    codec = prototype(spec)
+    codec = getattr(codec, "inner", codec)  # "powersgd:ef": error feedback lives outside
+    if not isinstance(codec, PowerSGD):
+        raise TypeError(f"{spec!r} is not a powersgd spec")
+    return codec
+
+
+@torch.library.custom_op("ccfx_codecs::powersgd_p", mutates_args=())
+def powersgd_p(x: torch.Tensor, q: torch.Tensor, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M orth(Q), Q)`` in fp32: Q comes back re-seeded when it was not finite."""
+    state = {"q": q.clone()}
+    return _powersgd_of(spec).compute_p(x, state).contiguous(), state["q"].contiguous()
+
+
+@powersgd_p.register_fake
+def _(x, q, spec):
+    rows, _, r = _powersgd_of(spec).matrix(tuple(x.shape))
+    return x.new_empty((rows, r), dtype=torch.float32), torch.empty_like(q)
+
+
+@torch.library.custom_op("ccfx_codecs::powersgd_q", mutates_args=())
+def powersgd_q(x: torch.Tensor, p: torch.Tensor, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(orth(P), Mᵀ orth(P))`` in fp32, for P summed over the ranks."""
+    p, q = _powersgd_of(spec).project(x, p)
+    return p.contiguous(), q.contiguous()  # QR's Q is column-major; the fake says contiguous
+
+
+@powersgd_q.register_fake
+def _(x, p, spec):
+    _, cols, r = _powersgd_of(spec).matrix(tuple(x.shape))
+    return torch.empty_like(p), x.new_empty((cols, r), dtype=torch.float32)

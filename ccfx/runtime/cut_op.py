@@ -7,6 +7,8 @@ in the forward graph and in the backward graph.
 
 ``uid`` names the hop in a process-wide table (``register_hop``) so the op can report its bytes
 to the right ledger; an unknown uid still computes the round trip, it just is not counted.
+The table holds weak references: a :class:`Hop` belongs to the backend that registered it (one
+per ``torch.compile`` call), so hops, ledgers and codec state die with the compiled model.
 The op never aliases its input (the identity codec copies), as custom ops must not, and its
 output is always contiguous (a received buffer), whatever the input's strides.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +26,7 @@ from .. import codecs
 from .ledger import Ledger
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Hop:
     """One hop's runtime: where its bytes are counted and its own codec objects, which carry
     the state of stateful codecs (error feedback residual, PowerSGD's Q) from step to step."""
@@ -36,12 +39,13 @@ class Hop:
     grad_codec: codecs.Codec | None = None
 
 
-_HOPS: dict[int, Hop] = {}
+_HOPS: weakref.WeakValueDictionary[int, Hop] = weakref.WeakValueDictionary()
 _next_uid = itertools.count(1)
 _lock = threading.Lock()
 
 
 def register_hop(hop: Hop) -> int:
+    """A uid for ``hop``; the caller keeps ``hop`` alive (the table only refers to it)."""
     with _lock:
         uid = next(_next_uid)
         _HOPS[uid] = hop
@@ -56,6 +60,11 @@ def forget_hops(uids) -> None:
     with _lock:
         for uid in uids:
             _HOPS.pop(uid, None)
+
+
+def registered_hops() -> int:
+    """How many hops are registered and alive (for tests of lifetimes)."""
+    return len(_HOPS)
 
 
 def _roundtrip(x: torch.Tensor, spec: str, uid: int, direction: str) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""The byte ledger: what crossed each cut, raw and on the wire, counted from what actually ran.
+"""The byte ledger: what crossed the wire, raw and encoded, counted from what actually ran.
 
-Every ``ccfx::cut`` op that executes reports (edge, direction, raw bytes, wire bytes) here.
-A *step* is one call of a compiled graph; with graph breaks, each graph runs once per step, so
-``steps`` is the largest call count among the graphs. ``per_step()`` divides by it.
+One table, keyed by *channel*: a hop of a cut edge in one direction (``"fwd"``/``"bwd"``,
+reported by each ``ccfx::cut`` op that executes) or a data-parallel gradient bucket
+(direction ``"bucket"``, reported by the compiled backward each time it runs its collectives;
+wire bytes are the payload this rank contributes). A *step* is one call of a compiled graph;
+with graph breaks, each graph runs once per step, so ``steps`` is the largest call count among
+the graphs. ``per_step()`` divides by it.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from dataclasses import dataclass
 @dataclass
 class EdgeCount:
     graph: int
-    edge: int
-    hop: tuple[int, int]
-    direction: str  # "fwd" or "bwd"
+    edge: int  # the cut edge, or the bucket index for direction "bucket"
+    hop: tuple[int, int]  # (source stage, destination stage); (0, 0) for a bucket
+    direction: str  # "fwd", "bwd" or "bucket"
     calls: int = 0
     raw_bytes: int = 0
     wire_bytes: int = 0
@@ -37,6 +40,9 @@ class Ledger:
         c.raw_bytes += raw
         c.wire_bytes += wire
 
+    def record_bucket(self, graph: int, bucket: int, raw: int, wire: int) -> None:
+        self.record(graph, bucket, (0, 0), "bucket", raw, wire)
+
     def count_call(self, graph: int) -> None:
         self._graph_calls[graph] += 1
 
@@ -48,9 +54,12 @@ class Ledger:
     def steps(self) -> int:
         return max(self._graph_calls.values(), default=0)
 
-    def entries(self) -> list[EdgeCount]:
-        return sorted(self._counts.values(),
-                      key=lambda c: (c.graph, c.edge, c.hop, c.direction != "fwd"))
+    def entries(self, direction: str | None = None) -> list[EdgeCount]:
+        """Rows of one direction, or all of them (cut hops first, then gradient buckets)."""
+        order = {"fwd": 0, "bwd": 1, "bucket": 2}
+        rows = [c for c in self._counts.values() if direction in (None, c.direction)]
+        return sorted(rows, key=lambda c: (c.direction == "bucket", c.graph, c.edge, c.hop,
+                                           order.get(c.direction, 3)))
 
     def totals(self, direction: str | None = None) -> tuple[int, int]:
         """(raw, wire) bytes summed over every edge, hop and step (one direction, or both)."""
@@ -85,14 +94,17 @@ class Ledger:
         steps = max(self.steps, 1)
         for c in self.entries():
             ratio = c.wire_bytes / c.raw_bytes if c.raw_bytes else 1.0
+            where = f"{c.hop[0]}->{c.hop[1]:<2}" if c.direction != "bucket" else "  -  "
+            direction = c.direction if c.direction != "bucket" else "grad"
             lines.append(
-                f"  {c.graph:>5} {c.edge:>4} {c.hop[0]}->{c.hop[1]:<2} {c.direction:>3} "
+                f"  {c.graph:>5} {c.edge:>4} {where} {direction:>3} "
                 f"{human_bytes(c.raw_bytes / steps):>12} {human_bytes(c.wire_bytes / steps):>12} "
                 f"{ratio:.3f}"
             )
-        for d in ("fwd", "bwd"):
+        for d in ("fwd", "bwd", "bucket"):
             raw, wire = self.per_step(d)
             if raw:
-                lines.append(f"  {d} per step: {human_bytes(raw)} raw -> {human_bytes(wire)} wire "
-                             f"({wire / raw:.3f})")
+                name = "gradient buckets" if d == "bucket" else d
+                lines.append(f"  {name} per step: {human_bytes(raw)} raw -> {human_bytes(wire)} "
+                             f"wire ({wire / raw:.3f})")
         return "\n".join(lines)

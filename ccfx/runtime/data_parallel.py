@@ -1,0 +1,255 @@
+"""Data parallel: one model's gradient synchronization, owned by its backend.
+
+``options={"data_parallel": True, "gradient_codec": ...}`` makes every rank of the default
+process group run the whole model and average parameter gradients from inside the compiled
+backward (``passes.grad_buckets``); there is no DDP wrapper. This object holds what that needs
+for one compiled model:
+
+* the process group: a group of its own over every rank, created at the first compile with
+  ``collective_timeout_s`` as its timeout, so a dead or diverged peer becomes an error within
+  that time instead of a hang; without a process group, world size 1 (codecs as local round
+  trips), and the plan says so;
+* per graph, the buckets (recorded in the plan) and their codec state, which lives in
+  :attr:`state` (an ``nn.Module`` of buffers, ``ccfx.codec_state(compiled)``) so a checkpoint
+  resumes with identical numerics;
+* the first call's broadcast of parameters and buffers from rank 0 (as DDP does; afterwards
+  buffers such as BatchNorm statistics stay per rank, as DDP with ``broadcast_buffers=False``);
+* the step count that ends ``warmup_steps`` (an uncompressed variant of the backward runs
+  until then), and the ledger rows of each bucket every time a backward runs;
+* the compile-time fingerprint check: ranks whose bucket plans or options differ fail with a
+  clear error before their first gradient collective (gloo would abort or hang otherwise).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ..config import Config
+from ..errors import CcfxError, ConfigError
+from ..plan import Bucket, DataParallelInfo
+from .bucket_exchange import FunctionalComm, LocalComm, exchange_for
+from .ledger import Ledger
+
+log = logging.getLogger("ccfx")
+
+
+class CollectiveError(CcfxError):
+    """A gradient collective failed or timed out (a peer rank died, hung or diverged)."""
+
+
+@dataclass
+class _GraphState:
+    param_names: dict[int, str]  # forward input index -> parameter name
+    sync_inputs: list[int]  # parameters and buffers broadcast from rank 0 at the first call
+    synced: bool = False
+    backward_calls: int = 0
+    buckets: list = field(default_factory=list)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def inside_ddp() -> bool:
+    """True while DDP's forward runs (torch.compile(DDP(model)) calls backends from there)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module() is not None
+
+
+class DataParallel:
+    def __init__(self, config: Config, ledger: Ledger):
+        self.config = config
+        self.ledger = ledger
+        #: Codec state of every bucket, as buffers: checkpoint ``state.state_dict()``.
+        self.state = torch.nn.Module()
+        self._graphs: dict[int, _GraphState] = {}
+        dist = _dist()
+        if dist is None:
+            self.world, self.rank, self.backend_name, self.group = 1, 0, "none", None
+            self.comm = LocalComm()
+            self.note = ("no process group: world size 1, each bucket's codec runs as a local "
+                         "round trip (call dist.init_process_group() first to synchronize ranks)")
+        else:
+            self.world, self.rank = dist.get_world_size(), dist.get_rank()
+            self.backend_name = str(dist.get_backend())
+            timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+            self.group = dist.new_group(timeout=timeout)
+            self.comm = FunctionalComm(self.group.group_name, self.world)
+            self.note = ""
+
+    def info(self) -> DataParallelInfo:
+        return DataParallelInfo(self.world, self.backend_name, self.config.gradient_codec,
+                                self.config.warmup_steps, self.note)
+
+    # -- forward side ---------------------------------------------------------------------
+
+    def add_graph(self, index: int, param_names: Mapping[int, str], sync_inputs: Sequence[int]):
+        self._graphs[index] = _GraphState(dict(param_names), list(sync_inputs))
+
+    def before_call(self, index: int, args: Sequence) -> None:
+        """At a graph's first call: parameters and buffers take rank 0's values."""
+        g = self._graphs.get(index)
+        if g is None or g.synced:
+            return
+        g.synced = True
+        dist = _dist()
+        if dist is None or self.world == 1:
+            return
+        with torch.no_grad():
+            for k in g.sync_inputs:
+                t = args[k]
+                if isinstance(t, torch.Tensor):
+                    self._wait(lambda t=t: dist.broadcast(t.detach(), src=0, group=self.group),
+                               f"the broadcast of parameters from rank 0 (graph {index})")
+
+    # -- backward side --------------------------------------------------------------------
+
+    def compile_backward(self, index: int, gm: torch.fx.GraphModule,
+                         compile_fn: Callable[[torch.fx.GraphModule], Callable],
+                         decompositions=None,
+                         record: Callable[[torch.fx.GraphModule], None] | None = None):
+        """Rewrite and compile the backward of graph ``index``; returns a boxed callable."""
+        from ccfx.passes.grad_buckets import assign_buckets, find_param_grads, grad_buckets
+
+        g = self._graphs[index]
+        cfg = self.config
+        slots = find_param_grads(gm, g.param_names)
+        buckets = assign_buckets(slots, cfg.gradient_codec, cfg.bucket_mb,
+                                 cfg.compress_min_numel, cfg.min_compression_rate)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # The backward compiles with the forward, inside its fake mode: the check and the
+        # state tensors must be real.
+        with unset_fake_temporarily():
+            self._check_fingerprint(index, buckets)
+            states = []
+            for b in buckets:
+                state = exchange_for(b.layout, b.spec).init_state(_device_of(gm))
+                for name, tensor in state.items():
+                    self.state.register_buffer(f"graph{index}_bucket{b.index}_{name}", tensor)
+                states.append(state)
+        compressed = grad_buckets(_copy(gm), buckets, states, self.comm, decompositions)
+        if record is not None:
+            record(compressed)
+        variants = [(compile_fn(compressed), [t for s in states for _, t in sorted(s.items())])]
+        warm = None
+        if cfg.warmup_steps and any(b.spec != "none" for b in buckets):
+            plain = [type(b)(b.index, b.slots, "none", "warm-up") for b in buckets]
+            warm = compile_fn(grad_buckets(_copy(gm), plain, [{} for _ in plain], self.comm,
+                                           decompositions))
+        g.buckets = [self._plan_bucket(index, b) for b in buckets]
+        plain_rows = [(b.index, b.raw_bytes, b.raw_bytes) for b in g.buckets]
+        rows = [(b.index, b.raw_bytes, b.wire_bytes) for b in g.buckets]
+        described = self._describe(index, buckets)
+
+        def run(args):
+            step = g.backward_calls
+            g.backward_calls += 1
+            fn, extra, counted = (warm, [], plain_rows) if (
+                warm is not None and step < cfg.warmup_steps) else (*variants[0], rows)
+            try:
+                out = fn(list(args) + extra)
+            except RuntimeError as e:
+                raise CollectiveError(
+                    f"rank {self.rank} of {self.world}: the backward of graph {index} failed while "
+                    f"its gradient collectives were in flight ({described}; group timeout "
+                    f"{cfg.collective_timeout_s:g} s): {_first_line(e)}. A peer rank died, hung, "
+                    "or is running a different model; see that rank's own error.") from e
+            finally:
+                if isinstance(args, list):
+                    args.clear()  # the boxed convention: the callee frees its inputs
+            for b, raw, wire in counted:
+                self.ledger.record_bucket(index, b, raw, wire)
+            return out
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def buckets(self, index: int) -> list[Bucket]:
+        g = self._graphs.get(index)
+        return list(g.buckets) if g else []
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _plan_bucket(self, index: int, b) -> Bucket:
+        ex = exchange_for(b.layout, b.spec)
+        return Bucket(graph=index, index=b.index, params=[s.name for s in b.slots],
+                      numel=b.layout.numel, dtype=str(b.layout.dtype), codec=b.spec,
+                      collective=ex.collective, raw_bytes=ex.raw_bytes,
+                      wire_bytes=ex.wire_bytes(), reason=b.reason)
+
+    @staticmethod
+    def _describe(index: int, buckets) -> str:
+        parts = [f"bucket {b.index}: {len(b.slots)} params, {b.spec} via "
+                 f"{exchange_for(b.layout, b.spec).collective}" for b in buckets]
+        return "; ".join(parts) if parts else "no buckets"
+
+    def _fingerprint(self, index: int, buckets) -> str:
+        keys = ("gradient_codec", "bucket_mb", "compress_min_numel", "min_compression_rate",
+                "warmup_steps")
+        desc = {"graph": index, "options": {k: getattr(self.config, k) for k in keys},
+                "buckets": [[b.spec, [[s.name, list(s.shape), str(s.dtype)] for s in b.slots]]
+                            for b in buckets]}
+        text = json.dumps(desc, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16] + " " + text
+
+    def _check_fingerprint(self, index: int, buckets) -> None:
+        dist = _dist()
+        if dist is None or self.world == 1:
+            return
+        mine = self._fingerprint(index, buckets)
+        everyone: list = [None] * self.world
+        self._wait(lambda: dist.all_gather_object(everyone, mine, group=self.group),
+                   f"the bucket-plan check of graph {index} (every rank compiles the backward "
+                   "at its first .backward())")
+        differ = [r for r, fp in enumerate(everyone) if fp != everyone[0]]
+        if differ:
+            raise ConfigError(
+                f"rank {self.rank}: ranks {differ} planned different gradient buckets or "
+                f"options than rank 0 for graph {index}; every rank must run the same model with "
+                f"the same ccfx options (a parameter used on some ranks only, or different "
+                f"options, makes the collectives differ).\n  rank 0: {everyone[0][17:]}\n"
+                f"  rank {differ[0]}: {everyone[differ[0]][17:]}")
+
+    def _wait(self, fn, what: str):
+        try:
+            return fn()
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world}: {what} failed (group timeout "
+                f"{self.config.collective_timeout_s:g} s): {_first_line(e)}. A peer rank died, "
+                "hung or diverged.") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _device_of(gm: torch.fx.GraphModule):
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """An independent copy of a backward graph (each variant is rewritten on its own)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    return copy

@@ -1,0 +1,227 @@
+"""grad_buckets: average parameter gradients across ranks from inside the backward graph.
+
+Runs on the backward graph aot_autograd produces (the forward's passes ran long before).
+Three steps, each usable alone:
+
+1. :func:`find_param_grads`: which outputs of the backward are gradients of parameters (the
+   output node's ``meta["desc"]``: ``GradAOTOutput(grad_of=PlainAOTInput(k))``, input ``k`` of
+   the forward being an ``nn.Parameter``), in the order backward makes them.
+2. :func:`assign_buckets`: DDP's policy. Gradients fill buckets in that order up to
+   ``bucket_mb``; 0-d/1-D parameters and those under ``compress_min_numel`` go to buckets of
+   their own that travel uncompressed, and so does a bucket the codec would not shrink by
+   ``min_compression_rate``. One dtype per bucket.
+3. :func:`grad_buckets` (the pass): per bucket, the phases of its
+   :class:`~ccfx.runtime.bucket_exchange.Exchange` traced with ``make_fx`` (functional
+   collectives and the codecs' own ops) and spliced in: the first phase right after the
+   bucket's last gradient (the collective starts as soon as the bucket is ready), middle
+   phases after the next buckets' gradients, the last phase (wait, decode, ÷ world) just
+   before the output (waited on as late as possible). The output then returns the averaged
+   gradients. Codec state becomes extra placeholders at the end of the inputs, updated in the
+   graph with ``copy_``: the caller passes the tensors it owns (see
+   ``ccfx.runtime.data_parallel``).
+
+Facts: each spliced node gets ``meta["ccfx"] = {"bucket": i, "phase": k}``; the graph gets
+``gm.meta["ccfx"]["buckets"]`` (the :class:`BucketAssignment` list) and ``"state_inputs"``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ccfx.errors import CcfxError
+from ccfx.runtime.bucket_exchange import BucketLayout, Exchange, exchange_for
+
+from .graph_utils import facts
+
+
+@dataclass(frozen=True)
+class GradSlot:
+    """One parameter gradient among the backward's outputs."""
+
+    output_index: int  # position in the backward's output tuple
+    input_index: int  # the forward input (example_inputs[k]) it is the gradient of
+    name: str  # the parameter's qualified name
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    ready: int  # position in the graph of the node that produces it
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class BucketAssignment:
+    index: int
+    slots: tuple[GradSlot, ...]
+    spec: str  # the codec applied ("none" when the policy skipped compression)
+    reason: str = ""  # why it travels uncompressed, when it does
+
+    @property
+    def layout(self) -> BucketLayout:
+        return BucketLayout(tuple(s.shape for s in self.slots), self.slots[0].dtype)
+
+    @property
+    def ready(self) -> int:
+        return max(s.ready for s in self.slots)
+
+
+def _output_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def find_param_grads(gm: torch.fx.GraphModule, param_names: Mapping[int, str]) -> list[GradSlot]:
+    """Parameter gradients among the backward's outputs, in the order they become ready.
+    ``param_names`` maps forward input index → parameter name (inputs that are parameters)."""
+    out = _output_node(gm)
+    descs = out.meta.get("desc")
+    values = list(out.args[0])
+    if descs is None or len(descs) != len(values):
+        raise CcfxError(
+            "ccfx data parallel could not tell which backward outputs are parameter gradients "
+            "(the backward graph's output carries no aot_autograd descriptors); this torch "
+            "version is not supported for data_parallel")
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    slots = []
+    for k, (node, desc) in enumerate(zip(values, descs)):
+        grad_of = getattr(desc, "grad_of", None)
+        index = getattr(grad_of, "idx", None)
+        if node is None or index is None or index not in param_names:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        slots.append(GradSlot(k, index, param_names[index], tuple(int(d) for d in value.shape),
+                              value.dtype, pos[node]))
+    return sorted(slots, key=lambda s: (s.ready, s.output_index))
+
+
+def _compressible(slot: GradSlot, compress_min_numel: int) -> str:
+    """'' when the gradient may be compressed, else the reason it travels raw."""
+    if len(slot.shape) < 2:
+        return "0-d/1-D parameters travel uncompressed"
+    if slot.numel < compress_min_numel:
+        return f"below compress_min_numel={compress_min_numel}"
+    return ""
+
+
+def assign_buckets(slots: Sequence[GradSlot], codec: str, bucket_mb: float,
+                   compress_min_numel: int, min_compression_rate: float) -> list[BucketAssignment]:
+    cap = bucket_mb * 2**20
+    open_buckets: dict[tuple, list[GradSlot]] = {}
+    closed: list[tuple[str, list[GradSlot]]] = []
+    for slot in slots:
+        reason = _compressible(slot, compress_min_numel) if codec != "none" else ""
+        key = (slot.dtype, reason)
+        members = open_buckets.setdefault(key, [])
+        members.append(slot)
+        if sum(s.numel * s.dtype.itemsize for s in members) >= cap:
+            closed.append((reason, open_buckets.pop(key)))
+    closed += [(reason, members) for (_, reason), members in open_buckets.items()]
+    closed.sort(key=lambda rm: max(s.ready for s in rm[1]))  # the order they become ready
+    buckets = []
+    for i, (reason, members) in enumerate(closed):
+        spec = "none" if reason else codec
+        if spec != "none":
+            ex = exchange_for(BucketLayout(tuple(s.shape for s in members), members[0].dtype), spec)
+            rate = ex.raw_bytes / max(ex.wire_bytes(), 1)
+            if rate < min_compression_rate:
+                spec, reason = "none", (f"{codec} would shrink it {rate:.2f}x only "
+                                        f"(< min_compression_rate={min_compression_rate:g})")
+        buckets.append(BucketAssignment(i, tuple(members), spec, reason))
+    return buckets
+
+
+def _trace(fn, args, decompositions) -> torch.fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions or {})(*args)
+
+
+def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
+                 state: Sequence[Mapping[str, torch.Tensor]], comm,
+                 decompositions=None) -> torch.fx.GraphModule:
+    """Splice each bucket's exchange into the backward ``gm`` (see the module docstring).
+    ``state[i]`` holds bucket i's codec state tensors (real, for their shapes and dtypes);
+    they become placeholders ``ccfx_state_<i>_<name>`` appended to the inputs in that order."""
+    from torch._guards import detect_fake_mode
+
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    out_node = _output_node(gm)
+    grads_out = list(out_node.args[0])
+    first_op = next(n for n in nodes if n.op != "placeholder")
+
+    state_nodes: list[list[torch.fx.Node]] = []
+    with graph.inserting_before(first_op):
+        for b, named in zip(buckets, state):
+            row = []
+            for name in sorted(named):
+                node = graph.placeholder(f"ccfx_state_{b.index}_{name}")
+                node.meta["val"] = fake_mode.from_tensor(named[name], static_shapes=True)
+                facts(node).update(kind="ccfx_state", bucket=b.index, state=name)
+                row.append(node)
+            state_nodes.append(row)
+
+    exchanges: list[Exchange] = [exchange_for(b.layout, b.spec) for b in buckets]
+    after_ready = [nodes[b.ready + 1] if nodes[b.ready].op != "placeholder" else first_op
+                   for b in buckets]
+    # (anchor, bucket, phase) in the order they are inserted: phases of one bucket in turn
+    work = []
+    for i, ex in enumerate(exchanges):
+        n_phases = len(ex.phases)
+        for k in range(n_phases):
+            if k == n_phases - 1:
+                anchor, order = out_node, len(nodes)
+            else:
+                j = min(i + k, len(buckets) - 1)
+                anchor, order = after_ready[j], buckets[j].ready
+            work.append((order, i, k, anchor))
+    work.sort(key=lambda w: w[:3])
+
+    carry: dict[int, list[torch.fx.Node]] = {i: [] for i in range(len(buckets))}
+    for _, i, k, anchor in work:
+        b, ex = buckets[i], exchanges[i]
+        grad_nodes = [grads_out[s.output_index] for s in b.slots]
+        inputs = [*grad_nodes, *state_nodes[i], *carry[i]]
+        n_g, n_s = len(grad_nodes), len(state_nodes[i])
+        phase = ex.phases[k]
+
+        def fn(*flat, phase=phase, n_g=n_g, n_s=n_s):
+            return list(phase(list(flat[:n_g]), list(flat[n_g:n_g + n_s]),
+                              list(flat[n_g + n_s:]), comm))
+
+        traced = _trace(fn, [n.meta["val"] for n in inputs], decompositions)
+        new_nodes = _tag_and_splice(graph, traced, inputs, anchor, {"bucket": b.index, "phase": k})
+        carry[i] = new_nodes
+
+    for i, b in enumerate(buckets):
+        for slot, node in zip(b.slots, carry[i]):
+            grads_out[slot.output_index] = node
+    out_node.args = (tuple(grads_out),) + tuple(out_node.args[1:])
+    meta = gm.meta.setdefault("ccfx", {})
+    meta["buckets"] = list(buckets)
+    meta["state_inputs"] = [(b.index, name) for b, named in zip(buckets, state)
+                            for name in sorted(named)]
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _tag_and_splice(graph, traced, inputs, before, tag) -> list[torch.fx.Node]:
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    val_map = dict(zip(placeholders, inputs))
+    existing = set(graph.nodes)
+    with graph.inserting_before(before):
+        out = graph.graph_copy(traced.graph, val_map)
+    for node in graph.nodes:
+        if node not in existing:
+            facts(node).update(tag)
+    return list(out) if isinstance(out, (list, tuple)) else [out]

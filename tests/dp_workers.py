@@ -1,0 +1,235 @@
+"""What each rank runs in the data-parallel tests (module-level: spawn pickles them by name).
+
+Every worker returns plain data (lists, floats, bytes digests); the test in the parent process
+asserts on it. Ranks start from *different* initialisations on purpose: ccfx must broadcast
+rank 0's parameters at the first call, as DDP does.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ccfx
+
+
+def mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 8))
+
+
+def batch(rank: int, step: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 64, generator=g)
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def compile_dp(model, codec, lowering="eager", **options):
+    opts = {"data_parallel": True, "gradient_codec": codec, "lowering": lowering,
+            "compress_min_numel": 0, **options}
+    return torch.compile(model, backend="ccfx", options=opts)
+
+
+def _mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    out = t.clone()
+    dist.all_reduce(out)
+    return out / dist.get_world_size()
+
+
+def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def grads_by_codec(rank, world, codecs, lowering="eager"):
+    """One step per codec; per codec: the max error against the reference average, the
+    digest of the gradients (equal on every rank) and whether parameters were broadcast."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = batch(rank)
+    ddp = DDP(mlp(seed=0))  # DDP broadcasts rank 0's init too
+    loss_fn(ddp(x)).backward()
+    ddp_grads = [p.grad for p in ddp.parameters()]
+    results = {}
+    for codec in codecs:
+        model = mlp(seed=rank)  # differs per rank until ccfx broadcasts rank 0's
+        compiled = compile_dp(model, codec, lowering)
+        loss_fn(compiled(x)).backward()
+        same_init = all(torch.equal(a, b) for a, b in zip(model.parameters(), ddp.parameters()))
+        grads = [p.grad for p in model.parameters()]
+        plan = ccfx.plan_of(compiled)
+        if codec == "none":
+            reference = ddp_grads
+        else:
+            reference = _codec_reference(model, plan, x, codec)
+        err = max((g - r).abs().max().item() for g, r in zip(grads, reference))
+        results[codec] = {"err": err, "digest": digest(grads), "same_init": same_init,
+                          "buckets": [(b.codec, b.collective, b.wire_bytes) for b in plan.buckets],
+                          "ledger": ccfx.ledger_of(compiled).per_step("bucket")}
+    return results
+
+
+def _local_grads(model, x):
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    loss_fn(ref(x)).backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _codec_reference(model, plan, x, codec):
+    """What the buckets should compute, from every rank's local gradients, eagerly: gather
+    codecs average each rank's round trip; PowerSGD on the averaged gradient (with one shared
+    Q, P Pᵀ M summed is P Pᵀ of the sum)."""
+    from ccfx.runtime.bucket_exchange import BucketLayout, LocalComm, exchange_for
+
+    local = _local_grads(model, x)
+    out = dict(local)
+    for b in plan.buckets:
+        grads = [local[n] for n in b.params]
+        layout = BucketLayout(tuple(tuple(g.shape) for g in grads), grads[0].dtype)
+        ex = exchange_for(layout, b.codec)
+        if b.collective == "powersgd":
+            mean = [_mean_over_ranks(g) for g in grads]
+            result = ex.run(mean, ex.init_state(), LocalComm())
+        elif b.collective == "all_gather":
+            per_rank = [ex.run(list(parts), ex.init_state(), LocalComm())
+                        for parts in zip(*[_gathered(g) for g in grads])]
+            result = [sum(r[i].float() for r in per_rank) / len(per_rank)
+                      for i in range(len(grads))]
+        else:
+            result = [_mean_over_ranks(g) for g in grads]
+        out.update(zip(b.params, result))
+    return [out[n] for n, _ in model.named_parameters()]
+
+
+def train_steps(rank, world, codec, steps, lowering="eager", **options):
+    """Train the MLP a few SGD steps; returns per-step losses and the final parameters' digest."""
+    model = mlp(seed=rank)
+    compiled = compile_dp(model, codec, lowering, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        loss = loss_fn(compiled(batch(rank, step)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": digest(model.parameters()),
+            "ledger_steps": ccfx.ledger_of(compiled).steps,
+            "bucket_bytes": ccfx.ledger_of(compiled).per_step("bucket")}
+
+
+def checkpoint_resume(rank, world, codec, path):
+    """5 steps straight, against 3 steps + checkpoint + a fresh model resumed for 2 steps."""
+    def build():
+        model = mlp(seed=rank)
+        compiled = compile_dp(model, codec)
+        return model, compiled, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(compiled, opt, i):
+        loss_fn(compiled(batch(rank, i))).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, compiled, opt = build()
+    for i in range(5):
+        step(compiled, opt, i)
+    straight = digest(model.parameters())
+
+    torch._dynamo.reset()
+    model, compiled, opt = build()
+    for i in range(3):
+        step(compiled, opt, i)
+    file = f"{path}.rank{rank}"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "codec": ccfx.codec_state(compiled).state_dict()}, file)
+    saved_state = len(ccfx.codec_state(compiled).state_dict())
+
+    torch._dynamo.reset()
+    model, compiled, opt = build()
+    ckpt = torch.load(file)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    compiled(batch(rank, 99))  # compiles the training graph: buckets and their state exist now
+    ccfx.codec_state(compiled).load_state_dict(ckpt["codec"])
+    for i in range(3, 5):
+        step(compiled, opt, i)
+    return {"straight": straight, "resumed": digest(model.parameters()),
+            "state_tensors": saved_state}
+
+
+def powersgd_hook_world1(rank, world, steps):
+    """World size 1: ccfx's PowerSGD buckets against torch's powerSGD_hook on DDP."""
+    import numpy as np
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+    ddp = DDP(copy.deepcopy(base), bucket_cap_mb=25)
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                               start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+                               min_compression_rate=2, random_seed=0)
+    ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    seed = np.random.RandomState(0).randint(1_000_000_000)
+    mine = copy.deepcopy(base)
+    compiled = compile_dp(mine, f"powersgd:rank=2,seed={seed},ef", warmup_steps=2,
+                          compress_min_numel=0, min_compression_rate=1.0)
+    errs = []
+    for i in range(steps):
+        x = batch(0, i)
+        for m, fn in ((ddp, ddp), (mine, compiled)):
+            m.zero_grad()
+            loss_fn(fn(x)).backward()
+        errs.append(max((a.grad - b.grad).abs().max().item()
+                        for a, b in zip(ddp.module.parameters(), mine.parameters())))
+        scale = max(a.grad.abs().max().item() for a in ddp.module.parameters())
+        errs[-1] /= scale
+    return {"rel_errs": errs, "buckets": [b.params for b in ccfx.plan_of(compiled).buckets]}
+
+
+def mismatched_models(rank, world):
+    """Rank 1 has an extra layer: the bucket-plan check must fail on every rank."""
+    model = mlp(seed=0) if rank == 0 else nn.Sequential(mlp(seed=0), nn.Linear(8, 8))
+    compiled = compile_dp(model, "int8")
+    try:
+        compiled(batch(rank))
+    except ccfx.ConfigError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+def dies_mid_step(rank, world, timeout_s):
+    """Rank 1 exits after compiling; rank 0's backward must fail within the timeout."""
+    import os
+    import time
+
+    model = mlp(seed=0)
+    compiled = compile_dp(model, "int8", collective_timeout_s=timeout_s)
+    out = compiled(batch(rank))  # compiles (and checks the bucket plan) on both ranks
+    if rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        loss_fn(out).backward()
+    except Exception as e:  # noqa: BLE001 (the test asserts on the type and message)
+        return {"error": type(e).__name__, "message": str(e),
+                "elapsed": time.monotonic() - start}
+    return {"error": None, "elapsed": time.monotonic() - start}
