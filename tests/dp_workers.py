@@ -233,3 +233,17 @@ def dies_mid_step(rank, world, timeout_s):
         return {"error": type(e).__name__, "message": str(e),
                 "elapsed": time.monotonic() - start}
     return {"error": None, "elapsed": time.monotonic() - start}
+
+
+def backward_graph(rank, world, codec):
+    """The backward graph text (normalized, as in goldens) and where its collectives sit."""
+    from ccfx.backends.compiler import backend_of
+    from ccfx.testing import golden_text
+
+    model = mlp(seed=0)
+    compiled = compile_dp(model, codec, bucket_mb=0.06)
+    loss_fn(compiled(batch(rank))).backward()
+    (gm,) = backend_of(compiled).graphs[0].lowered.backward
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    return {"text": golden_text(compiled, graphs=("backward",)), "targets": names,
+            "buckets": len(ccfx.plan_of(compiled).buckets)}

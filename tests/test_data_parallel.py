@@ -123,3 +123,22 @@ def _inside_ddp(rank, world):
     except ccfx.ConfigError as e:
         return str(e)
     return "no error"
+
+
+@pytest.mark.parametrize("codec, name", [("int8", "dp_int8_buckets"),
+                                         ("powersgd:rank=4", "dp_powersgd_buckets")])
+def test_golden_backward_issues_each_collective_early_and_waits_late(codec, name):
+    from pathlib import Path
+
+    from ccfx.testing import assert_golden
+
+    result, _ = spawn(dp_workers.backward_graph, 2, (codec,), timeout_s=180)
+    assert_golden(Path(__file__).parent / "golden" / f"{name}.txt", result["text"])
+    targets = result["targets"]
+    issued = [i for i, t in enumerate(targets) if "all_gather" in t or "all_reduce" in t]
+    waits = [i for i, t in enumerate(targets) if "wait_tensor" in t]
+    matmuls = [i for i, t in enumerate(targets) if t.startswith("aten.mm")]
+    assert result["buckets"] >= 3 and issued and len(waits) == len(issued)
+    # the first bucket's collective is issued while backward still has matrix products to do
+    # (it overlaps them), and the last waits come after the last collective is issued
+    assert any(m > issued[0] for m in matmuls) and waits[-1] > issued[-1]
