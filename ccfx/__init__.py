@@ -28,6 +28,15 @@ def plan_of(compiled) -> Plan:
     return backend_of(compiled).plan
 
 
+def ddp_comm_hook(spec: str, process_group=None):
+    """``(state, hook)`` that average eager DDP's gradient buckets through a codec:
+    ``ddp_model.register_comm_hook(*ccfx.ddp_comm_hook("powersgd:rank=4,ef"))``; see
+    :mod:`ccfx.runtime.comm_hook`."""
+    from ccfx.runtime.comm_hook import ddp_comm_hook as _ddp_comm_hook
+
+    return _ddp_comm_hook(spec, process_group)
+
+
 def ledger_of(compiled):
     """The byte ledger of a model compiled with ccfx."""
     from ccfx.backends.compiler import backend_of
@@ -67,6 +76,6 @@ def draw(compiled_or_plan, path, **kw):
 
 __all__ = [
     "CcfxError", "CcfxWarning", "CodecError", "Config", "ConfigError", "CutEdge", "GraphPlan",
-    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codec_state", "codecs", "draw",
-    "ledger_of", "plan_of", "stage_boundary",
+    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codec_state", "codecs",
+    "ddp_comm_hook", "draw", "ledger_of", "plan_of", "stage_boundary",
 ]

@@ -306,10 +306,32 @@ def add_arguments(parser) -> None:
                         help="no progress bars")
     parser.add_argument("--report", default="ccfx-demo-report.html", metavar="PATH",
                         help="self-contained HTML report to write ('' for none)")
+    parser.add_argument("--dp", type=int, default=0, metavar="N",
+                        help="train data-parallel on N spawned gloo ranks instead (gradient "
+                             "codec beside uncompressed; --stages and --codec do not apply)")
+    parser.add_argument("--gradient-codec", default=None,
+                        help="with --dp: the gradient codec (default powersgd:rank=4,ef)")
+
+
+def _main_dp(args) -> int:
+    from .demo_dp import DP_CODEC, format_dp_demo, run_dp_demo, write_dp_report
+
+    if args.dp < 1:
+        raise SystemExit("--dp takes the number of ranks, at least 1")
+    result = run_dp_demo(world=args.dp, steps=args.steps, codec=args.gradient_codec or DP_CODEC,
+                         batch_per_rank=max(args.batch_size // args.dp, 1),
+                         lowering=args.lowering, seed=args.seed, lr=args.lr)
+    print(format_dp_demo(result))
+    if args.report:
+        path = write_dp_report(result, args.report)
+        print(f"\nreport: {path} (plan with gradient buckets, loss curves, wire bytes per step)")
+    return 0
 
 
 def main(args) -> int:
     """Run the demo from parsed ``add_arguments`` options and print the report."""
+    if getattr(args, "dp", 0):
+        return _main_dp(args)
     result = run_demo(
         steps=args.steps, stages=args.stages, codec=args.codec, batch_size=args.batch_size,
         lowering=args.lowering, seed=args.seed, progress=args.progress, baseline=args.baseline,

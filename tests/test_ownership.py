@@ -4,6 +4,7 @@ import gc
 import json
 
 import torch
+
 import ccfx
 from ccfx.backends.compiler import live_backends
 from ccfx.runtime.cut_op import registered_hops

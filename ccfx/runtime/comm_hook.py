@@ -1,0 +1,211 @@
+"""ccfx's gradient codecs as a DDP communication hook, for eager ``DistributedDataParallel``.
+
+    state, hook = ccfx.ddp_comm_hook("powersgd:rank=4,ef")  # "int8", "fp16", "topk:ratio=0.01,ef"
+    ddp_model.register_comm_hook(state, hook)
+    torch.save(state.state_dict(), path)                     # beside the model's and optimizer's
+
+The hook runs the same :mod:`~ccfx.runtime.bucket_exchange` phases as the compiled data-parallel
+path, with :class:`ProcessGroupComm` issuing ``torch.distributed`` collectives on the hook's
+process group. A DDP bucket holds every parameter in it, 1-D biases included; the codec is applied
+to the whole bucket (PowerSGD sends the tensors where low rank does not pay raw).
+
+Phases run one after the other inside the hook, and the hook returns an already completed
+future; the collectives *within* a phase are all issued before the first is waited on (PowerSGD's
+P and raw all-reduces travel together). The phases are not chained with ``Future.then`` as in
+``powerSGD_hook``: on gloo a ``then`` callback runs on the process group's worker thread and would
+issue the next phase's collective from there, so two buckets' collectives could be issued in
+different orders on different ranks, and gloo aborts with "Received data size doesn't match
+expected size" (torch 2.13's own ``powerSGD_hook`` did so on gloo with two ranks and two buckets,
+in each of three runs). Issued from the autograd thread, in bucket order, the collectives come in
+the same order on every rank. On NCCL ``Work.wait()`` only makes the current CUDA stream wait, so
+the CPU goes on; on gloo the backward pauses while a bucket is exchanged.
+
+Buckets and state. Each bucket's codec state (PowerSGD's Q, error-feedback residuals, step
+counters) is keyed by ``bucket.index()`` and made at the bucket's first call. DDP regroups its
+buckets once, after its first iteration (unless ``find_unused_parameters=True``), so a bucket
+index can come back with other gradients in it: that bucket then starts from fresh state, since
+a Q or a residual belongs to the gradients it was made for. For the same reason a resumed run
+reproduces the uninterrupted one bit for bit only when its buckets are those of the checkpoint
+from the first iteration on: with ``find_unused_parameters=True`` they are; otherwise the loaded
+state waits for the rebuilt buckets and the resumed run's first iteration uses fresh state (a
+:class:`~ccfx.CcfxWarning` says so).
+"""
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import codecs
+from ..errors import CcfxWarning, ConfigError
+from .bucket_exchange import BucketLayout, Exchange, exchange_for
+
+Hook = Callable[["CommHookState", dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+@dataclass
+class _InFlight:
+    """A collective issued but not yet waited on, and the tensor it fills."""
+
+    work: Any
+    result: torch.Tensor
+
+
+class ProcessGroupComm:
+    """The exchanges' ``Comm`` over ``torch.distributed`` on ``group`` (None: WORLD), eager.
+
+    ``all_reduce`` and ``all_gather`` issue asynchronously and return a handle; ``wait`` waits
+    and returns the result tensor. Inputs are left untouched, as with
+    :class:`~ccfx.runtime.bucket_exchange.FunctionalComm`: ``all_reduce`` reduces a copy, since
+    a codec's payload may be a view of the gradients or of its state.
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+
+    def all_reduce(self, t: torch.Tensor) -> _InFlight:
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        return _InFlight(dist.all_reduce(out, group=self.group, async_op=True), out)
+
+    def all_gather(self, t: torch.Tensor) -> _InFlight:
+        """Fills a ``(world * t.numel(),)`` flat, rank-major tensor."""
+        flat = t.detach().reshape(-1).contiguous()
+        out = flat.new_empty(self.world * flat.numel())
+        return _InFlight(dist.all_gather_single(out, flat, group=self.group, async_op=True), out)
+
+    def wait(self, handle: _InFlight) -> torch.Tensor:
+        handle.work.wait()
+        return handle.result
+
+
+@dataclass
+class _BucketState:
+    """One DDP bucket's exchange and the codec state tensors it updates in place."""
+
+    layout: BucketLayout
+    exchange: Exchange
+    tensors: dict[str, torch.Tensor]
+
+
+def _layout_of(bucket: dist.GradBucket) -> BucketLayout:
+    grads = bucket.gradients()
+    return BucketLayout(tuple(tuple(g.shape) for g in grads), grads[0].dtype)
+
+
+class CommHookState:
+    """What :func:`ddp_comm_hook`'s hook keeps between calls: the codec spec, the process group,
+    each bucket's codec state and the number of DDP steps reduced (``steps``).
+
+    ``state_dict()`` / ``load_state_dict()`` checkpoint it, so that a resumed run continues with
+    the same Q's and residuals (see the module docstring on DDP's bucket rebuild).
+    """
+
+    def __init__(self, spec: str, process_group=None):
+        self.spec = codecs.canonical(spec)
+        self.process_group = process_group
+        self.steps = 0
+        self.buckets: dict[int, _BucketState] = {}
+        #: loaded entries whose bucket has not been seen yet with the layout they were saved for
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._warned_mismatch = False
+
+    # -- per-bucket state ---------------------------------------------------------------------
+
+    def bucket_state(self, bucket: dist.GradBucket) -> _BucketState:
+        """The state of ``bucket``, made (or taken from a loaded checkpoint) when the bucket is
+        new or DDP regrouped it."""
+        index, layout = bucket.index(), _layout_of(bucket)
+        live = self.buckets.get(index)
+        if live is None or live.layout != layout:
+            live = self._new_bucket_state(index, layout, bucket.buffer().device)
+            self.buckets[index] = live
+        return live
+
+    def _new_bucket_state(self, index: int, layout: BucketLayout, device) -> _BucketState:
+        exchange = exchange_for(layout, self.spec)
+        tensors = exchange.init_state(device)
+        saved = self._pending.get(index)
+        if saved is not None and _saved_layout(saved) == layout:
+            del self._pending[index]
+            for name, t in tensors.items():
+                t.copy_(saved["state"][name])
+        elif saved is not None:
+            self._warn_mismatch(index)
+        return _BucketState(layout, exchange, tensors)
+
+    def _warn_mismatch(self, index: int) -> None:
+        if self._warned_mismatch:
+            return
+        self._warned_mismatch = True
+        warnings.warn(
+            f"ccfx.ddp_comm_hook: DDP bucket {index} holds other gradients than the checkpoint's "
+            "bucket of that index (DDP groups them anew in its first iteration and rebuilds its "
+            "buckets after it). This bucket starts from fresh codec state; the loaded state is "
+            "used once a bucket matches it. For a resume that reproduces an uninterrupted run "
+            "exactly, construct DDP with find_unused_parameters=True: its buckets never change.",
+            CcfxWarning, stacklevel=3)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of every bucket's state with the layout it belongs to; loaded entries not used
+        yet are included, so saving right after loading keeps them."""
+        live = {i: {"shapes": b.layout.shapes, "dtype": b.layout.dtype,
+                    "state": {k: t.detach().clone() for k, t in b.tensors.items()}}
+                for i, b in self.buckets.items()}
+        pending = {i: _clone_entry(e) for i, e in self._pending.items() if i not in live}
+        return {"spec": self.spec, "steps": self.steps, "buckets": {**pending, **live}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy saved state into the live buckets it fits; keep the rest for the first call of a
+        bucket with the saved layout."""
+        if codecs.canonical(state["spec"]) != self.spec:
+            raise ConfigError(f"this hook state is for codec {self.spec!r}, the checkpoint's is "
+                              f"for {state['spec']!r}: build the hook with the checkpoint's spec")
+        self.steps = int(state["steps"])
+        self._pending = {}
+        for index, entry in state["buckets"].items():
+            live = self.buckets.get(index)
+            if live is not None and live.layout == _saved_layout(entry):
+                for name, t in live.tensors.items():
+                    t.copy_(entry["state"][name])
+            else:
+                self._pending[index] = _clone_entry(entry)
+
+
+def _saved_layout(entry: dict[str, Any]) -> BucketLayout:
+    return BucketLayout(tuple(tuple(s) for s in entry["shapes"]), entry["dtype"])
+
+
+def _clone_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    return {**entry, "state": {k: t.detach().clone() for k, t in entry["state"].items()}}
+
+
+def codec_hook(state: CommHookState,
+               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` through the codec; DDP copies the result into the gradients (and logs
+    this function's name as the comm hook). No ``from __future__ import annotations`` in this
+    module: DDP checks these two annotations against the classes themselves."""
+    live = state.bucket_state(bucket)
+    comm = ProcessGroupComm(state.process_group)
+    averaged = live.exchange.run(bucket.gradients(), live.tensors, comm)
+    buffer = bucket.buffer()
+    flat = torch.cat([t.reshape(-1) for t in averaged]).to(buffer.dtype).view(buffer.shape)
+    if bucket.is_last():
+        state.steps += 1
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(flat)
+    return fut
+
+
+def ddp_comm_hook(spec: str, process_group=None) -> tuple[CommHookState, Hook]:
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's buckets are
+    averaged through the codec ``spec`` (``"none"``, ``"fp16"``, ``"int8"``,
+    ``"topk:ratio=0.01,ef"``, ``"powersgd:rank=4,ef"``, ...) over ``process_group`` (default:
+    WORLD). The spec is checked here (:class:`~ccfx.ConfigError` lists the codecs), not at the
+    first backward. Every rank ends with the same averaged gradients, bit for bit."""
+    return CommHookState(spec, process_group), codec_hook

@@ -1,0 +1,86 @@
+"""ccfx.ddp_comm_hook on eager DDP, on real gloo ranks (127.0.0.1). The workers live in
+tests/comm_hook_workers.py; they return data, the assertions are here."""
+
+import pytest
+import torch
+
+import ccfx
+from ccfx.runtime.comm_hook import CommHookState
+from ccfx.runtime.launch import spawn
+
+from . import comm_hook_workers as workers
+
+SPECS = ["none", "fp16", "int8", "topk:ratio=0.1,ef", "powersgd:rank=4"]
+#: against the reference (tests/comm_hook_workers.py:_reference): fp16 is a cast of the mean
+BOUND = {"none": 1e-6, "fp16": 2e-3}
+
+
+def test_every_codec_averages_like_the_reference_and_ranks_agree_bit_for_bit():
+    results = spawn(workers.one_step_per_codec, 2, (SPECS,), timeout_s=180)
+    for spec in SPECS:
+        per_rank = [r[spec] for r in results]
+        assert len({r["digest"] for r in per_rank}) == 1, f"{spec}: ranks' gradients differ"
+        r = per_rank[0]
+        assert r["buckets"] >= 2, r["buckets"]
+        assert r["grads_are_results"], f"{spec}: DDP's gradients are not the hook's results"
+        assert r["err_vs_reference"] <= BOUND.get(spec, 1e-5), (spec, r["err_vs_reference"])
+        assert r["steps"] == 1
+    assert results[0]["none"]["err_vs_ddp"] <= 1e-6  # the identity codec is plain DDP
+
+
+def test_training_keeps_ranks_identical_through_ddps_bucket_rebuild():
+    results = spawn(workers.train_steps, 2, ("powersgd:rank=4,ef", 4), timeout_s=180)
+    assert results[0]["params"] == results[1]["params"]
+    assert results[0]["steps"] == 4
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+    # one bucket in DDP's first iteration, then its rebuilt small ones: state follows them
+    assert len(results[0]["buckets"]) >= 2
+
+
+def test_checkpoint_resume_is_bit_exact_with_fixed_buckets(tmp_path):
+    results = spawn(workers.checkpoint_resume, 2,
+                    ("powersgd:rank=4,ef", str(tmp_path / "c"), {"find_unused_parameters": True}),
+                    timeout_s=180)
+    for r in results:
+        assert r["saved_buckets"] >= 2
+        assert r["resumed"] == r["straight"]
+        assert r["steps"] == 5
+        assert r["warnings"] == []
+
+
+def test_resume_across_ddps_bucket_rebuild_warns_and_ranks_still_agree(tmp_path):
+    results = spawn(workers.checkpoint_resume, 2,
+                    ("powersgd:rank=4,ef", str(tmp_path / "c"), {}), timeout_s=180)
+    assert results[0]["resumed"] == results[1]["resumed"]
+    for r in results:
+        assert len(r["warnings"]) == 1 and "find_unused_parameters=True" in r["warnings"][0]
+
+
+@pytest.mark.parametrize("spec", ["int9", "int8:blok=64", "topk:ratio=abc", ""])
+def test_a_bad_spec_fails_when_the_hook_is_made(spec):
+    with pytest.raises(ccfx.ConfigError):
+        ccfx.ddp_comm_hook(spec)
+
+
+def test_the_spec_error_lists_the_codecs():
+    with pytest.raises(ccfx.ConfigError, match="available: .*int8.*powersgd"):
+        ccfx.ddp_comm_hook("int9")
+
+
+def test_loaded_state_not_used_yet_is_saved_again():
+    state, _ = ccfx.ddp_comm_hook("powersgd:ef")
+    saved = {"spec": "powersgd:rank=4,ef", "steps": 7,
+             "buckets": {0: {"shapes": ((8, 16),), "dtype": torch.float32,
+                             "state": {"q0000": torch.randn(16, 4),
+                                       "residual0000": torch.randn(8, 16)}}}}
+    state.load_state_dict(saved)
+    again = state.state_dict()
+    assert again["steps"] == 7
+    for name, t in saved["buckets"][0]["state"].items():
+        assert torch.equal(again["buckets"][0]["state"][name], t)
+
+
+def test_state_for_another_codec_is_refused():
+    state = CommHookState("int8")
+    with pytest.raises(ccfx.ConfigError, match="checkpoint's spec"):
+        state.load_state_dict({"spec": "powersgd", "steps": 0, "buckets": {}})
