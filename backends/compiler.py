@@ -165,6 +165,10 @@ class CcfxBackend:
         compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode),
                                   rewrite_backward=rewrite)
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered))
+        if dp is not None and dp.buckets(index):  # the backward compiled with the forward
+            with_buckets = Plan(cfg.to_dict(), [graph_plan], data_parallel=dp.info())
+            graph_plan.buckets = dp.buckets(index)
+            log.info("ccfx: graph %d gradient buckets\n%s", index, with_buckets)
         # Dynamo keeps what a backend returns until torch._dynamo.reset(): refer to this
         # backend weakly, so its ledger, hops and state die with the compiled model.
         owner = weakref.ref(self)

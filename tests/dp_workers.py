@@ -247,3 +247,23 @@ def backward_graph(rank, world, codec):
     names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     return {"text": golden_text(compiled, graphs=("backward",)), "targets": names,
             "buckets": len(ccfx.plan_of(compiled).buckets)}
+
+
+def stalls_mid_step(rank, world, timeout_s):
+    """Rank 1 stays alive but never joins the backward's collectives: rank 0 must fail after
+    about ``timeout_s``, not hang."""
+    import time
+
+    model = mlp(seed=0)
+    compiled = compile_dp(model, "none", collective_timeout_s=timeout_s)
+    out = compiled(batch(rank))
+    if rank == 1:
+        time.sleep(3 * timeout_s + 10)
+        return {"error": None, "elapsed": 0.0}
+    start = time.monotonic()
+    try:
+        loss_fn(out).backward()
+    except Exception as e:  # noqa: BLE001 (the test asserts on the type and message)
+        return {"error": type(e).__name__, "message": str(e),
+                "elapsed": time.monotonic() - start}
+    return {"error": None, "elapsed": time.monotonic() - start}

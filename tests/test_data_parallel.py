@@ -142,3 +142,10 @@ def test_golden_backward_issues_each_collective_early_and_waits_late(codec, name
     # the first bucket's collective is issued while backward still has matrix products to do
     # (it overlaps them), and the last waits come after the last collective is issued
     assert any(m > issued[0] for m in matmuls) and waits[-1] > issued[-1]
+
+
+def test_a_stalled_rank_is_an_error_after_the_collective_timeout():
+    survivor, _ = spawn(dp_workers.stalls_mid_step, 2, (8.0,), timeout_s=120)
+    assert survivor["error"] == "CollectiveError", survivor
+    assert "rank 0 of 2" in survivor["message"] and "timeout 8 s" in survivor["message"]
+    assert 6 < survivor["elapsed"] < 40, survivor["elapsed"]

@@ -153,7 +153,9 @@ def _aot_view(gm: torch.fx.GraphModule, part: torch.fx.GraphModule, plan: GraphP
         shape, dtype = _shape_dtype(value)
         stack = n.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or \
             n.meta.get("nn_module_stack")
-        v = VNode(name=n.name, kind="op", stage=None, paths=_stack_paths(stack),
+        bucket = facts(n).get("bucket")  # spliced by passes.grad_buckets
+        paths = (f"gradient bucket {bucket}",) if bucket is not None else _stack_paths(stack)
+        v = VNode(name=n.name, kind="op", stage=None, paths=paths,
                   op=n.op if n.op in ("placeholder", "output") else cost.op_name(n),
                   shape=shape, dtype=dtype, inputs=[a.name for a in n.all_input_nodes])
         if isinstance(value, torch.Tensor):

@@ -6,9 +6,11 @@ backward (``passes.grad_buckets``); there is no DDP wrapper. This object holds w
 for one compiled model:
 
 * the process group: a group of its own over every rank, created at the first compile with
-  ``collective_timeout_s`` as its timeout, so a dead or diverged peer becomes an error within
-  that time instead of a hang; without a process group, world size 1 (codecs as local round
-  trips), and the plan says so;
+  ``collective_timeout_s`` as its timeout, so a dead or diverged peer in the middle of training
+  becomes an error within that time instead of a hang (the compile-time check and the first
+  call's broadcast use the default group and its timeout: ranks reach them at moments that
+  differ by however long each takes to start and compile); without a process group, world
+  size 1 (codecs as local round trips), and the plan says so;
 * per graph, the buckets (recorded in the plan) and their codec state, which lives in
   :attr:`state` (an ``nn.Module`` of buffers, ``ccfx.codec_state(compiled)``) so a checkpoint
   resumes with identical numerics;
@@ -110,8 +112,9 @@ class DataParallel:
             for k in g.sync_inputs:
                 t = args[k]
                 if isinstance(t, torch.Tensor):
-                    self._wait(lambda t=t: dist.broadcast(t.detach(), src=0, group=self.group),
-                               f"the broadcast of parameters from rank 0 (graph {index})")
+                    self._wait(lambda t=t: dist.broadcast(t.detach(), src=0),
+                               f"the broadcast of parameters from rank 0 (graph {index})",
+                               default_group=True)
 
     # -- backward side --------------------------------------------------------------------
 
@@ -210,9 +213,9 @@ class DataParallel:
             return
         mine = self._fingerprint(index, buckets)
         everyone: list = [None] * self.world
-        self._wait(lambda: dist.all_gather_object(everyone, mine, group=self.group),
-                   f"the bucket-plan check of graph {index} (every rank compiles the backward "
-                   "at its first .backward())")
+        self._wait(lambda: dist.all_gather_object(everyone, mine),
+                   f"the bucket-plan check of graph {index} (every rank compiles graph {index} "
+                   "at its first call)", default_group=True)
         differ = [r for r, fp in enumerate(everyone) if fp != everyone[0]]
         if differ:
             raise ConfigError(
@@ -222,14 +225,15 @@ class DataParallel:
                 f"options, makes the collectives differ).\n  rank 0: {everyone[0][17:]}\n"
                 f"  rank {differ[0]}: {everyone[differ[0]][17:]}")
 
-    def _wait(self, fn, what: str):
+    def _wait(self, fn, what: str, default_group: bool = False):
         try:
             return fn()
         except RuntimeError as e:
+            timeout = ("the default process group's timeout" if default_group else
+                       f"group timeout {self.config.collective_timeout_s:g} s")
             raise CollectiveError(
-                f"rank {self.rank} of {self.world}: {what} failed (group timeout "
-                f"{self.config.collective_timeout_s:g} s): {_first_line(e)}. A peer rank died, "
-                "hung or diverged.") from e
+                f"rank {self.rank} of {self.world}: {what} failed ({timeout}): "
+                f"{_first_line(e)}. A peer rank died, hung or diverged.") from e
 
 
 def _first_line(e: BaseException) -> str:
