@@ -151,6 +151,7 @@ class CcfxBackend:
             functools.partial(partition, stages=cfg.stages, balance=cfg.balance,
                               split_points=cfg.split_points),
             functools.partial(cut_edges, codec=cfg.activation_codec,
+                              grad_codec=cfg.activation_grad_codec,
                               uid_for=functools.partial(self._uid_for, index)),
         ])
         self._allocate_codec_state(gm)

@@ -26,6 +26,9 @@ class Config:
     stages: number of pipeline stages to cut each graph into (≥ 1).
     activation_codec: codec on every cut edge, forward and backward (a spec, see
         ``ccfx codecs``): "none", "fp16", "bf16", "int8", "int8:block=128", ...
+    activation_grad_codec: codec on the activation gradients that cross the cuts backward;
+        None (default): the same as ``activation_codec``. Optimus-CC's compressed
+        backpropagation is ``activation_codec="none", activation_grad_codec="powersgd:rank=16"``.
     split_points: module qualified names (``"layers.2"``) to cut before; when given, they are the
         cuts, and ``stages`` is ``len(split_points) + 1``.
     balance: the cost the partitioner balances: "flops", "params" (parameter bytes) or
@@ -54,6 +57,7 @@ class Config:
 
     stages: int = 1
     activation_codec: str = "none"
+    activation_grad_codec: str | None = None
     split_points: tuple[str, ...] | None = None
     balance: str = "flops"
     lowering: str = "inductor"
@@ -80,6 +84,9 @@ class Config:
         from . import codecs
 
         object.__setattr__(self, "activation_codec", codecs.canonical(self.activation_codec))
+        if self.activation_grad_codec is not None:
+            object.__setattr__(self, "activation_grad_codec",
+                               codecs.canonical(self.activation_grad_codec))
         self._check_data_parallel()
         if self.split_points is not None:
             points = self.split_points

@@ -216,7 +216,11 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 
 def format_plan(plan: Plan) -> str:
-    out = [f"ccfx plan: {len(plan.graphs)} graph(s), codec {plan.config.get('activation_codec')}"]
+    codec = plan.config.get("activation_codec")
+    grad_codec = plan.config.get("activation_grad_codec")
+    if grad_codec and grad_codec != codec:
+        codec = f"{codec} forward, {grad_codec} backward"
+    out = [f"ccfx plan: {len(plan.graphs)} graph(s), codec {codec}"]
     if len(plan.graphs) > 1:
         out.append(
             "  (graph breaks split the model; each graph is its own pipeline. "
@@ -244,7 +248,8 @@ def format_plan(plan: Plan) -> str:
                 rows.append([
                     e.index, e.source, f"{e.source_stage}->{','.join(map(str, e.dest_stages))}",
                     len(e.hops), "x".join(map(str, e.shape)), e.dtype.replace("torch.", ""),
-                    e.codec, raw, e.wire_bytes_fwd, e.wire_bytes_bwd,
+                    e.codec if e.grad_codec in (None, e.codec) else f"{e.codec} / {e.grad_codec}",
+                    raw, e.wire_bytes_fwd, e.wire_bytes_bwd,
                 ])
             out += ["  " + r for r in _table(
                 rows, ["edge", "source", "stages", "hops", "shape", "dtype", "codec", "raw B/hop",

@@ -10,13 +10,12 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ccfx
 from ccfx.runtime.bucket_exchange import BucketLayout, LocalComm, exchange_for
 
-from .dp_workers import batch, digest, loss_fn, mlp
+from .dp_workers import _gathered, _mean_over_ranks, batch, digest, loss_fn, mlp
 
 #: 30 kB: the MLP's 104 kB of gradients make 2-3 DDP buckets.
 SMALL_BUCKETS_MB = 0.03
@@ -41,17 +40,6 @@ def _recording(hook, log: list):
 
     return wrapped
 
-
-def _mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    out = t.clone()
-    dist.all_reduce(out)
-    return out / dist.get_world_size()
-
-
-def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return parts
 
 
 def _reference(spec: str, entry: dict) -> torch.Tensor:

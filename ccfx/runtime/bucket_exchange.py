@@ -142,48 +142,8 @@ class Exchange:
         return carry
 
 
-class AllReduceExchange(Exchange):
-    collective = "all_reduce"
-
-    def __init__(self, layout, spec):
-        super().__init__(layout, spec)
-        self.codec = codecs.prototype(spec)
-
-    def _identity(self) -> bool:
-        return self.codec.name == "none"
-
-    def state_layout(self):
-        return self.codec.state_layout((self.layout.numel,), self.layout.dtype)
-
-    def wire_bytes(self):
-        return int(self.codec.wire_bytes((self.layout.numel,), self.layout.dtype))
-
-    @property
-    def phases(self):
-        return [self._issue, self._finish]
-
-    def _issue(self, grads, state, carry, comm):
-        flat = self.layout.flat(grads)
-        if self._identity():
-            return [comm.all_reduce(flat)]
-        payload, new = torch.ops.ccfx_codecs.encode(flat / comm.world, self.spec, state)
-        for s, n in zip(state, new):
-            s.copy_(n)
-        return [comm.all_reduce(p) for p in payload]
-
-    def _finish(self, grads, state, carry, comm):
-        summed = [comm.wait(h) for h in carry]
-        if self._identity():
-            return self.layout.unflat(summed[0] / comm.world)
-        flat, new = torch.ops.ccfx_codecs.decode(summed, self.spec, [self.layout.numel],
-                                                 self.layout.dtype, state)
-        for s, n in zip(state, new):  # randomk counts its decodes
-            s.copy_(n)
-        return self.layout.unflat(flat)
-
-
-class GatherExchange(Exchange):
-    collective = "all_gather"
+class _FlatExchange(Exchange):
+    """A codec applied to the bucket flattened into one 1-D tensor."""
 
     def __init__(self, layout, spec):
         super().__init__(layout, spec)
@@ -200,12 +160,41 @@ class GatherExchange(Exchange):
     def phases(self):
         return [self._issue, self._finish]
 
-    def _issue(self, grads, state, carry, comm):
-        flat = self.layout.flat(grads)
+    def _encode(self, flat, state) -> Tensors:
         payload, new = torch.ops.ccfx_codecs.encode(flat, self.spec, state)
         for s, n in zip(state, new):
             s.copy_(n)
-        return [comm.all_gather(p) for p in payload]
+        return payload
+
+
+class AllReduceExchange(_FlatExchange):
+    collective = "all_reduce"
+
+    def _identity(self) -> bool:
+        return self.codec.name == "none"
+
+    def _issue(self, grads, state, carry, comm):
+        flat = self.layout.flat(grads)
+        if self._identity():
+            return [comm.all_reduce(flat)]
+        return [comm.all_reduce(p) for p in self._encode(flat / comm.world, state)]
+
+    def _finish(self, grads, state, carry, comm):
+        summed = [comm.wait(h) for h in carry]
+        if self._identity():
+            return self.layout.unflat(summed[0] / comm.world)
+        flat, new = torch.ops.ccfx_codecs.decode(summed, self.spec, [self.layout.numel],
+                                                 self.layout.dtype, state)
+        for s, n in zip(state, new):  # randomk counts its decodes
+            s.copy_(n)
+        return self.layout.unflat(flat)
+
+
+class GatherExchange(_FlatExchange):
+    collective = "all_gather"
+
+    def _issue(self, grads, state, carry, comm):
+        return [comm.all_gather(p) for p in self._encode(self.layout.flat(grads), state)]
 
     def _finish(self, grads, state, carry, comm):
         gathered = [comm.wait(h).view(comm.world, *shape)
