@@ -257,7 +257,7 @@ def _hung_report(procs, logs, missing: list[int]) -> tuple[str, str]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(procs[r].pid, signal.SIGUSR1)
     time.sleep(1.0)
-    tails = {r: _tail(logs[r], 30) for r in missing}
+    tails = {r: _tail(logs[r], 200) for r in missing}  # stacks are printed innermost first
     frames: list[str] = []
     for text in tails.values():
         # The innermost frame of each thread: the first "File" line after a thread header.

@@ -29,6 +29,7 @@ from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, batches, load_corpus
 from ccfx.viz.progress import progress as progress_bar
 
 DEMO_STEPS = 120
+DP_DEMO_STEPS = 100
 DEMO_BATCH_SIZE = 16
 DEMO_LR = 3e-3
 BASELINES = ("eager", "ccfx")
@@ -292,7 +293,10 @@ def format_demo(result: DemoResult, last: int = 10) -> str:
 
 def add_arguments(parser) -> None:
     """``ccfx demo`` options (an argparse parser or subparser)."""
-    parser.add_argument("--steps", type=int, default=DEMO_STEPS, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"training steps per run (default {DEMO_STEPS}; with --dp "
+                             f"{DP_DEMO_STEPS}, so its two runs on N ranks fit in two minutes "
+                             "on 2 cores)")
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages")
     parser.add_argument("--codec", default="int8", help="activation codec spec (default int8)")
     parser.add_argument("--batch-size", type=int, default=DEMO_BATCH_SIZE)
@@ -318,7 +322,8 @@ def _main_dp(args) -> int:
 
     if args.dp < 1:
         raise SystemExit("--dp takes the number of ranks, at least 1")
-    result = run_dp_demo(world=args.dp, steps=args.steps, codec=args.gradient_codec or DP_CODEC,
+    steps = args.steps if args.steps is not None else DP_DEMO_STEPS
+    result = run_dp_demo(world=args.dp, steps=steps, codec=args.gradient_codec or DP_CODEC,
                          batch_per_rank=max(args.batch_size // args.dp, 1),
                          lowering=args.lowering, seed=args.seed, lr=args.lr)
     print(format_dp_demo(result))
@@ -332,8 +337,9 @@ def main(args) -> int:
     """Run the demo from parsed ``add_arguments`` options and print the report."""
     if getattr(args, "dp", 0):
         return _main_dp(args)
+    steps = args.steps if args.steps is not None else DEMO_STEPS
     result = run_demo(
-        steps=args.steps, stages=args.stages, codec=args.codec, batch_size=args.batch_size,
+        steps=steps, stages=args.stages, codec=args.codec, batch_size=args.batch_size,
         lowering=args.lowering, seed=args.seed, progress=args.progress, baseline=args.baseline,
         lr=args.lr,
     )
