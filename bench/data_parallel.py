@@ -88,21 +88,12 @@ def ccfx_options(codec: str, lowering: str = "inductor") -> dict:
             "lowering": lowering}
 
 
-def ccfx_wire_bytes(compiled) -> float | None:
-    """Wire bytes per step of ccfx's gradient buckets, from its ledger; None when the ledger
-    does not count buckets (yet).
+def ccfx_wire_bytes(compiled) -> float:
+    """Bytes per step this rank put into ccfx's gradient collectives, from its ledger (the
+    bucket channel: every backward records each bucket's payload)."""
+    import ccfx
 
-    TODO(ccfx data-parallel runtime): the ledger's bucket channel is being written; this tries
-    ``ccfx.ledger_of(compiled).per_step("bucket")`` (today ``per_step`` returns (raw, wire)) and
-    falls back to None. Fix it here once the API is final."""
-    try:
-        import ccfx
-
-        got = ccfx.ledger_of(compiled).per_step("bucket")
-    except Exception:  # noqa: BLE001 (any failure means "not available", reported as such)
-        return None
-    wire = got[1] if isinstance(got, tuple) else got
-    return float(wire) if wire else None
+    return float(ccfx.ledger_of(compiled).per_step("bucket")[1])
 
 
 def _wrap(variant: str, model, lowering: str):

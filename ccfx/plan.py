@@ -157,12 +157,6 @@ class Plan:
     def buckets(self) -> list[Bucket]:
         return [b for g in self.graphs for b in g.buckets]
 
-    def fingerprint(self) -> str:
-        """A hash of the plan's JSON: ranks compare it before their first collective."""
-        import hashlib
-
-        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
-
     @property
     def num_stages(self) -> int:
         return max((g.num_stages for g in self.graphs), default=0)

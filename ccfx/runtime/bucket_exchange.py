@@ -34,6 +34,7 @@ Kinds of exchange, chosen from the codec's ``reduction``:
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,8 +105,10 @@ class BucketLayout:
         return [part.view(shape) for part, shape in zip(flat.split(self.numels), self.shapes)]
 
 
-class Exchange:
-    """Base class: a bucket's codec as phases (see the module docstring)."""
+class Exchange(abc.ABC):
+    """Base class: a bucket's codec as phases (see the module docstring). A subclass gives
+    ``phases`` and ``wire_bytes``; stateful ones ``state_layout`` (and ``init_state`` when
+    zeros are not the right start)."""
 
     collective = ""
 
@@ -114,8 +117,9 @@ class Exchange:
         self.spec = spec
 
     @property
+    @abc.abstractmethod
     def phases(self) -> list[Callable]:
-        raise NotImplementedError
+        """The phase functions, in order (the last returns the averaged gradients)."""
 
     def state_layout(self) -> dict[str, tuple[tuple, torch.dtype]]:
         return {}
@@ -124,9 +128,9 @@ class Exchange:
         return {k: torch.zeros(s, dtype=d, device=device)
                 for k, (s, d) in self.state_layout().items()}
 
+    @abc.abstractmethod
     def wire_bytes(self) -> int:
         """Payload bytes this rank contributes per step (exact)."""
-        raise NotImplementedError
 
     @property
     def raw_bytes(self) -> int:

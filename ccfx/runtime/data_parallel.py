@@ -134,11 +134,12 @@ class DataParallel:
 
         # The backward compiles with the forward, inside its fake mode: the check and the
         # state tensors must be real.
+        exchanges = [exchange_for(b.layout, b.spec) for b in buckets]
         with unset_fake_temporarily():
             self._check_fingerprint(index, buckets)
             states = []
-            for b in buckets:
-                state = exchange_for(b.layout, b.spec).init_state(_device_of(gm))
+            for b, ex in zip(buckets, exchanges):
+                state = ex.init_state(_device_of(gm))
                 for name, tensor in state.items():
                     self.state.register_buffer(f"graph{index}_bucket{b.index}_{name}", tensor)
                 states.append(state)
@@ -151,10 +152,11 @@ class DataParallel:
             plain = [type(b)(b.index, b.slots, "none", "warm-up") for b in buckets]
             warm = compile_fn(grad_buckets(_copy(gm), plain, [{} for _ in plain], self.comm,
                                            decompositions))
-        g.buckets = [self._plan_bucket(index, b) for b in buckets]
+        g.buckets = [self._plan_bucket(index, b, ex) for b, ex in zip(buckets, exchanges)]
         plain_rows = [(b.index, b.raw_bytes, b.raw_bytes) for b in g.buckets]
         rows = [(b.index, b.raw_bytes, b.wire_bytes) for b in g.buckets]
-        described = self._describe(index, buckets)
+        described = "; ".join(f"bucket {b.index}: {len(b.slots)} params, {b.spec} via "
+                              f"{ex.collective}" for b, ex in zip(buckets, exchanges))
 
         def run(args):
             step = g.backward_calls
@@ -185,18 +187,12 @@ class DataParallel:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _plan_bucket(self, index: int, b) -> Bucket:
-        ex = exchange_for(b.layout, b.spec)
+    @staticmethod
+    def _plan_bucket(index: int, b, ex) -> Bucket:
         return Bucket(graph=index, index=b.index, params=[s.name for s in b.slots],
                       numel=b.layout.numel, dtype=str(b.layout.dtype), codec=b.spec,
                       collective=ex.collective, raw_bytes=ex.raw_bytes,
                       wire_bytes=ex.wire_bytes(), reason=b.reason)
-
-    @staticmethod
-    def _describe(index: int, buckets) -> str:
-        parts = [f"bucket {b.index}: {len(b.slots)} params, {b.spec} via "
-                 f"{exchange_for(b.layout, b.spec).collective}" for b in buckets]
-        return "; ".join(parts) if parts else "no buckets"
 
     def _fingerprint(self, index: int, buckets) -> str:
         keys = ("gradient_codec", "bucket_mb", "compress_min_numel", "min_compression_rate",
