@@ -93,7 +93,7 @@ def run_dp_demo(world: int = 2, steps: int = 120, codec: str | list[str] = DP_CO
 
     codecs = ["none", *([codec] if isinstance(codec, str) else codec)]
     results = spawn(_rank_main, world, (steps, batch_per_rank, codecs, lowering, seed, lr, model),
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s, pg_timeout_s=300.0)
     rank0 = results[0]
     runs = []
     for i, run in enumerate(rank0):

@@ -268,3 +268,15 @@ def stalls_mid_step(rank, world, timeout_s):
         time.sleep(3 * timeout_s + 10)
         return {"error": None, "elapsed": 0.0}
     return _timed_backward(out)
+
+
+def one_rank_raises(rank, world):
+    """Rank 1 raises at once; rank 0 waits on it in a collective and fails when rank 1's
+    process group goes away. The parent must name rank 1's error as the cause."""
+    import time
+
+    if rank == 1:
+        raise ValueError("the first error, on rank 1")
+    time.sleep(1.0)  # rank 1's error is reported first; rank 0 fails after it
+    dist.all_reduce(torch.ones(4))
+    return "rank 0 finished"

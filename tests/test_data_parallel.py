@@ -149,3 +149,13 @@ def test_a_stalled_rank_is_an_error_after_the_collective_timeout():
     assert survivor["error"] == "CollectiveError", survivor
     assert "rank 0 of 2" in survivor["message"] and "timeout 8 s" in survivor["message"]
     assert 6 < survivor["elapsed"] < 40, survivor["elapsed"]
+
+
+def test_the_rank_that_failed_first_is_reported_as_the_cause():
+    # Rank 0's collective fails *because* rank 1 raised and tore its group down; rank 0's
+    # error may reach the parent first, but the report must lead with rank 1's.
+    with pytest.raises(RankFailed) as e:
+        spawn(dp_workers.one_rank_raises, 2, (), timeout_s=120, grace_s=30, pg_timeout_s=20)
+    text = str(e.value)
+    assert text.startswith("rank 1 of 2 failed first"), text[:400]
+    assert "ValueError: the first error, on rank 1" in text

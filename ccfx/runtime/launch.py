@@ -49,17 +49,23 @@ def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a crash in C++ still prints this rank's Python stack
     torch.set_num_threads(int(env.get("CCFX_RANK_THREADS", "1")))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", out, time.time()))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises)
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # The time of the error, taken before this rank tears its process group down (which
+        # fails its peers' collectives): the earliest error is the cause, the others follow.
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+                     time.time()))
     finally:
         if dist.is_initialized():
             try:
@@ -88,49 +94,60 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
         p.start()
     done: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
-    failure: tuple[int, str] | None = None
+    errors: dict[int, tuple[float, str]] = {}  # rank → (when it failed, why)
     exited: dict[int, float] = {}
     try:
-        while len(done) < world_size:
+        while len(done) + len(errors) < world_size:
             left = deadline - time.monotonic()
-            if failure is not None:
-                left = min(left, grace_s)
             if left <= 0:
                 break
             try:
-                rank, status, value = results.get(timeout=min(left, 1.0))
+                rank, status, value, when = results.get(timeout=min(left, 1.0))
             except queue.Empty:
                 now = time.monotonic()
                 for r, p in enumerate(procs):
-                    if r not in done and not p.is_alive():
+                    if r not in done and r not in errors and not p.is_alive():
                         exited.setdefault(r, now)
                 # a result may still be in flight a moment after its process ends
-                dead = [r for r, t in exited.items() if r not in done and now - t > 2.0]
-                if dead and failure is None:
-                    why = (f"process exited with code {procs[dead[0]].exitcode} without "
-                           "reporting (killed, or crashed in C++)")
-                    failure = (dead[0], why)
-                    deadline = min(deadline, time.monotonic() + grace_s)
+                for r, t in exited.items():
+                    if r not in done and r not in errors and now - t > 2.0:
+                        errors[r] = (time.time() - (now - t), (
+                            f"process exited with code {procs[r].exitcode} without reporting "
+                            "(killed, or crashed in C++: its stderr has the stack)"))
+                        deadline = min(deadline, time.monotonic() + grace_s)
                 continue
             if status == "ok":
                 done[rank] = value
-            elif failure is None:
-                failure = (rank, value)
+            else:
+                errors[rank] = (when, value)
+                # the other ranks get grace_s to report their own errors (or finish)
                 deadline = min(deadline, time.monotonic() + grace_s)
     finally:
         for p in procs:
-            p.join(timeout=0.5 if failure or len(done) < world_size else 5)
+            p.join(timeout=0.5 if errors or len(done) < world_size else 5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    if failure is not None:
-        rank, text = failure
-        others = sorted(set(range(world_size)) - set(done) - {rank})
-        raise RankFailed(f"rank {rank} of {world_size} failed"
-                         + (f" (ranks {others} stopped with it)" if others else "")
-                         + f":\n{text}", done)
+    if errors:
+        raise RankFailed(_failure_message(errors, done, world_size), done)
     if len(done) < world_size:
         missing = sorted(set(range(world_size)) - set(done))
         raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s "
                           f"(finished: {sorted(done)}); a rank is stuck in a collective or compile")
     return [done[r] for r in range(world_size)]
+
+
+def _failure_message(errors: dict[int, tuple[float, str]], done: dict[int, Any],
+                     world_size: int) -> str:
+    """The earliest error in full (the cause: a rank that fails tears down its connections,
+    and its peers' collectives then fail too), then one line for every other rank."""
+    first = min(errors, key=lambda r: errors[r][0])
+    lines = [f"rank {first} of {world_size} failed first:"]
+    for r in sorted(set(range(world_size)) - {first}):
+        if r in errors:
+            why = errors[r][1].splitlines()[0] if errors[r][1] else ""
+            lines.append(f"  rank {r} failed {errors[r][0] - errors[first][0]:.1f} s later: "
+                         f"{why[:300]}")
+        elif r not in done:
+            lines.append(f"  rank {r} did not finish (stopped with it)")
+    return "\n".join(lines) + f"\n{errors[first][1]}"
