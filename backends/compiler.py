@@ -20,6 +20,7 @@ each ccfx compile therefore marks its ``torch.compile`` wrapper with a token of 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
@@ -56,6 +57,24 @@ class CompiledGraph:
     partitioned: torch.fx.GraphModule  # after partition and cut_edges
     plan: GraphPlan
     lowered: LoweredGraphs
+    #: The parameters and buffers among the graph's inputs (placeholder index → a weak
+    #: reference): what ``split`` gives each pipeline stage, without keeping the model alive.
+    state_inputs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict)
+
+    def split(self) -> torch.fx.GraphModule:
+        """The stage modules of this graph (``passes.split_stages``) over the live parameters."""
+        from ccfx.passes.split_stages import split_stages
+
+        placeholders = [n for n in self.partitioned.graph.nodes if n.op == "placeholder"]
+        inputs = []
+        for k, node in enumerate(placeholders):
+            ref = self.state_inputs.get(k)
+            tensor = ref() if ref is not None else None
+            if ref is not None and tensor is None:
+                raise ConfigError(f"the model's {facts(node).get('name', node.name)} is gone: "
+                                  "build pipeline stages while the compiled model is alive")
+            inputs.append(tensor)
+        return split_stages(self.partitioned, inputs)
 
 
 class CcfxBackend:
@@ -155,6 +174,7 @@ class CcfxBackend:
                               uid_for=functools.partial(self._uid_for, index)),
         ])
         self._allocate_codec_state(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         graph_plan = build_graph_plan(gm, index)
         log.info("ccfx: graph %d partitioned\n%s", index, Plan(cfg.to_dict(), [graph_plan]))
         emit_plan_artifact(Plan(cfg.to_dict(), [graph_plan]).to_json(), index)
@@ -165,7 +185,9 @@ class CcfxBackend:
             rewrite = functools.partial(_rewrite_backward, weakref.ref(dp), index)
         compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode),
                                   rewrite_backward=rewrite)
-        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered))
+        state_inputs = {k: weakref.ref(example_inputs[k]) for k, n in enumerate(placeholders)
+                        if facts(n).get("kind") in ("param", "buffer")}
+        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs))
         if dp is not None and dp.buckets(index):  # the backward compiled with the forward
             with_buckets = Plan(cfg.to_dict(), [graph_plan], data_parallel=dp.info())
             graph_plan.buckets = dp.buckets(index)

@@ -55,6 +55,36 @@ def codec_state(compiled):
     return backend_of(compiled).codec_state
 
 
+def build_stages(compiled, rank: int | None = None, device="cpu", group=None, *,
+                 style: str = "loop"):
+    """This rank's pipeline stages of a compiled model (call it once on a microbatch first):
+    ``CompressedStage`` objects (``torch.distributed.pipelining.PipelineStage``) for torch's
+    schedules. ``style="loop"`` gives rank r the stages r, r + W, … (GPipe, 1F1B: one stage per
+    rank; Interleaved1F1B: several); ``"v"`` gives r and 2W-1-r (ZBV). Every rank of ``group``
+    (default: the world) must call it: the ranks compare their plans first. See
+    :mod:`ccfx.runtime.pipeline`."""
+    import torch.distributed as dist
+
+    from ccfx.backends.compiler import backend_of
+    from ccfx.runtime.pipeline import build_stages as _build
+
+    initialized = dist.is_initialized()
+    world = dist.get_world_size(group) if initialized else 1
+    if rank is None:
+        rank = dist.get_rank(group) if initialized else 0
+    return _build(backend_of(compiled), rank, world, device, group, style=style)
+
+
+def build_stage(compiled, rank: int | None = None, device="cpu", group=None):
+    """This rank's one pipeline stage (the plan has one stage per rank); see
+    :func:`build_stages` for several stages per rank."""
+    stages = build_stages(compiled, rank, device, group)
+    if len(stages) != 1:
+        raise ConfigError(f"the plan puts {len(stages)} stages on this rank: use "
+                          "ccfx.build_stages() (Interleaved1F1B takes the list)")
+    return stages[0]
+
+
 def stage_boundary() -> None:
     """Mark a pipeline stage boundary in a model's ``forward``: ccfx cuts each graph exactly at
     its markers (one stage more than markers; no ``stages`` option needed). It is
@@ -76,6 +106,7 @@ def draw(compiled_or_plan, path, **kw):
 
 __all__ = [
     "CcfxError", "CcfxWarning", "CodecError", "Config", "ConfigError", "CutEdge", "GraphPlan",
-    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "codec_state", "codecs",
+    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "build_stage", "build_stages",
+    "codec_state", "codecs",
     "ddp_comm_hook", "draw", "ledger_of", "plan_of", "stage_boundary",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -60,7 +61,9 @@ def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out, time.time()))
+        # Pickled here, by value: a tensor put on the queue as is travels as a shared-memory
+        # handle, which is gone once this process exits.
+        results.put((rank, "ok", pickle.dumps(out), time.time()))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises)
         # The time of the error, taken before this rank tears its process group down (which
         # fails its peers' collectives): the earliest error is the cause, the others follow.
@@ -117,7 +120,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
                         deadline = min(deadline, time.monotonic() + grace_s)
                 continue
             if status == "ok":
-                done[rank] = value
+                done[rank] = pickle.loads(value)
             else:
                 errors[rank] = (when, value)
                 # the other ranks get grace_s to report their own errors (or finish)

@@ -1,0 +1,347 @@
+"""The pipeline on real ranks: each rank runs its stages of the plan under
+``torch.distributed.pipelining``'s own schedules, and what crosses a cut is the codec payload.
+
+    compiled = torch.compile(model, backend="ccfx", options={"stages": 2, "activation_codec": "int8"})
+    compiled(example_microbatch)                         # compiles and plans
+    stage = ccfx.build_stage(compiled, rank, device)     # this rank's stage (a PipelineStage)
+    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+    schedule.step(x) / schedule.step(target=y, losses=losses)
+
+:class:`CompressedStage` is a ``PipelineStage`` that overrides public methods only: the send
+ops carry the encoded payload (one flat ``uint8`` buffer per tensor) in place of the tensor,
+the receive ops land in a payload buffer, and the payload is decoded into torch's own receive
+buffer just before the chunk's forward or backward runs. The payload's size follows from the
+shape, the dtype and the codec on both sides (``payload_layout``), so nothing else is
+exchanged. Codec ``none`` leaves torch's ops as they are.
+
+Which codec object holds which state (PowerSGD's warm-start Q, error-feedback residuals): the
+encoder's on the sending rank, the decoder's on the receiving rank, one object per hop and
+direction, registered as buffers of the stage module (``stage.submod.state_dict()`` holds them
+beside the parameters), so a checkpoint of each rank resumes with the same numerics. Per hop
+and direction, microbatches are encoded in the same order under every schedule (0, 1, …), so
+the single-process simulation, which runs the same encode and decode in that order, computes
+the same values: that is what tests/test_pipeline.py checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from .. import codecs
+from ..errors import ConfigError
+from ..passes.split_stages import Port, StageInterface
+from .ledger import Ledger
+
+_ALIGN = 8  # every payload tensor starts at a multiple of 8 bytes: views of any dtype
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How one tensor travels: the codec, and its payload packed into one uint8 buffer."""
+
+    codec: codecs.Codec
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def raw(self) -> bool:
+        return self.codec.spec == "none"
+
+    def layout(self):
+        return self.codec.payload_layout(self.shape, self.dtype)
+
+    def offsets(self) -> list[tuple[int, int]]:
+        out, at = [], 0
+        for shape, dtype in self.layout():
+            n = 1
+            for d in shape:
+                n *= int(d)
+            out.append((at, n * dtype.itemsize))
+            at += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        *_, (at, n) = self.offsets()
+        return at + n
+
+    @property
+    def raw_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through the codec, packed: what goes on the wire."""
+        with torch.no_grad():
+            enc = self.codec.encode(x.detach())
+            buf = torch.empty(self.nbytes, dtype=torch.uint8, device=x.device)
+            for t, (at, n) in zip(enc.payload, self.offsets(), strict=True):
+                buf[at:at + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+        return buf
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode and decode here (a hop between two stages of one rank)."""
+        if self.raw:
+            return x
+        with torch.no_grad():
+            return self.codec.decode(self.codec.encode(x.detach())).to(x.dtype)
+
+    def decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        """Unpack ``buf``, decode it and write the result into torch's receive buffer."""
+        payload = tuple(buf[at:at + n].view(dtype).view(tuple(int(d) for d in shape))
+                        for (shape, dtype), (at, n) in zip(self.layout(), self.offsets(),
+                                                            strict=True))
+        with torch.no_grad():
+            enc = codecs.Encoded(payload, codecs.Context(self.shape, self.dtype))
+            out.copy_(self.codec.decode(enc))
+
+
+class CompressedStage(PipelineStage):
+    """A ``PipelineStage`` whose point-to-point traffic is codec payloads, both ways."""
+
+    def __init__(self, submodule: torch.nn.Module, interface: StageInterface,
+                 device: torch.device, group: dist.ProcessGroup | None = None,
+                 ledger: Ledger | None = None, graph: int = 0):
+        self.interface = interface
+        self.ledger = ledger
+        #: The stage module runs compiled (lowering "inductor").
+        self.compiled = isinstance(getattr(submodule, "forward", None), torch.nn.Module) or \
+            hasattr(getattr(submodule, "forward", None), "_torchdynamo_orig_callable")
+        self.graph = graph
+        d = torch.device(device)
+        inputs = tuple(_example(p, d) for p in interface.inputs)
+        outputs = (tuple(_example(p, d) for p in interface.outputs) if interface.outputs
+                   else _last_outputs(submodule, d))
+        super().__init__(submodule, interface.index, interface.num_stages, d,
+                         input_args=inputs, output_args=outputs, group=group)
+        # One codec object per hop and direction, on the side that uses it.
+        self._send_fwd = [_wire(p, p.codec) for p in interface.outputs]
+        self._recv_bwd = [_wire(p, p.grad_codec) for p in interface.outputs]
+        self._recv_fwd = [_wire(p, p.codec) for p in interface.inputs]
+        self._send_bwd = [_wire(p, p.grad_codec) for p in interface.inputs]
+        self._register_codec_state(d)
+        #: (kind, chunk) → [(torch's receive buffer, payload buffer, wire format)]
+        self._pending: dict[tuple[str, int], list] = {}
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _register_codec_state(self, device: torch.device) -> None:
+        holder = torch.nn.Module()
+        for role, wires, ports in (("send_fwd", self._send_fwd, self.interface.outputs),
+                                   ("recv_bwd", self._recv_bwd, self.interface.outputs),
+                                   ("recv_fwd", self._recv_fwd, self.interface.inputs),
+                                   ("send_bwd", self._send_bwd, self.interface.inputs)):
+            for w, p in zip(wires, ports):
+                if w is None or not w.codec.stateful:
+                    continue
+                state = w.codec.reset_state(w.shape, w.dtype, device)
+                for name, tensor in state.items():
+                    holder.register_buffer(f"edge{p.edge}_{role}_{name}", tensor)
+        if len(list(holder.buffers())):
+            self.submod.add_module("ccfx_codec_state", holder)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        outputs, _ = self.fwd_cache[fwd_chunk_id]
+        sends = [(k, out) for k, out in enumerate(outputs) for dst in self.act_send_info[k]
+                 if dst is not None]
+        return [self._send(op, self._send_fwd[k], out, k, "fwd")
+                for op, (k, out) in zip(ops, sends, strict=True)]
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        infos = self.args_recv_info[fwd_chunk_id]
+        return self._recvs(ops, infos, self._recv_fwd, ("fwd", fwd_chunk_id))
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output=True):
+        self._decode_pending(("fwd", fwd_chunk_id))
+        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if not ops:
+            return ops
+        sent = [k for k, stage in enumerate(self.grad_send_info)
+                if stage is not None and self._get_grad_send_meta(k) is not None]
+        return [self._send(op, self._send_bwd[k], op.tensor, k, "bwd")
+                for op, k in zip(ops, sent, strict=True)]
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        if not ops:
+            return ops
+        infos = self.grad_recv_info[bwd_chunk_id]
+        return self._recvs(ops, infos, self._recv_bwd, ("bwd", bwd_chunk_id))
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False):
+        if not full_backward and self.compiled:
+            raise ConfigError(
+                f"stage {self.stage_index}: this schedule splits the backward into input and "
+                "weight gradients (zero bubble), which fails with compiled stages upstream "
+                "(pytorch#161904): compile with lowering='eager' for zero-bubble schedules")
+        self._decode_pending(("bwd", bwd_chunk_id))
+        return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    # -- V schedules: neighbouring stages on one rank pass tensors by a call ---------------
+    # The plan puts a codec on every hop, and the simulation applies it: so does a local hop
+    # (no bytes go on a wire, and the ledger counts none).
+
+    def set_local_fwd_input(self, prev_stage_outputs, mb_index: int) -> None:
+        outs = prev_stage_outputs if isinstance(prev_stage_outputs, tuple) else (prev_stage_outputs,)
+        super().set_local_fwd_input(tuple(w.roundtrip(t) for w, t in
+                                          zip(self._recv_fwd, outs, strict=True)), mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        super().set_local_bwd_input(tuple(
+            None if g is None else w.roundtrip(g)
+            for w, g in zip(self._recv_bwd, next_stage_bwd_outputs, strict=True)), mb_index)
+
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        self._pending.clear()
+
+    # -- the swap ---------------------------------------------------------------------------
+
+    def _send(self, op: dist.P2POp, wire: WireFormat, tensor: torch.Tensor, k: int,
+              direction: str) -> dist.P2POp:
+        port = (self.interface.outputs if direction == "fwd" else self.interface.inputs)[k]
+        if wire.raw:
+            self._count(port, direction, wire.raw_bytes, wire.raw_bytes)
+            return op
+        payload = wire.encode(tensor)
+        self._count(port, direction, wire.raw_bytes, payload.numel())
+        return dist.P2POp(op.op, payload, op.peer, op.group, op.tag)
+
+    def _recvs(self, ops, infos, wires, key) -> list[dist.P2POp]:
+        by_buffer = {id(info.buffer): k for k, info in enumerate(infos)
+                     if not info.is_root_arg and info.buffer is not None}
+        out, pending = [], []
+        for op in ops:
+            k = by_buffer[id(op.tensor)]
+            wire = wires[k]
+            if wire.raw:
+                out.append(op)
+                continue
+            payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=op.tensor.device)
+            pending.append((op.tensor, payload, wire))
+            out.append(dist.P2POp(op.op, payload, op.peer, op.group, op.tag))
+        if pending:
+            self._pending[key] = pending
+        return out
+
+    def _decode_pending(self, key) -> None:
+        for buffer, payload, wire in self._pending.pop(key, ()):
+            wire.decode_into(payload, buffer)
+
+    def _count(self, port: Port, direction: str, raw: int, wire: int) -> None:
+        if self.ledger is not None:
+            self.ledger.record(self.graph, port.edge, port.hop, direction, raw, wire)
+
+
+def _wire(port: Port, spec: str) -> WireFormat:
+    codec = codecs.get(spec)
+    if not codec.applies_to(port.dtype):
+        codec = codecs.get("none")
+    return WireFormat(codec, port.shape, port.dtype)
+
+
+def _example(port: Port, device: torch.device) -> torch.Tensor:
+    return torch.empty(port.shape, dtype=port.dtype, device=device).requires_grad_(
+        port.requires_grad)
+
+
+def _last_outputs(submodule: torch.nn.Module, device: torch.device):
+    from ..passes.graph_utils import val
+
+    output = next(n for n in submodule.graph.nodes if n.op == "output")
+    values = []
+    torch.fx.map_arg(output.args[0], lambda n: values.append(val(n)))
+    return tuple(torch.empty(v.shape, dtype=v.dtype, device=device).requires_grad_(
+        bool(v.requires_grad)) for v in values)
+
+
+# -- building a rank's stages ------------------------------------------------------------------
+
+
+def stage_indices(rank: int, world: int, num_stages: int, style: str = "loop") -> list[int]:
+    """The stages a rank runs: ``loop`` (GPipe, 1F1B, Interleaved1F1B: rank r holds r, r+W,
+    …) or ``v`` (ZBV, DualPipeV: rank r holds r and 2W-1-r)."""
+    if num_stages % world:
+        raise ConfigError(f"the plan has {num_stages} stages, which {world} pipeline ranks "
+                          "cannot share evenly: compile with stages = a multiple of the ranks")
+    if style == "v":
+        if num_stages != 2 * world:
+            raise ConfigError(f"a V schedule runs 2 stages per rank: compile with stages="
+                              f"{2 * world} for {world} ranks (the plan has {num_stages})")
+        return [rank, 2 * world - 1 - rank]
+    if style != "loop":
+        raise ConfigError(f"unknown stage placement {style!r}: use 'loop' or 'v'")
+    return list(range(rank, num_stages, world))
+
+
+def fingerprint(interfaces: Sequence[StageInterface]) -> str:
+    """A hash of what every stage sends and receives (shapes, dtypes, codecs): ranks compare
+    it before the first step, so disagreeing ranks fail with an error instead of garbage."""
+    text = repr([(i.index, i.num_stages, i.inputs, i.outputs) for i in interfaces])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_same_plan(interfaces: Sequence[StageInterface], group: dist.ProcessGroup | None,
+                    rank: int) -> None:
+    if not dist.is_initialized():
+        return
+    mine = fingerprint(interfaces)
+    world = dist.get_world_size(group)
+    mine_t = torch.tensor([int(mine, 16) & (2**62 - 1)], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine_t) for _ in range(world)]
+    dist.all_gather(gathered, mine_t, group=group)
+    values = [int(t.item()) for t in gathered]
+    if len(set(values)) > 1:
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        raise ConfigError(
+            f"rank {rank}: the pipeline ranks planned different stages (fingerprints "
+            f"{[hex(v) for v in values]}; ranks {differ} differ from rank 0): every rank must "
+            "compile the same model with the same options and the same microbatch shape")
+
+
+def build_stages(backend, rank: int, world: int, device, group=None, *, style: str = "loop",
+                 graph: int = 0, check: bool = True) -> list[CompressedStage]:
+    """This rank's stages of graph ``graph`` of a compiled model (see :func:`stage_indices`)."""
+    graphs = backend.graphs
+    if not graphs:
+        raise ConfigError("the model has not been compiled yet: call it once on a microbatch "
+                          "before building pipeline stages")
+    if len(graphs) > 1 and graph == 0:
+        raise ConfigError(f"the model compiled to {len(graphs)} graphs (graph breaks): a "
+                          "pipeline needs one; compile with fullgraph=True and fix the breaks")
+    parent = graphs[graph].split()
+    interfaces = parent.meta["ccfx"]["interfaces"]
+    if check:
+        check_same_plan(interfaces, group, rank)
+    out = []
+    for s in stage_indices(rank, world, len(interfaces), style):
+        child = getattr(parent, f"stage_{s}")
+        child = _lower(child, backend.config.lowering)
+        out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph))
+    return out
+
+
+def _lower(child: torch.fx.GraphModule, lowering: str) -> torch.nn.Module:
+    """The stage module as the simulation lowers it: eager runs the graph's torch ops as they
+    are; inductor compiles the stage (its forward; autograd gives the backward)."""
+    if lowering == "inductor":
+        child.forward = torch.compile(child.forward, backend="inductor", fullgraph=True)
+    return child

@@ -1,0 +1,235 @@
+"""split_stages: one GraphModule per pipeline stage, for the ranks that run them.
+
+Input: a graph after ``cut_edges`` (every node has its ``stage``; each hop of each crossing
+edge is a ``ccfx::cut`` node at the start of its destination stage). Output: a new
+GraphModule (as ``torch.fx.passes.split_module`` returns) whose children ``stage_0``,
+``stage_1``, … are the stages and whose graph runs them one after the other with the cut ops
+between them, so running it is running the input graph.
+
+What a stage module is, and what a rank gets from it:
+
+* **Inputs**: stage 0 takes the graph's tensor inputs, in order; stage ``s > 0`` takes what
+  arrives on the hops ``s-1 → s``, in edge order. **Outputs**: what leaves on the hops
+  ``s → s+1``, in edge order, a value forwarded unchanged when a later stage needs it (a skip
+  connection over two cuts is sent by each stage it passes); the last stage returns what the
+  graph returns (a lone tensor unwrapped). That is the positional contract
+  ``torch.distributed.pipelining`` expects between neighbouring stages.
+* **State**: the parameters and buffers the stage's nodes read, as ``get_attr`` under their
+  qualified names in the user's module (``blocks.0.attn.weight``), registered on the stage
+  module itself: ``stage.state_dict()`` has the user's keys, and the tensors are the user's
+  own (no copy). Other stages' parameters are not referenced.
+* **Facts**: each child's ``meta["ccfx"]["interface"]`` is a :class:`StageInterface` (ports
+  with shape, dtype, codecs, and whether a gradient flows back), the parent's
+  ``meta["ccfx"]["interfaces"]`` lists them. Nodes are copied with their meta.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from ccfx.errors import PartitionError
+
+from .graph_utils import facts, val
+
+
+@dataclass(frozen=True)
+class Port:
+    """One tensor crossing a stage boundary (or entering stage 0: ``edge`` is -1)."""
+
+    name: str
+    edge: int
+    hop: tuple[int, int]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    codec: str
+    grad_codec: str
+
+
+@dataclass(frozen=True)
+class StageInterface:
+    index: int
+    num_stages: int
+    inputs: tuple[Port, ...]
+    outputs: tuple[Port, ...]  # empty for the last stage (it returns the graph's outputs)
+    params: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+    returns: tuple[str, ...] = field(default=())  # the last stage: names of what it returns
+
+
+def _static_shape(node: torch.fx.Node) -> tuple[int, ...]:
+    value = val(node)
+    if not all(isinstance(d, int) for d in value.shape):
+        raise PartitionError(
+            f"{node.name} has the symbolic shape {tuple(value.shape)}: a pipeline needs static "
+            "microbatch shapes (every rank allocates its receive buffers from them). Compile "
+            "with torch.compile(..., dynamic=False) and one microbatch shape.")
+    return tuple(value.shape)
+
+
+def _port(node: torch.fx.Node, name: str, edge: int, hop: tuple[int, int], codec: str,
+          grad_codec: str) -> Port:
+    value = val(node)
+    return Port(name, edge, hop, _static_shape(node), value.dtype,
+                bool(value.requires_grad) and value.dtype.is_floating_point, codec, grad_codec)
+
+
+def _cuts_by_hop(gm: torch.fx.GraphModule) -> dict[tuple[int, int], list[torch.fx.Node]]:
+    cuts: dict[tuple[int, int], list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        f = facts(n)
+        if f.get("kind") == "cut":
+            cuts.setdefault(tuple(f["hop"]), []).append(n)
+    for nodes in cuts.values():
+        nodes.sort(key=lambda n: facts(n)["edge"])
+    return cuts
+
+
+def _copy_meta(new: torch.fx.Node, old: torch.fx.Node) -> torch.fx.Node:
+    new.meta = dict(old.meta)
+    return new
+
+
+def split_stages(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphModule:
+    """Split ``gm`` (after ``cut_edges``) into stage modules; ``inputs`` are the graph's inputs
+    as Dynamo passed them (the parameters and buffers are taken from there)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != len(placeholders):
+        raise PartitionError(f"split_stages: {len(inputs)} inputs for {len(placeholders)} "
+                             "placeholders")
+    example = dict(zip(placeholders, inputs))
+    for n in placeholders:
+        if facts(n).get("kind") == "symint":
+            _static_shape(next(iter(n.users)) if n.users else n)  # names the dynamic shape
+            raise PartitionError(f"{n.name} is a symbolic size: compile with dynamic=False")
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    stages = [facts(n)["stage"] for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    num_stages = max(stages, default=0) + 1
+    cuts = _cuts_by_hop(gm)
+
+    children: dict[str, torch.fx.GraphModule] = {}
+    interfaces: list[StageInterface] = []
+    for s in range(num_stages):
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        root = torch.nn.Module()
+        params: list[str] = []
+        buffers: list[str] = []
+        in_ports: list[Port] = []
+        if s == 0:
+            for n in placeholders:
+                if facts(n).get("kind") == "input":
+                    env[n] = _copy_meta(graph.placeholder(n.name), n)
+                    in_ports.append(_port(n, n.name, -1, (-1, 0), "none", "none"))
+        else:
+            for c in cuts.get((s - 1, s), []):
+                f = facts(c)
+                name = f"{f['source']}_from_stage{s - 1}"
+                env[c] = _copy_meta(graph.placeholder(name), c)
+                env[c].meta["ccfx"] = {"kind": "input", "stage": s, "edge": f["edge"]}
+                in_ports.append(_port(c, name, f["edge"], (s - 1, s), f["codec"], f["grad_codec"]))
+
+        def lookup(a: torch.fx.Node, s=s, env=env, root=root, graph=graph, params=params,
+                   buffers=buffers) -> torch.fx.Node:
+            if a in env:
+                return env[a]
+            f = facts(a)
+            if a.op == "placeholder" and f.get("kind") in ("param", "buffer"):
+                qualname = f.get("name", a.name)
+                tensor = example[a]
+                _register(root, qualname, tensor, f["kind"] == "param")
+                (params if f["kind"] == "param" else buffers).append(qualname)
+            elif a.op == "get_attr":
+                qualname = str(a.target)
+                tensor = _get_attr(gm, qualname)
+                _register(root, qualname, tensor, isinstance(tensor, torch.nn.Parameter))
+            else:
+                raise PartitionError(
+                    f"stage {s} reads {a.name} (stage {f.get('stage')}) without a cut: the graph "
+                    "does not satisfy cut_edges' invariant (run cut_edges before split_stages)")
+            env[a] = _copy_meta(graph.get_attr(qualname), a)
+            return env[a]
+
+        for n in gm.graph.nodes:
+            f = facts(n)
+            if n.op in ("placeholder", "output", "get_attr") or f.get("stage") != s:
+                continue
+            if f.get("kind") == "cut" and tuple(f["hop"]) == (s - 1, s):
+                continue  # arrives as an input of this stage
+            env[n] = _copy_meta(graph.node_copy(n, lookup), n)
+
+        out_ports: list[Port] = []
+        returns: list[str] = []
+        if s < num_stages - 1:
+            values = []
+            for c in cuts.get((s, s + 1), []):
+                f = facts(c)
+                values.append(lookup(c.args[0]))
+                out_ports.append(_port(c, f"{f['source']}_to_stage{s + 1}", f["edge"], (s, s + 1),
+                                       f["codec"], f["grad_codec"]))
+            graph.output(tuple(values))
+        else:
+            result = torch.fx.map_arg(output.args[0], lookup)
+            if isinstance(result, (tuple, list)) and len(result) == 1:
+                result = result[0]
+            torch.fx.map_arg(result, lambda a: returns.append(a.name))
+            graph.output(result)
+        child = torch.fx.GraphModule(root, graph, class_name=f"Stage{s}")
+        interface = StageInterface(s, num_stages, tuple(in_ports), tuple(out_ports),
+                                   tuple(dict.fromkeys(params)), tuple(dict.fromkeys(buffers)),
+                                   tuple(returns))
+        child.meta["ccfx"] = {"interface": interface}
+        children[f"stage_{s}"] = child
+        interfaces.append(interface)
+
+    return _sequence(gm, placeholders, output, children, cuts, num_stages, interfaces)
+
+
+def _sequence(gm, placeholders, output, children, cuts, num_stages, interfaces):
+    """The parent: the stages called in order, the cut ops between them (the simulation)."""
+    graph = torch.fx.Graph()
+    env = {n: _copy_meta(graph.placeholder(n.name), n) for n in placeholders}
+    inputs = [env[n] for n in placeholders if facts(n).get("kind") == "input"]
+    for s in range(num_stages):
+        call = graph.call_module(f"stage_{s}", tuple(inputs))
+        call.meta["ccfx"] = {"kind": "stage", "stage": s}
+        if s == num_stages - 1:
+            graph.output(call if len(output.args[0]) != 1 else (call,))
+            break
+        inputs = []
+        for k, c in enumerate(cuts.get((s, s + 1), [])):
+            item = graph.call_function(operator.getitem, (call, k))
+            item.meta = {"val": val(c), "ccfx": {"kind": "op", "stage": s}}
+            link = graph.call_function(c.target, (item, *c.args[1:]))
+            _copy_meta(link, c)
+            inputs.append(link)
+    parent = torch.fx.GraphModule(children, graph, class_name="StagedGraph")
+    parent.meta["ccfx"] = {"interfaces": interfaces}
+    return parent
+
+
+def _get_attr(module: torch.nn.Module, qualname: str):
+    for part in qualname.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _register(root: torch.nn.Module, qualname: str, tensor: torch.Tensor, is_param: bool) -> None:
+    *path, name = qualname.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    if hasattr(module, name):
+        return
+    if is_param:
+        module.register_parameter(name, tensor if isinstance(tensor, torch.nn.Parameter)
+                                  else torch.nn.Parameter(tensor))
+    else:
+        module.register_buffer(name, tensor)

@@ -1,0 +1,118 @@
+"""Workers for tests/test_pipeline.py: a model trained for a few steps by the real pipeline
+(torch's schedules on gloo ranks, ccfx's compressed stages) and by the single-process
+simulation (the compiled model called per microbatch). They return data; the tests assert."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+import ccfx
+
+from . import toy_models
+
+WIDTH = 32
+BATCH = 8
+LOWERING = os.environ.get("CCFX_TEST_LOWERING", "eager")
+
+
+def make_model(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return toy_models.MLP(width=WIDTH, depth=8)
+    if name == "skip":
+        return toy_models.LongSkip(width=WIDTH, depth=8)
+    raise ValueError(name)
+
+
+def batches(steps: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
+            for _ in range(steps)]
+
+
+def loss_fn(out, target):
+    return F.mse_loss(out, target)
+
+
+def options(stages: int, codec: str, grad_codec: str | None) -> dict:
+    opts = {"stages": stages, "activation_codec": codec, "balance": "params", "lowering": LOWERING}
+    if grad_codec:
+        opts["activation_grad_codec"] = grad_codec
+    return opts
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def simulate(model: str, stages: int, codec: str, grad_codec: str | None, n_micro: int,
+             steps: int, lr: float = 0.05) -> dict:
+    """The single-process simulation, microbatch by microbatch as the schedules do it: each
+    microbatch's loss backpropagated on its own, the gradients divided by the number of
+    microbatches after the last (torch's ``scale_grads``)."""
+    m = make_model(model)
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options(stages, codec,
+                                                                               grad_codec))
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    losses, first_grads = [], None
+    for x, y in batches(steps):
+        opt.zero_grad(set_to_none=True)
+        for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
+            loss = loss_fn(compiled(xm), ym)
+            loss.backward()
+            losses.append(loss.item())
+        for p in m.parameters():
+            p.grad /= n_micro
+        if first_grads is None:
+            first_grads = _grads(m)
+        opt.step()
+    return {"losses": losses, "grads": first_grads,
+            "params": {n: p.detach().clone() for n, p in m.named_parameters()}}
+
+
+def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
+             grad_codec: str | None, n_micro: int, steps: int, schedule: str,
+             lr: float = 0.05) -> dict:
+    """The same training on ``world`` ranks under torch's ``schedule``."""
+    from torch.distributed.pipelining import schedules
+
+    m = make_model(model)
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options(stages, codec,
+                                                                               grad_codec))
+    data = batches(steps)
+    compiled(data[0][0].chunk(n_micro)[0])  # compiles and plans at the microbatch shape
+    style = "v" if schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"
+    built = ccfx.build_stages(compiled, rank, "cpu", style=style)
+    del compiled, m  # the stages hold this rank's parameters only
+    cls = getattr(schedules, schedule)
+    single = issubclass(cls, schedules.PipelineScheduleSingle)
+    sched = cls(built[0] if single else built, n_microbatches=n_micro, loss_fn=loss_fn)
+    before = ccfx_totals(built)
+    params = [p for s in built for p in s.submod.parameters()]
+    opt = torch.optim.SGD(params, lr=lr)
+    losses, first_grads = [], None
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        out = []
+        is_first = any(s.is_first for s in built)
+        is_last = any(s.is_last for s in built)
+        sched.step(*((x,) if is_first else ()), target=y if is_last else None,
+                   losses=out if is_last else None)
+        losses += [float(v.detach()) for v in out]
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for s in built for n, p in s.submod.named_parameters()
+                           if p.grad is not None}
+        opt.step()
+    return {"losses": losses, "grads": first_grads, "stages": [s.stage_index for s in built],
+            "params": {n: p.detach().clone() for s in built
+                       for n, p in s.submod.named_parameters()},
+            "ledger": {d: tuple(a - b for a, b in zip(v, before[d]))
+                       for d, v in ccfx_totals(built).items()}}
+
+
+def ccfx_totals(built) -> dict:
+    ledger = built[0].ledger
+    return {d: ledger.totals(d) for d in ("fwd", "bwd")}
