@@ -85,6 +85,14 @@ def build_stage(compiled, rank: int | None = None, device="cpu", group=None):
     return stages[0]
 
 
+def sync_shared_grads(stages) -> None:
+    """After ``schedule.step()``: sum the gradients of parameters that several ranks' stages
+    hold (a tied embedding and LM head). See :func:`ccfx.runtime.pipeline.sync_shared_grads`."""
+    from ccfx.runtime.pipeline import sync_shared_grads as _sync
+
+    _sync(stages)
+
+
 def stage_boundary() -> None:
     """Mark a pipeline stage boundary in a model's ``forward``: ccfx cuts each graph exactly at
     its markers (one stage more than markers; no ``stages`` option needed). It is
@@ -105,8 +113,26 @@ def draw(compiled_or_plan, path, **kw):
 
 
 __all__ = [
-    "CcfxError", "CcfxWarning", "CodecError", "Config", "ConfigError", "CutEdge", "GraphPlan",
-    "PartitionError", "Plan", "SharedParam", "Stage", "backend", "build_stage", "build_stages",
-    "codec_state", "codecs",
-    "ddp_comm_hook", "draw", "ledger_of", "plan_of", "stage_boundary",
+    "CcfxError",
+    "CcfxWarning",
+    "CodecError",
+    "Config",
+    "ConfigError",
+    "CutEdge",
+    "GraphPlan",
+    "PartitionError",
+    "Plan",
+    "SharedParam",
+    "Stage",
+    "backend",
+    "build_stage",
+    "build_stages",
+    "codec_state",
+    "codecs",
+    "ddp_comm_hook",
+    "draw",
+    "ledger_of",
+    "plan_of",
+    "stage_boundary",
+    "sync_shared_grads",
 ]

@@ -72,11 +72,20 @@ def _static_shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(value.shape)
 
 
+def _requires_grad(node: torch.fx.Node) -> bool:
+    """Whether autograd tracks the value: Dynamo's ``example_value`` of the node the cut chain
+    starts from says it (a ``val`` FakeTensorProp filled in may have lost it)."""
+    while facts(node).get("kind") == "cut":
+        node = node.args[0]
+    value = node.meta.get("example_value", val(node))
+    return bool(getattr(value, "requires_grad", False)) and value.dtype.is_floating_point
+
+
 def _port(node: torch.fx.Node, name: str, edge: int, hop: tuple[int, int], codec: str,
           grad_codec: str) -> Port:
     value = val(node)
-    return Port(name, edge, hop, _static_shape(node), value.dtype,
-                bool(value.requires_grad) and value.dtype.is_floating_point, codec, grad_codec)
+    return Port(name, edge, hop, _static_shape(node), value.dtype, _requires_grad(node), codec,
+                grad_codec)
 
 
 def _cuts_by_hop(gm: torch.fx.GraphModule) -> dict[tuple[int, int], list[torch.fx.Node]]:
@@ -177,7 +186,7 @@ def split_stages(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphM
             result = torch.fx.map_arg(output.args[0], lookup)
             if isinstance(result, (tuple, list)) and len(result) == 1:
                 result = result[0]
-            torch.fx.map_arg(result, lambda a: returns.append(a.name))
+            returns = _names(result)
             graph.output(result)
         child = torch.fx.GraphModule(root, graph, class_name=f"Stage{s}")
         interface = StageInterface(s, num_stages, tuple(in_ports), tuple(out_ports),
@@ -188,6 +197,12 @@ def split_stages(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphM
         interfaces.append(interface)
 
     return _sequence(gm, placeholders, output, children, cuts, num_stages, interfaces)
+
+
+def _names(value) -> list[str]:
+    names: list[str] = []
+    torch.fx.map_arg(value, lambda a: names.append(a.name))
+    return names
 
 
 def _sequence(gm, placeholders, output, children, cuts, num_stages, interfaces):

@@ -18,27 +18,61 @@ BATCH = 8
 LOWERING = os.environ.get("CCFX_TEST_LOWERING", "eager")
 
 
+VOCAB, SEQ = 64, 16
+
+
+class Logits(torch.nn.Module):
+    """A language model's logits only (Hugging Face returns an output object)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids):
+        out = self.lm(ids)
+        return getattr(out, "logits", out)
+
+
 def make_model(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if name == "mlp":
         return toy_models.MLP(width=WIDTH, depth=8)
     if name == "skip":
         return toy_models.LongSkip(width=WIDTH, depth=8)
+    if name == "gpt":  # the tiny GPT, small: its embedding and LM head are one (tied) weight
+        from ccfx.models import GPTConfig, TinyGPT
+
+        return TinyGPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2,
+                                 n_embd=32, dropout=0.0))
+    if name == "llama":  # a Hugging Face Llama from a config (nothing downloaded)
+        import transformers
+
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+            attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            attn_implementation="eager", use_cache=False)
+        return Logits(transformers.LlamaForCausalLM(cfg))
     raise ValueError(name)
 
 
-def batches(steps: int, seed: int = 1):
+def batches(steps: int, model: str = "mlp", seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
-            for _ in range(steps)]
+    if model in ("gpt", "llama"):
+        return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+                 torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)) for _ in range(steps)]
+    return [(torch.randn(4 * BATCH, WIDTH, generator=g),
+             torch.randn(4 * BATCH, WIDTH, generator=g)) for _ in range(steps)]
 
 
 def loss_fn(out, target):
+    if out.dim() == 3:  # logits
+        return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
     return F.mse_loss(out, target)
 
 
-def options(stages: int, codec: str, grad_codec: str | None) -> dict:
-    opts = {"stages": stages, "activation_codec": codec, "balance": "params", "lowering": LOWERING}
+def options(stages: int, codec: str, grad_codec: str | None, lowering: str = LOWERING) -> dict:
+    opts = {"stages": stages, "activation_codec": codec, "balance": "params", "lowering": lowering}
     if grad_codec:
         opts["activation_grad_codec"] = grad_codec
     return opts
@@ -58,7 +92,7 @@ def simulate(model: str, stages: int, codec: str, grad_codec: str | None, n_micr
                                                                                grad_codec))
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     losses, first_grads = [], None
-    for x, y in batches(steps):
+    for x, y in batches(steps, model):
         opt.zero_grad(set_to_none=True)
         for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
             loss = loss_fn(compiled(xm), ym)
@@ -69,20 +103,22 @@ def simulate(model: str, stages: int, codec: str, grad_codec: str | None, n_micr
         if first_grads is None:
             first_grads = _grads(m)
         opt.step()
+    ledger = ccfx.ledger_of(compiled)
     return {"losses": losses, "grads": first_grads,
-            "params": {n: p.detach().clone() for n, p in m.named_parameters()}}
+            "params": {n: p.detach().clone() for n, p in m.named_parameters()},
+            "ledger": {d: ledger.totals(d) for d in ("fwd", "bwd")}}
 
 
 def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
              grad_codec: str | None, n_micro: int, steps: int, schedule: str,
-             lr: float = 0.05) -> dict:
+             lr: float = 0.05, lowering: str = LOWERING) -> dict:
     """The same training on ``world`` ranks under torch's ``schedule``."""
     from torch.distributed.pipelining import schedules
 
     m = make_model(model)
-    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options(stages, codec,
-                                                                               grad_codec))
-    data = batches(steps)
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True,
+                             options=options(stages, codec, grad_codec, lowering))
+    data = batches(steps, model)
     compiled(data[0][0].chunk(n_micro)[0])  # compiles and plans at the microbatch shape
     style = "v" if schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"
     built = ccfx.build_stages(compiled, rank, "cpu", style=style)
@@ -102,6 +138,7 @@ def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
         sched.step(*((x,) if is_first else ()), target=y if is_last else None,
                    losses=out if is_last else None)
         losses += [float(v.detach()) for v in out]
+        ccfx.sync_shared_grads(built)
         if first_grads is None:
             first_grads = {n: p.grad.clone() for s in built for n, p in s.submod.named_parameters()
                            if p.grad is not None}

@@ -130,6 +130,10 @@ class CompressedStage(PipelineStage):
         self._register_codec_state(d)
         #: (kind, chunk) → [(torch's receive buffer, payload buffer, wire format)]
         self._pending: dict[tuple[str, int], list] = {}
+        #: Parameters other ranks' stages hold too (a tied embedding and LM head): name →
+        #: (the process group of the ranks that hold it, their ranks). Set by build_stages.
+        self.shared: dict[str, tuple[dist.ProcessGroup | None, tuple[int, ...]]] = {}
+        self._unsynced = False
 
     # -- state ------------------------------------------------------------------------------
 
@@ -164,6 +168,12 @@ class CompressedStage(PipelineStage):
         return self._recvs(ops, infos, self._recv_fwd, ("fwd", fwd_chunk_id))
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output=True):
+        if self._unsynced:
+            raise ConfigError(
+                f"stage {self.stage_index}: the gradients of {sorted(self.shared)} (held by the "
+                "stages of several ranks) were not summed after the last step: call "
+                "ccfx.sync_shared_grads(stages) after schedule.step() and before "
+                "optimizer.step() (the last update used partial gradients)")
         self._decode_pending(("fwd", fwd_chunk_id))
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
@@ -193,6 +203,8 @@ class CompressedStage(PipelineStage):
                 "weight gradients (zero bubble), which fails with compiled stages upstream "
                 "(pytorch#161904): compile with lowering='eager' for zero-bubble schedules")
         self._decode_pending(("bwd", bwd_chunk_id))
+        if last_backward and self.shared:
+            self._unsynced = True
         return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     # -- V schedules: neighbouring stages on one rank pass tensors by a call ---------------
@@ -331,12 +343,55 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     interfaces = parent.meta["ccfx"]["interfaces"]
     if check:
         check_same_plan(interfaces, group, rank)
+    mine = stage_indices(rank, world, len(interfaces), style)
     out = []
-    for s in stage_indices(rank, world, len(interfaces), style):
+    for s in mine:
         child = getattr(parent, f"stage_{s}")
         child = _lower(child, backend.config.lowering)
         out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph))
+    _share(out, interfaces, rank, world, style, group)
     return out
+
+
+def _share(stages: list[CompressedStage], interfaces, rank: int, world: int, style: str,
+           group) -> None:
+    """A process group per parameter that several ranks' stages hold (every rank creates
+    every group, in the same order, as ``new_group`` requires)."""
+    owner = {s: r for r in range(world) for s in stage_indices(r, world, len(interfaces), style)}
+    holders: dict[str, set[int]] = {}
+    for i in interfaces:
+        for name in i.params:
+            holders.setdefault(name, set()).add(owner[i.index])
+    for name in sorted(holders):
+        ranks = tuple(sorted(holders[name]))
+        if len(ranks) < 2:
+            continue
+        global_ranks = ([dist.get_global_rank(group, r) for r in ranks] if group is not None
+                        else list(ranks))
+        pg = dist.new_group(global_ranks)
+        for st in stages:
+            if name in st.interface.params:
+                st.shared[name] = (pg, ranks)
+
+
+def sync_shared_grads(stages: Sequence[CompressedStage]) -> None:
+    """Sum the gradients of parameters held by several ranks' stages (a tied embedding and
+    LM head) over the ranks that hold them: one all-reduce per parameter, after
+    ``schedule.step()`` and before ``optimizer.step()``. Every rank calls it (it does nothing
+    on a rank that holds no shared parameter)."""
+    seen: dict[str, torch.nn.Parameter] = {}
+    groups = {}
+    for st in stages:
+        params = dict(st.submod.named_parameters(remove_duplicate=False))
+        for name, (pg, _) in st.shared.items():
+            seen.setdefault(name, params[name])
+            groups[name] = pg
+        st._unsynced = False
+    for name in sorted(seen):
+        p = seen[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=groups[name])
 
 
 def _lower(child: torch.fx.GraphModule, lowering: str) -> torch.nn.Module:
