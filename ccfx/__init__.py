@@ -56,13 +56,14 @@ def codec_state(compiled):
 
 
 def build_stages(compiled, rank: int | None = None, device="cpu", group=None, *,
-                 style: str = "loop"):
+                 style: str = "loop", dp_group=None):
     """This rank's pipeline stages of a compiled model (call it once on a microbatch first):
     ``CompressedStage`` objects (``torch.distributed.pipelining.PipelineStage``) for torch's
     schedules. ``style="loop"`` gives rank r the stages r, r + W, … (GPipe, 1F1B: one stage per
     rank; Interleaved1F1B: several); ``"v"`` gives r and 2W-1-r (ZBV). Every rank of ``group``
-    (default: the world) must call it: the ranks compare their plans first. See
-    :mod:`ccfx.runtime.pipeline`."""
+    (default: the world) must call it: the ranks compare their plans first. ``dp_group``
+    (PP × DP): the ranks holding the same stages in the other replicas, over which
+    :func:`sync_grads` averages the gradients. See :mod:`ccfx.runtime.pipeline`."""
     import torch.distributed as dist
 
     from ccfx.backends.compiler import backend_of
@@ -72,7 +73,8 @@ def build_stages(compiled, rank: int | None = None, device="cpu", group=None, *,
     world = dist.get_world_size(group) if initialized else 1
     if rank is None:
         rank = dist.get_rank(group) if initialized else 0
-    return _build(backend_of(compiled), rank, world, device, group, style=style)
+    return _build(backend_of(compiled), rank, world, device, group, style=style,
+                  dp_group=dp_group)
 
 
 def build_stage(compiled, rank: int | None = None, device="cpu", group=None):
@@ -85,10 +87,12 @@ def build_stage(compiled, rank: int | None = None, device="cpu", group=None):
     return stages[0]
 
 
-def sync_shared_grads(stages) -> None:
-    """After ``schedule.step()``: sum the gradients of parameters that several ranks' stages
-    hold (a tied embedding and LM head). See :func:`ccfx.runtime.pipeline.sync_shared_grads`."""
-    from ccfx.runtime.pipeline import sync_shared_grads as _sync
+def sync_grads(stages) -> None:
+    """After ``schedule.step()``, before ``optimizer.step()``: sum the gradients of parameters
+    that several ranks' stages hold (a tied embedding and LM head) and, under PP × DP, average
+    the stages' gradients over their data-parallel group through ``gradient_codec``. See
+    :mod:`ccfx.runtime.stage_sync`."""
+    from ccfx.runtime.stage_sync import sync_grads as _sync
 
     _sync(stages)
 
@@ -134,5 +138,5 @@ __all__ = [
     "ledger_of",
     "plan_of",
     "stage_boundary",
-    "sync_shared_grads",
+    "sync_grads",
 ]

@@ -138,7 +138,7 @@ def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
         sched.step(*((x,) if is_first else ()), target=y if is_last else None,
                    losses=out if is_last else None)
         losses += [float(v.detach()) for v in out]
-        ccfx.sync_shared_grads(built)
+        ccfx.sync_grads(built)
         if first_grads is None:
             first_grads = {n: p.grad.clone() for s in built for n, p in s.submod.named_parameters()
                            if p.grad is not None}
@@ -153,3 +153,42 @@ def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
 def ccfx_totals(built) -> dict:
     ledger = built[0].ledger
     return {d: ledger.totals(d) for d in ("fwd", "bwd")}
+
+
+def pipeline_dp(rank: int, world: int, model: str, codec: str, gradient_codec: str,
+                n_micro: int, steps: int, lr: float = 0.05) -> dict:
+    """PP × DP on 4 ranks: 2 stages × 2 replicas (a DeviceMesh ``("dp", "pp")``). Replica r
+    trains on rows [r/2, (r+1)/2) of every batch, so the two replicas together see what the
+    simulation sees with twice the microbatches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "pp"))
+    pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    m = make_model(model)
+    opts = {**options(world // 2, codec, None), "gradient_codec": gradient_codec,
+            "compress_min_numel": 16}
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=opts)
+    data = [(x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]) for x, y in batches(steps, model)]
+    compiled(data[0][0].chunk(n_micro)[0])
+    built = ccfx.build_stages(compiled, pp_rank, "cpu", pp, dp_group=dp)
+    stage = built[0]
+    sched = Schedule1F1B(stage, n_microbatches=n_micro, loss_fn=loss_fn)
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=lr)
+    losses, first_grads = [], None
+    before = ccfx.ledger_of(compiled).totals("bucket")
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        out = []
+        sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
+                   losses=out if stage.is_last else None)
+        losses += [float(v.detach()) for v in out]
+        ccfx.sync_grads(built)
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in stage.submod.named_parameters()}
+        opt.step()
+    after = ccfx.ledger_of(compiled).totals("bucket")
+    return {"rank": rank, "pp": pp_rank, "dp": dp_rank, "losses": losses, "grads": first_grads,
+            "params": {n: p.detach().clone() for n, p in stage.submod.named_parameters()},
+            "buckets": tuple(a - b for a, b in zip(after, before))}

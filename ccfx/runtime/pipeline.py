@@ -172,7 +172,7 @@ class CompressedStage(PipelineStage):
             raise ConfigError(
                 f"stage {self.stage_index}: the gradients of {sorted(self.shared)} (held by the "
                 "stages of several ranks) were not summed after the last step: call "
-                "ccfx.sync_shared_grads(stages) after schedule.step() and before "
+                "ccfx.sync_grads(stages) after schedule.step() and before "
                 "optimizer.step() (the last update used partial gradients)")
         self._decode_pending(("fwd", fwd_chunk_id))
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
@@ -330,8 +330,12 @@ def check_same_plan(interfaces: Sequence[StageInterface], group: dist.ProcessGro
 
 
 def build_stages(backend, rank: int, world: int, device, group=None, *, style: str = "loop",
-                 graph: int = 0, check: bool = True) -> list[CompressedStage]:
-    """This rank's stages of graph ``graph`` of a compiled model (see :func:`stage_indices`)."""
+                 graph: int = 0, check: bool = True, dp_group=None) -> list[CompressedStage]:
+    """This rank's stages of graph ``graph`` of a compiled model (see :func:`stage_indices`);
+    ``rank`` and ``world`` are this rank's place in the pipeline ``group``; ``dp_group``: the
+    ranks that run the same stages in the other replicas (PP × DP)."""
+    from .stage_sync import StageGradSync
+
     graphs = backend.graphs
     if not graphs:
         raise ConfigError("the model has not been compiled yet: call it once on a microbatch "
@@ -350,13 +354,16 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
         child = _lower(child, backend.config.lowering)
         out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph))
     _share(out, interfaces, rank, world, style, group)
+    sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph)
+    for st in out:
+        st.grad_sync = sync
     return out
 
 
 def _share(stages: list[CompressedStage], interfaces, rank: int, world: int, style: str,
            group) -> None:
-    """A process group per parameter that several ranks' stages hold (every rank creates
-    every group, in the same order, as ``new_group`` requires)."""
+    """A process group per parameter that several ranks' stages hold, made by those ranks
+    only (``use_local_synchronization``), in name order."""
     owner = {s: r for r in range(world) for s in stage_indices(r, world, len(interfaces), style)}
     holders: dict[str, set[int]] = {}
     for i in interfaces:
@@ -368,30 +375,12 @@ def _share(stages: list[CompressedStage], interfaces, rank: int, world: int, sty
             continue
         global_ranks = ([dist.get_global_rank(group, r) for r in ranks] if group is not None
                         else list(ranks))
-        pg = dist.new_group(global_ranks)
+        if rank not in ranks:
+            continue
+        pg = dist.new_group(global_ranks, use_local_synchronization=True)
         for st in stages:
             if name in st.interface.params:
                 st.shared[name] = (pg, ranks)
-
-
-def sync_shared_grads(stages: Sequence[CompressedStage]) -> None:
-    """Sum the gradients of parameters held by several ranks' stages (a tied embedding and
-    LM head) over the ranks that hold them: one all-reduce per parameter, after
-    ``schedule.step()`` and before ``optimizer.step()``. Every rank calls it (it does nothing
-    on a rank that holds no shared parameter)."""
-    seen: dict[str, torch.nn.Parameter] = {}
-    groups = {}
-    for st in stages:
-        params = dict(st.submod.named_parameters(remove_duplicate=False))
-        for name, (pg, _) in st.shared.items():
-            seen.setdefault(name, params[name])
-            groups[name] = pg
-        st._unsynced = False
-    for name in sorted(seen):
-        p = seen[name]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=groups[name])
 
 
 def _lower(child: torch.fx.GraphModule, lowering: str) -> torch.nn.Module:

@@ -1,0 +1,109 @@
+"""What a pipeline rank does to its stages' gradients after ``schedule.step()``:
+``ccfx.sync_grads(stages)``, before ``optimizer.step()``.
+
+1. **Tied parameters** (a tied embedding and LM head: the first and the last stage read one
+   weight) have a partial gradient on each rank that holds them: one all-reduce (sum) per
+   parameter over the ranks that hold it, on a group made with
+   ``use_local_synchronization`` (only those ranks take part).
+2. **Data parallel** (PP × DP, ``build_stages(..., dp_group=...)``): the rank's stage
+   gradients are averaged over its data-parallel group (the ranks that run the same stages in
+   the other replicas) in buckets, through ``gradient_codec``, by the same bucket exchanges the
+   compiled data-parallel path and the DDP comm hook run (:mod:`.bucket_exchange`): the same
+   bucket policy (``bucket_mb``, ``compress_min_numel``, ``min_compression_rate``), PowerSGD
+   with its warm start and error feedback. Tied parameters travel uncompressed, so their
+   copies on two ranks stay equal. The exchanges run after the step, eagerly: they do not
+   overlap the last microbatch's backward (torch's schedules give no hook between a stage's
+   last backward and the end of the step that every schedule calls).
+
+The buckets' codec state is registered on the rank's first stage module (``ccfx_grad_state``),
+so a checkpoint of the stage's ``state_dict()`` holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..passes.grad_buckets import GradSlot, assign_buckets
+from .bucket_exchange import BucketLayout, exchange_for
+from .comm_hook import ProcessGroupComm
+
+
+class StageGradSync:
+    """One rank's gradient synchronization for its stages (see the module docstring)."""
+
+    def __init__(self, stages: Sequence, config, dp_group=None, ledger=None, graph: int = 0):
+        self.stages = list(stages)
+        self.dp_group = dp_group
+        self.ledger = ledger
+        self.graph = graph
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for st in self.stages:
+            for name, p in st.submod.named_parameters(remove_duplicate=False):
+                self.params.setdefault(name, p)
+        self.shared: dict[str, dist.ProcessGroup] = {
+            name: pg for st in self.stages for name, (pg, _) in st.shared.items()}
+        self.buckets = []
+        self.state = torch.nn.Module()
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            self._plan_buckets(config)
+
+    def _plan_buckets(self, config) -> None:
+        names = list(self.params)
+        # Backward makes the last stage's, last layer's gradients first.
+        slots = [GradSlot(k, k, name, tuple(self.params[name].shape), self.params[name].dtype,
+                          len(names) - k) for k, name in enumerate(names)]
+        tied = [s for s in slots if s.name in self.shared]
+        rest = [s for s in slots if s.name not in self.shared]
+        plan = assign_buckets(rest, config.gradient_codec, config.bucket_mb,
+                              config.compress_min_numel, config.min_compression_rate)
+        if tied:
+            plan += assign_buckets(tied, "none", config.bucket_mb, 0, 1.0)
+        device = next(iter(self.params.values())).device
+        for i, b in enumerate(plan):
+            layout = BucketLayout(tuple(s.shape for s in b.slots), b.slots[0].dtype)
+            exchange = exchange_for(layout, b.spec)
+            tensors = exchange.init_state(device)
+            for key, t in tensors.items():
+                self.state.register_buffer(f"bucket{i}_{key}", t)
+            self.buckets.append((i, [s.name for s in b.slots], exchange, tensors))
+        if len(list(self.state.buffers())):
+            self.stages[0].submod.add_module("ccfx_grad_state", self.state)
+
+    def __call__(self) -> None:
+        for name in sorted(self.shared):
+            p = self.params[name]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.shared[name])
+        for st in self.stages:
+            st._unsynced = False
+        if not self.buckets:
+            return
+        comm = ProcessGroupComm(self.dp_group)
+        for index, names, exchange, tensors in self.buckets:
+            grads = []
+            for n in names:
+                p = self.params[n]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            averaged = exchange.run(grads, tensors, comm)
+            for g, a in zip(grads, averaged, strict=True):
+                g.copy_(a)
+            if self.ledger is not None:
+                self.ledger.record_bucket(self.graph, index, exchange.raw_bytes,
+                                          exchange.wire_bytes())
+
+
+def sync_grads(stages: Sequence) -> None:
+    """Run the gradient synchronization of a rank's stages (see the module docstring)."""
+    if not stages:
+        raise ConfigError("sync_grads needs this rank's stages (the list build_stages returned)")
+    sync = getattr(stages[0], "grad_sync", None)
+    if sync is None:
+        raise ConfigError("these stages were not built by ccfx.build_stages()")
+    sync()
