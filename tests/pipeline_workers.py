@@ -192,3 +192,38 @@ def pipeline_dp(rank: int, world: int, model: str, codec: str, gradient_codec: s
     return {"rank": rank, "pp": pp_rank, "dp": dp_rank, "losses": losses, "grads": first_grads,
             "params": {n: p.detach().clone() for n, p in stage.submod.named_parameters()},
             "buckets": tuple(a - b for a, b in zip(after, before))}
+
+
+def broken(rank: int, world: int, case: str) -> dict:
+    """Two ranks, two stages of the MLP, one way of going wrong; returns the error this rank
+    saw (type, message, seconds into the failing call) instead of raising it."""
+    import time
+
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    codec = "int8" if case == "plan_mismatch" and rank == 1 else "none"
+    m = make_model("mlp")
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options(2, codec, None))
+    data = batches(2)
+    n_micro = 1 if case == "few_microbatches" else 4
+    compiled(data[0][0].chunk(n_micro)[0])
+    start = time.monotonic()
+    try:
+        built = ccfx.build_stages(compiled, rank, "cpu")
+        stage = built[0]
+        # torch's 1F1B refuses fewer microbatches than stages itself; GPipe does not
+        cls = ScheduleGPipe if case == "few_microbatches" else Schedule1F1B
+        sched = cls(stage, n_microbatches=n_micro, loss_fn=loss_fn)
+        for step, (x, y) in enumerate(data):
+            if case == "shape_change" and step == 1:
+                x, y = x[:-4], y[:-4]  # a smaller last batch
+            if case == "dies" and step == 1 and rank == 1:
+                import os
+
+                os._exit(3)
+            start = time.monotonic()
+            sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+            ccfx.sync_grads(built)
+    except Exception as e:  # noqa: BLE001 (returned to the test, which asserts on it)
+        return {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
+    return {"error": None}

@@ -167,7 +167,17 @@ class CompressedStage(PipelineStage):
         infos = self.args_recv_info[fwd_chunk_id]
         return self._recvs(ops, infos, self._recv_fwd, ("fwd", fwd_chunk_id))
 
+    def _prepare_forward_infra(self, num_microbatches: int, *args, **kwargs):
+        if num_microbatches < self.num_stages:
+            raise ConfigError(
+                f"stage {self.stage_index}: {num_microbatches} microbatches for "
+                f"{self.num_stages} stages: each rank would idle most of the step (the bubble). "
+                f"Give the schedule n_microbatches >= {self.num_stages}")
+        return super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
+
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output=True):
+        if self.is_first:
+            self._check_shapes(args)
         if self._unsynced:
             raise ConfigError(
                 f"stage {self.stage_index}: the gradients of {sorted(self.shared)} (held by the "
@@ -225,11 +235,26 @@ class CompressedStage(PipelineStage):
         super().clear_runtime_states()
         self._pending.clear()
 
+    def _check_shapes(self, args) -> None:
+        got = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
+        want = [p.shape for p in self.interface.inputs]
+        if got != want:
+            raise ConfigError(
+                f"stage {self.stage_index} (rank {self.group_rank}): a microbatch of shapes "
+                f"{got}, but the plan was made for {want}: every rank allocates its buffers "
+                "for one microbatch shape. Keep the batch size constant (drop a last, "
+                "smaller batch) or compile and build the stages again for the new shape")
+
     # -- the swap ---------------------------------------------------------------------------
 
     def _send(self, op: dist.P2POp, wire: WireFormat, tensor: torch.Tensor, k: int,
               direction: str) -> dist.P2POp:
         port = (self.interface.outputs if direction == "fwd" else self.interface.inputs)[k]
+        if tuple(tensor.shape) != wire.shape:
+            raise ConfigError(
+                f"stage {self.stage_index} (rank {self.group_rank}): {port.name} has shape "
+                f"{tuple(tensor.shape)}, the plan says {wire.shape}: the microbatch shape "
+                "changed since the stages were built")
         if wire.raw:
             self._count(port, direction, wire.raw_bytes, wire.raw_bytes)
             return op

@@ -1,0 +1,51 @@
+"""A pipeline that goes wrong fails with an error that says what and where, in bounded time
+(issue #9). Two gloo ranks each; the default group's timeout is 20 s here."""
+
+import pytest
+
+from ccfx.errors import ConfigError
+from ccfx.runtime.launch import RankFailed, spawn
+from ccfx.runtime.pipeline import stage_indices
+
+from . import pipeline_workers as pw
+
+
+def _run(case):
+    return spawn(pw.broken, 2, (case,), timeout_s=180, grace_s=60, pg_timeout_s=20)
+
+
+def test_fewer_microbatches_than_stages_is_a_config_error_on_every_rank():
+    for r in _run("few_microbatches"):
+        assert r["error"] == "ConfigError", r
+        assert "1 microbatches for 2 stages" in r["message"] and "n_microbatches >= 2" in r["message"]
+
+
+def test_ranks_with_different_codecs_fail_when_the_stages_are_built():
+    for r in _run("plan_mismatch"):
+        assert r["error"] == "ConfigError", r
+        assert "planned different stages" in r["message"]
+
+
+def test_a_changed_microbatch_shape_names_the_shapes_and_the_peer_times_out():
+    first, last = _run("shape_change")
+    assert first["error"] == "ConfigError", first
+    assert "[(7, 32)]" in first["message"] and "[(8, 32)]" in first["message"]
+    assert last["error"] is not None and last["elapsed"] < 60  # waited on a receive, then failed
+
+
+def test_a_rank_that_dies_mid_training_is_an_error_not_a_hang():
+    with pytest.raises(RankFailed) as e:
+        _run("dies")
+    text = str(e.value)
+    assert "rank 1" in text and "code 3" in text
+    survivor = e.value.results[0]
+    assert survivor["error"] is not None and survivor["elapsed"] < 60
+
+
+def test_stage_placement_checks_the_world_size():
+    assert stage_indices(1, 2, 4) == [1, 3]
+    assert stage_indices(1, 2, 4, "v") == [1, 2]
+    with pytest.raises(ConfigError, match="cannot share evenly"):
+        stage_indices(0, 3, 4)
+    with pytest.raises(ConfigError, match="2 stages per rank"):
+        stage_indices(0, 2, 2, "v")
