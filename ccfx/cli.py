@@ -11,6 +11,8 @@ import sys
 COMMANDS = {
     "demo": ("ccfx.demo", "add_arguments", "main",
              "train the tiny GPT with 4 stages and int8 cuts beside the uncompressed baseline"),
+    "run": ("ccfx.run_pipeline", "add_arguments", "main",
+            "train a model as a real pipeline (x data parallel) on local gloo ranks"),
     "codecs": ("ccfx.codecs.catalogue", "add_arguments", "main",
                "print the codec catalogue: parameters, wire ratio, error on a sample"),
     "viz": ("ccfx.viz.cli", "add_viz_arguments", "run_viz",

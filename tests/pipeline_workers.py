@@ -227,3 +227,10 @@ def broken(rank: int, world: int, case: str) -> dict:
     except Exception as e:  # noqa: BLE001 (returned to the test, which asserts on it)
         return {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
     return {"error": None}
+
+
+def pipeline_many(rank: int, world: int, cases: list[tuple], n_micro: int, steps: int) -> list:
+    """:func:`pipeline` for several cases in one set of rank processes (start-up is paid once):
+    each case is ``(model, stages, codec, grad_codec, schedule)``."""
+    return [pipeline(rank, world, model, stages, codec, grad_codec, n_micro, steps, schedule)
+            for model, stages, codec, grad_codec, schedule in cases]

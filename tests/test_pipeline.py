@@ -39,13 +39,26 @@ def _close(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def pipeline_runs():
+    """Every case's per-rank results, the cases of one world size run by one set of ranks."""
+    runs = {}
+    for world in sorted({c[1] for c in CASES}):
+        cases = [c for c in CASES if c[1] == world]
+        per_rank = spawn(pw.pipeline_many, world,
+                         ([(m, s, c, g, sch) for m, _, s, c, g, sch in cases], N_MICRO, STEPS),
+                         timeout_s=120 * len(cases))
+        for k, case in enumerate(cases):
+            runs[case] = [r[k] for r in per_rank]
+    return runs
+
+
 @pytest.mark.parametrize("model,world,stages,codec,grad_codec,schedule", CASES,
                          ids=["-".join(str(v) for v in c if v) for c in CASES])
-def test_the_pipeline_on_real_ranks_equals_the_simulation(model, world, stages, codec,
-                                                          grad_codec, schedule):
+def test_the_pipeline_on_real_ranks_equals_the_simulation(pipeline_runs, model, world, stages,
+                                                          codec, grad_codec, schedule):
     ref = pw.simulate(model, stages, codec, grad_codec, N_MICRO, STEPS)
-    ranks = spawn(pw.pipeline, world, (model, stages, codec, grad_codec, N_MICRO, STEPS,
-                                       schedule), timeout_s=240)
+    ranks = pipeline_runs[(model, world, stages, codec, grad_codec, schedule)]
     exact = model != "gpt"  # the tied weight's gradient is summed over two ranks
     last = [r for r in ranks if r["losses"]]
     assert len(last) == 1 and len(last[0]["losses"]) == N_MICRO * STEPS

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.profiler import record_function
 
 from .. import codecs
 from ..errors import ConfigError
@@ -185,7 +186,8 @@ class CompressedStage(PipelineStage):
                 "ccfx.sync_grads(stages) after schedule.step() and before "
                 "optimizer.step() (the last update used partial gradients)")
         self._decode_pending(("fwd", fwd_chunk_id))
-        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        with record_function(f"ccfx stage {self.stage_index} forward mb{fwd_chunk_id}"):
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -215,7 +217,8 @@ class CompressedStage(PipelineStage):
         self._decode_pending(("bwd", bwd_chunk_id))
         if last_backward and self.shared:
             self._unsynced = True
-        return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        with record_function(f"ccfx stage {self.stage_index} backward mb{bwd_chunk_id}"):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     # -- V schedules: neighbouring stages on one rank pass tensors by a call ---------------
     # The plan puts a codec on every hop, and the simulation applies it: so does a local hop
@@ -258,7 +261,8 @@ class CompressedStage(PipelineStage):
         if wire.raw:
             self._count(port, direction, wire.raw_bytes, wire.raw_bytes)
             return op
-        payload = wire.encode(tensor)
+        with record_function(f"ccfx encode {direction} {port.name} ({wire.codec.spec})"):
+            payload = wire.encode(tensor)
         self._count(port, direction, wire.raw_bytes, payload.numel())
         return dist.P2POp(op.op, payload, op.peer, op.group, op.tag)
 
@@ -281,7 +285,8 @@ class CompressedStage(PipelineStage):
 
     def _decode_pending(self, key) -> None:
         for buffer, payload, wire in self._pending.pop(key, ()):
-            wire.decode_into(payload, buffer)
+            with record_function(f"ccfx decode {key[0]} mb{key[1]} ({wire.codec.spec})"):
+                wire.decode_into(payload, buffer)
 
     def _count(self, port: Port, direction: str, raw: int, wire: int) -> None:
         if self.ledger is not None:
