@@ -109,9 +109,11 @@ class CcfxBackend:
         if dp is not None:
             for g in graphs:
                 g.buckets = dp.buckets(g.index)
-        return Plan(config=self.config.to_dict(), graphs=graphs,
+        plan = Plan(config=self.config.to_dict(), graphs=graphs,
                     option_sources=self.option_sources,
                     data_parallel=dp.info() if dp is not None else None)
+        plan._owner = weakref.ref(self)  # Plan.build_stages builds from this backend
+        return plan
 
     def _uid_for(self, index: int, edge: int, hop: tuple[int, int], spec: str, gspec: str) -> int:
         hop_ = Hop(self.ledger, index, edge, hop, codecs.get(spec), codecs.get(gspec))

@@ -121,7 +121,7 @@ def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
     data = batches(steps, model)
     compiled(data[0][0].chunk(n_micro)[0])  # compiles and plans at the microbatch shape
     style = "v" if schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"
-    built = ccfx.build_stages(compiled, rank, "cpu", style=style)
+    built = ccfx.plan_of(compiled).build_stages(rank, "cpu", style=style)  # the issue's API
     del compiled, m  # the stages hold this rank's parameters only
     cls = getattr(schedules, schedule)
     single = issubclass(cls, schedules.PipelineScheduleSingle)
@@ -234,3 +234,49 @@ def pipeline_many(rank: int, world: int, cases: list[tuple], n_micro: int, steps
     each case is ``(model, stages, codec, grad_codec, schedule)``."""
     return [pipeline(rank, world, model, stages, codec, grad_codec, n_micro, steps, schedule)
             for model, stages, codec, grad_codec, schedule in cases]
+
+
+def resume(rank: int, world: int, codec: str, grad_codec: str, n_micro: int) -> dict:
+    """Train 4 steps; and, in the same ranks, stages built afresh from a checkpoint taken
+    after step 2 (each rank's ``stage.submod.state_dict()``: parameters and codec state) that
+    train steps 3 and 4. Returns both runs' last two steps' losses and parameters."""
+    import copy
+
+    from torch.distributed.pipelining import Schedule1F1B
+
+    data = batches(4, "mlp")
+
+    def build():
+        m = make_model("mlp")
+        compiled = torch.compile(m, backend="ccfx", fullgraph=True,
+                                 options=options(2, codec, grad_codec))
+        compiled(data[0][0].chunk(n_micro)[0])
+        stage = ccfx.build_stage(compiled, rank, "cpu")
+        return stage, torch.optim.SGD(stage.submod.parameters(), lr=0.05)
+
+    def train(stage, opt, steps):
+        sched = Schedule1F1B(stage, n_microbatches=n_micro, loss_fn=loss_fn)
+        losses = []
+        for x, y in steps:
+            opt.zero_grad(set_to_none=True)
+            out = []
+            sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
+                       losses=out if stage.is_last else None)
+            ccfx.sync_grads([stage])
+            opt.step()
+            losses += [float(v.detach()) for v in out]
+        return losses
+
+    stage, opt = build()
+    train(stage, opt, data[:2])
+    checkpoint = copy.deepcopy(stage.submod.state_dict())
+    state_names = [k for k in checkpoint if k.startswith("ccfx_codec_state.")]
+    straight = train(stage, opt, data[2:])
+    params = {n: p.detach().clone() for n, p in stage.submod.named_parameters()}
+
+    stage2, opt2 = build()
+    stage2.submod.load_state_dict(checkpoint)
+    resumed = train(stage2, opt2, data[2:])
+    return {"straight": straight, "resumed": resumed, "state_names": state_names,
+            "params_equal": all(torch.equal(p, params[n])
+                                for n, p in stage2.submod.named_parameters())}

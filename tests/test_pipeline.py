@@ -27,8 +27,8 @@ CASES = [
     ("skip", 3, 3, "int8", None, "Schedule1F1B"),  # the skip crosses both cuts
     ("skip", 3, 3, "none", "powersgd:rank=2,ef", "ScheduleGPipe"),
     ("gpt", 2, 2, "int8", None, "Schedule1F1B"),  # tied embedding / LM head
-    # (B, T, H) activations are (B, T*H) matrices to PowerSGD: rank 1 compresses at B = 2
-    ("llama", 2, 2, "none", "powersgd:rank=1", "Schedule1F1B"),
+    # its (2, 16, 32) activation gradient is a (32, 32) matrix to PowerSGD
+    ("llama", 2, 2, "none", "powersgd:rank=2", "Schedule1F1B"),
     ("mlp", 2, 4, "int8", None, "ScheduleZBVZeroBubble"),  # eager stages only
 ]
 
@@ -138,3 +138,15 @@ def test_pp_x_dp_compressed_gradients_keep_replicas_and_tied_copies_identical():
     losses = _replica_losses(ranks)
     assert len(losses) == len(ref["losses"])
     assert losses == pytest.approx(ref["losses"], rel=1e-2)
+
+
+def test_a_checkpoint_of_each_rank_resumes_with_identical_numerics():
+    # Stateful codecs both ways: int8 with error feedback forward (the residual on the
+    # sender), PowerSGD backward (its warm-start Q on the sender of the gradients).
+    ranks = spawn(pw.resume, 2, ("int8:ef", "powersgd:rank=2", N_MICRO), timeout_s=240)
+    assert any(r["state_names"] for r in ranks)  # the codec state is in the checkpoint
+    assert ranks[0]["state_names"] and ranks[1]["state_names"]
+    for r in ranks:
+        assert r["resumed"] == r["straight"]
+        assert r["params_equal"]
+    assert len(ranks[1]["straight"]) == 2 * N_MICRO

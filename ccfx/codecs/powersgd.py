@@ -96,14 +96,25 @@ class PowerSGD(Codec):
     # -- shapes -----------------------------------------------------------------------------
 
     def matrix(self, shape):
-        """``(rows, cols, r)`` or None when the tensor travels raw (for int and SymInt shapes)."""
+        """``(rows, cols, r)`` or None when the tensor travels raw (for int and SymInt shapes).
+
+        A weight gradient ``(out, in, ...)`` is the ``(out, in·…)`` matrix, as in
+        ``powerSGD_hook``; an activation ``(B, T, H)`` is better seen as ``(B·T, H)`` (at a
+        small microbatch B ≤ rank the first view cannot compress at all). For static shapes of
+        3 or more dimensions the view with the smaller payload is taken (the first on a tie),
+        from the shape alone, so sender and receiver agree."""
         if len(shape) < 2:
             return None
-        rows, cols = shape[0], numel_of(shape[1:])
-        r = min(self.rank, rows, cols)
-        if (rows + cols) * r >= rows * cols:
-            return None
-        return rows, cols, r
+        views = [(shape[0], numel_of(shape[1:]))]
+        if len(shape) > 2 and all(isinstance(d, int) for d in shape):
+            views.append((numel_of(shape[:-1]), shape[-1]))
+        best = None
+        for rows, cols in views:
+            r = min(self.rank, rows, cols)
+            if (rows + cols) * r < rows * cols and (best is None or
+                                                    (rows + cols) * r < sum(best[:2]) * best[2]):
+                best = (rows, cols, r)
+        return best
 
     def payload_layout(self, shape, dtype):
         mat = self.matrix(tuple(shape))
