@@ -280,3 +280,26 @@ def resume(rank: int, world: int, codec: str, grad_codec: str, n_micro: int) -> 
     return {"straight": straight, "resumed": resumed, "state_names": state_names,
             "params_equal": all(torch.equal(p, params[n])
                                 for n, p in stage2.submod.named_parameters())}
+
+
+def evaluate(rank: int, world: int, codec: str, n_micro: int) -> dict:
+    """Forward only: torch's ``schedule.eval`` over ccfx's stages; the last rank returns the
+    merged output."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    m = make_model("mlp")
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options(2, codec, None))
+    x, _ = batches(1)[0]
+    compiled(x.chunk(n_micro)[0])
+    stage = ccfx.build_stage(compiled, rank, "cpu")
+    sched = ScheduleGPipe(stage, n_microbatches=n_micro)  # no loss_fn: inference only
+    out = sched.eval(x) if stage.is_first else sched.eval()
+    return {"out": out.detach() if isinstance(out, torch.Tensor) else None}
+
+
+def simulate_forward(codec: str, n_micro: int) -> torch.Tensor:
+    m = make_model("mlp")
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options(2, codec, None))
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        return torch.cat([compiled(xm) for xm in x.chunk(n_micro)])

@@ -150,3 +150,9 @@ def test_a_checkpoint_of_each_rank_resumes_with_identical_numerics():
         assert r["resumed"] == r["straight"]
         assert r["params_equal"]
     assert len(ranks[1]["straight"]) == 2 * N_MICRO
+
+
+def test_forward_only_eval_equals_the_simulation():
+    ranks = spawn(pw.evaluate, 2, ("int8", N_MICRO), timeout_s=180)
+    assert ranks[0]["out"] is None  # the output is on the last stage's rank
+    assert torch.equal(ranks[1]["out"], pw.simulate_forward("int8", N_MICRO))
