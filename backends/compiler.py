@@ -173,7 +173,8 @@ class CcfxBackend:
                               split_points=cfg.split_points),
             functools.partial(cut_edges, codec=cfg.activation_codec,
                               grad_codec=cfg.activation_grad_codec,
-                              uid_for=functools.partial(self._uid_for, index)),
+                              uid_for=functools.partial(self._uid_for, index),
+                              codecs_for=cfg.codecs_for if cfg.codec_overrides else None),
         ])
         self._allocate_codec_state(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -29,6 +29,11 @@ class Config:
     activation_grad_codec: codec on the activation gradients that cross the cuts backward;
         None (default): the same as ``activation_codec``. Optimus-CC's compressed
         backpropagation is ``activation_codec="none", activation_grad_codec="powersgd:rank=16"``.
+    codec_overrides: codecs for some cut edges, beating ``activation_codec`` /
+        ``activation_grad_codec``: ``{"edge 3": "int8", "stage 1": "none/powersgd:rank=16"}``.
+        ``"edge N"`` is the plan's edge N (in every graph); ``"stage S"`` every edge leaving
+        stage S; an edge entry beats a stage entry. A value is one spec (both directions) or
+        ``"forward/backward"``.
     split_points: module qualified names (``"layers.2"``) to cut before; when given, they are the
         cuts, and ``stages`` is ``len(split_points) + 1``.
     balance: the cost the partitioner balances: "flops", "params" (parameter bytes) or
@@ -58,6 +63,7 @@ class Config:
     stages: int = 1
     activation_codec: str = "none"
     activation_grad_codec: str | None = None
+    codec_overrides: tuple[tuple[str, str], ...] | None = None
     split_points: tuple[str, ...] | None = None
     balance: str = "flops"
     lowering: str = "inductor"
@@ -88,6 +94,7 @@ class Config:
             object.__setattr__(self, "activation_grad_codec",
                                codecs.canonical(self.activation_grad_codec))
         self._check_data_parallel()
+        self._check_overrides()
         if self.split_points is not None:
             points = self.split_points
             if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
@@ -104,6 +111,38 @@ class Config:
                     f"{len(points)} split_points make {len(points) + 1} stages, but "
                     f"stages={self.stages}; drop `stages` or give {self.stages - 1} split points"
                 )
+
+    def _check_overrides(self) -> None:
+        import re
+
+        from . import codecs
+
+        given = self.codec_overrides
+        if given is None:
+            return
+        items = given.items() if isinstance(given, dict) else given
+        out = []
+        for key, value in items:
+            where = re.fullmatch(r"\s*(edge|stage)\s+(\d+)\s*", str(key))
+            if where is None:
+                raise ConfigError(f"codec_overrides key {key!r}: write 'edge N' (the plan's edge "
+                                  "N) or 'stage S' (every edge leaving stage S)")
+            if not isinstance(value, str) or value.count("/") > 1:
+                raise ConfigError(f"codec_overrides[{key!r}] = {value!r}: give a codec spec, or "
+                                  "'forward/backward' such as 'none/powersgd:rank=16'")
+            specs = "/".join(codecs.canonical(v) for v in value.split("/"))
+            out.append((f"{where.group(1)} {int(where.group(2))}", specs))
+        object.__setattr__(self, "codec_overrides", tuple(sorted(out)))
+
+    def codecs_for(self, edge: int, source_stage: int) -> tuple[str, str]:
+        """(forward, backward) codec specs of one cut edge: its ``codec_overrides`` entry, else
+        its source stage's, else ``activation_codec`` / ``activation_grad_codec``."""
+        table = dict(self.codec_overrides or ())
+        value = table.get(f"edge {edge}", table.get(f"stage {source_stage}"))
+        if value is None:
+            return self.activation_codec, self.activation_grad_codec or self.activation_codec
+        fwd, _, bwd = value.partition("/")
+        return fwd, bwd or fwd
 
     def _check_data_parallel(self) -> None:
         from . import codecs
@@ -187,6 +226,8 @@ class Config:
         d = dataclasses.asdict(self)
         if d["split_points"] is not None:
             d["split_points"] = list(d["split_points"])
+        if d["codec_overrides"] is not None:
+            d["codec_overrides"] = dict(d["codec_overrides"])
         return d
 
     def replace(self, **changes) -> Config:

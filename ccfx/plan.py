@@ -238,6 +238,9 @@ def format_plan(plan: Plan) -> str:
     grad_codec = plan.config.get("activation_grad_codec")
     if grad_codec and grad_codec != codec:
         codec = f"{codec} forward, {grad_codec} backward"
+    overrides = plan.config.get("codec_overrides")
+    if overrides:
+        codec += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(overrides.items())) + ")"
     out = [f"ccfx plan: {len(plan.graphs)} graph(s), codec {codec}"]
     if len(plan.graphs) > 1:
         out.append(

@@ -38,7 +38,10 @@ def cut_edges(
     codec: str = "none",
     grad_codec: str | None = None,
     uid_for: UidFor | None = None,
+    codecs_for: Callable[[int, int], tuple[str, str]] | None = None,
 ) -> torch.fx.GraphModule:
+    """``codecs_for(edge, source_stage) -> (forward, backward)`` overrides ``codec`` and
+    ``grad_codec`` per edge (``Config.codecs_for``)."""
     codec = codecs.canonical(codec)
     grad_codec = codecs.canonical(grad_codec) if grad_codec else codec
     if uid_for is None:
@@ -69,9 +72,11 @@ def cut_edges(
         far = sorted(s for s in by_stage if s > src_stage)
         if not far:
             continue
-        spec = codec if codecs.get(codec).applies_to(value.dtype) else "none"
-        gspec = grad_codec if codecs.get(grad_codec).applies_to(value.dtype) else "none"
         edge = len(edges)
+        fwd, bwd = (codec, grad_codec) if codecs_for is None else codecs_for(edge, src_stage)
+        fwd, bwd = codecs.canonical(fwd), codecs.canonical(bwd)
+        spec = fwd if codecs.get(fwd).applies_to(value.dtype) else "none"
+        gspec = bwd if codecs.get(bwd).applies_to(value.dtype) else "none"
         prev, uids, hops = node, [], []
         for s in range(src_stage + 1, far[-1] + 1):
             hop = (s - 1, s)

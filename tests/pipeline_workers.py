@@ -71,8 +71,11 @@ def loss_fn(out, target):
     return F.mse_loss(out, target)
 
 
-def options(stages: int, codec: str, grad_codec: str | None, lowering: str = LOWERING) -> dict:
+def options(stages: int, codec: str, grad_codec: str | None, lowering: str = LOWERING,
+            overrides: dict | None = None) -> dict:
     opts = {"stages": stages, "activation_codec": codec, "balance": "params", "lowering": lowering}
+    if overrides:
+        opts["codec_overrides"] = overrides
     if grad_codec:
         opts["activation_grad_codec"] = grad_codec
     return opts
@@ -83,13 +86,13 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def simulate(model: str, stages: int, codec: str, grad_codec: str | None, n_micro: int,
-             steps: int, lr: float = 0.05) -> dict:
+             steps: int, lr: float = 0.05, overrides: dict | None = None) -> dict:
     """The single-process simulation, microbatch by microbatch as the schedules do it: each
     microbatch's loss backpropagated on its own, the gradients divided by the number of
     microbatches after the last (torch's ``scale_grads``)."""
     m = make_model(model)
-    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options(stages, codec,
-                                                                               grad_codec))
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True,
+                             options=options(stages, codec, grad_codec, overrides=overrides))
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     losses, first_grads = [], None
     for x, y in batches(steps, model):
@@ -111,13 +114,13 @@ def simulate(model: str, stages: int, codec: str, grad_codec: str | None, n_micr
 
 def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
              grad_codec: str | None, n_micro: int, steps: int, schedule: str,
-             lr: float = 0.05, lowering: str = LOWERING) -> dict:
+             lr: float = 0.05, lowering: str = LOWERING, overrides: dict | None = None) -> dict:
     """The same training on ``world`` ranks under torch's ``schedule``."""
     from torch.distributed.pipelining import schedules
 
     m = make_model(model)
     compiled = torch.compile(m, backend="ccfx", fullgraph=True,
-                             options=options(stages, codec, grad_codec, lowering))
+                             options=options(stages, codec, grad_codec, lowering, overrides))
     data = batches(steps, model)
     compiled(data[0][0].chunk(n_micro)[0])  # compiles and plans at the microbatch shape
     style = "v" if schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"

@@ -333,3 +333,39 @@ def test_a_codec_per_direction_optimus_cc_compressed_backprop():
     assert ledger.per_step("fwd") == (16 * 32 * 4, 16 * 32 * 4)
     assert ledger.per_step("bwd") == (16 * 32 * 4, (16 + 32) * 2 * 4)
     assert "none forward, powersgd:rank=2 backward" in str(ccfx.plan_of(compiled))
+
+
+def test_codec_overrides_per_edge_and_per_stage():
+    # LongSkip in 3 stages: edges leave stage 0 (the skip, the main path) and stage 1. The edge
+    # entry beats its stage's; an edge without an entry keeps the default.
+    torch.manual_seed(0)
+    model = models.LongSkip(width=32)
+    plain = torch.compile(copy.deepcopy(model), backend="ccfx",
+                          options={"stages": 3, "activation_codec": "fp16"})
+    plain(torch.randn(4, 32))
+    ref_plan = ccfx.plan_of(plain)
+    by_stage = {}
+    for e in ref_plan.edges:
+        by_stage.setdefault(e.source_stage, []).append(e.index)
+    first_of_0 = by_stage[0][0]
+    compiled = torch.compile(model, backend="ccfx", options={
+        "stages": 3, "activation_codec": "fp16",
+        "codec_overrides": {f"edge {first_of_0}": "none/int8", "stage 1": "int4"}})
+    x = torch.randn(4, 32, requires_grad=True)
+    compiled(x).sum().backward()
+    codecs_of = {e.index: (e.codec, e.grad_codec) for e in ccfx.plan_of(compiled).edges}
+    assert codecs_of[first_of_0] == ("none", "int8")
+    for i in by_stage[0][1:]:
+        assert codecs_of[i] == ("fp16", "fp16")
+    for i in by_stage[1]:
+        assert codecs_of[i] == ("int4", "int4")
+    # what the ledger counted agrees with the plan, edge by edge and direction by direction
+    ledger = ccfx.ledger_of(compiled)
+    for e in ccfx.plan_of(compiled).edges:
+        for direction, per_hop in (("fwd", e.wire_bytes_fwd), ("bwd", e.wire_bytes_bwd)):
+            counted = sum(c.wire_bytes for c in ledger.entries(direction) if c.edge == e.index)
+            assert counted == per_hop * len(e.hops), (e.index, direction)
+    with pytest.raises(ccfx.ConfigError, match="'edge N'"):
+        ccfx.Config(codec_overrides={"edges 3": "int8"})
+    with pytest.raises(ccfx.ConfigError, match="forward/backward"):
+        ccfx.Config(codec_overrides={"edge 3": "int8/int4/fp16"})

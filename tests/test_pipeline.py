@@ -156,3 +156,20 @@ def test_forward_only_eval_equals_the_simulation():
     ranks = spawn(pw.evaluate, 2, ("int8", N_MICRO), timeout_s=180)
     assert ranks[0]["out"] is None  # the output is on the last stage's rank
     assert torch.equal(ranks[1]["out"], pw.simulate_forward("int8", N_MICRO))
+
+
+def test_codec_overrides_reach_the_wire():
+    # The skip model on 3 ranks: the edges leaving stage 0 go int8 forward / PowerSGD backward,
+    # those leaving stage 1 int4 both ways; the default (none) is used nowhere.
+    overrides = {"stage 0": "int8/powersgd:rank=2", "stage 1": "int4"}
+    ref = pw.simulate("skip", 3, "none", None, N_MICRO, STEPS, overrides=overrides)
+    ranks = spawn(pw.pipeline, 3, ("skip", 3, "none", None, N_MICRO, STEPS, "Schedule1F1B",
+                                   0.05, "eager", overrides), timeout_s=240)
+    assert ranks[2]["losses"] == ref["losses"]
+    for r in ranks:
+        for name, p in r["params"].items():
+            assert torch.equal(p, ref["params"][name]), name
+    for d in ("fwd", "bwd"):
+        total = [sum(r["ledger"][d][k] for r in ranks) for k in (0, 1)]
+        assert total == list(ref["ledger"][d])
+        assert total[1] < 0.5 * total[0]  # compressed both ways
