@@ -20,6 +20,10 @@ Variants (activation codec forward / backward):
   ccfx-psgd-bwd    none forward, powersgd:rank=16 backward (Optimus-CC's compressed backprop)
   ccfx-int8-psgd   int8 forward, powersgd:rank=16 backward
 
+``--dp 2`` runs PP x DP on 4 ranks (a (dp, pp) mesh, each replica on its own data) with the
+replicas' gradients through ``--gradient-codec``; "wire" then counts every rank's activation
+and gradient-bucket bytes.
+
 Per variant: 2 warm-up steps (compiling), then N timed steps; each rank times its steps after
 a barrier; a step's time is its slowest rank's, and the table gives the median over steps. SGD lr 0.01 (MLP, MSE against a random
 target) or AdamW 3e-3 (GPT, next-token loss on random tokens): "loss" is the last stage's mean
@@ -113,7 +117,8 @@ def _torch_stage(name: str, model, rank: int, world: int):
 
 
 def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: int,
-               warmup: int = 2, lowering: str = "inductor") -> dict:
+               warmup: int = 2, lowering: str = "inductor", dp: int = 1,
+               gradient_codec: str = "none") -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B
@@ -122,23 +127,34 @@ def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: i
 
     spec = MODELS[model]
     m = make_model(model)
-    batches = data(model, warmup + steps)
+    pp_world, pp_group, dp_group, dp_rank = world_size, None, None, 0
+    if dp > 1:  # PP x DP: a (dp, pp) mesh; each replica trains on its own data
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "pp"))
+        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        pp_world, rank, dp_rank = world_size // dp, mesh.get_local_rank("pp"), \
+            mesh.get_local_rank("dp")
+    batches = data(model, warmup + steps, seed=1 + dp_rank)
     micro = spec["micro"]
     example = batches[0][0].chunk(micro)[0]
     ledger = None
     if variant == "torch":
+        if dp > 1:
+            raise SystemExit("the torch baseline runs without --dp")
         stage, params = _torch_stage(model, m, rank, world_size)
         params = params.parameters()
     else:
         fwd, bwd = CODECS[variant]
         compiled = torch.compile(m, backend="ccfx", fullgraph=True, options={
-            "stages": world_size, "activation_codec": fwd, "activation_grad_codec": bwd,
-            "lowering": lowering})
+            "stages": pp_world, "activation_codec": fwd, "activation_grad_codec": bwd,
+            "gradient_codec": gradient_codec, "lowering": lowering})
         compiled(example)  # compiles and plans at the microbatch shape
-        stage = ccfx.build_stage(compiled, rank, "cpu")
+        stage = ccfx.build_stages(compiled, rank, "cpu", pp_group, dp_group=dp_group)[0]
         ledger = ccfx.ledger_of(compiled)
         params = stage.submod.parameters()
         del compiled
+    world_size = pp_world
     opt = (torch.optim.AdamW(params, lr=3e-3) if model == "gpt"
            else torch.optim.SGD(params, lr=0.01))
     sched = Schedule1F1B(stage, n_microbatches=micro, loss_fn=loss_fn)
@@ -197,14 +213,15 @@ def _log(rank: int, msg: str) -> None:
 
 
 def run_variant(model: str, variant: str, world: int, rate: float | None, steps: int,
-                lowering: str) -> dict:
+                lowering: str, dp: int = 1, gradient_codec: str = "none") -> dict:
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
     t0 = time.perf_counter()
     try:
         with shaped_namespace(rate) as ns:
             ranks = run_ranks("bench.pipeline", "train_rank", world,
                               {"model": model, "variant": variant, "steps": steps,
-                               "lowering": lowering},
+                               "lowering": lowering, "dp": dp,
+                               "gradient_codec": gradient_codec},
                               netns=ns, timeout_s=900, env=env, stall_s=300)
     except (RankFailed, RankTimeout) as e:
         return {"variant": variant, "status": "fails", "reason": e.reason, "details": str(e)}
@@ -249,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     ap.add_argument("--lowering", choices=("inductor", "eager"), default="inductor")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas (PP x DP on 2 x dp ranks; default 1)")
+    ap.add_argument("--gradient-codec", default="none",
+                    help="the replicas' gradient codec with --dp > 1 (default none)")
     a = ap.parse_args(argv)
     exit_cleanly_on_sigterm()
     rates = [None if r.lower() in ("none", "unshaped") else float(r) for r in a.rates]
@@ -260,17 +281,19 @@ def main(argv: list[str] | None = None) -> int:
             for rate in rates:
                 rows = []
                 for v in a.variants:
-                    if v == "torch" and model == "gpt":
-                        continue  # a hand split needs a Sequential; ccfx-none is the reference
+                    if v == "torch" and (model == "gpt" or a.dp > 1):
+                        continue  # a hand split needs a Sequential, and runs without DP
                     print(f"[{model}, {rate or 'unshaped'}] {v} ...", file=sys.stderr, flush=True)
-                    rows.append(run_variant(model, v, 2, rate, a.steps, a.lowering))
+                    rows.append(run_variant(model, v, 2 * a.dp, rate, a.steps, a.lowering,
+                                            a.dp, a.gradient_codec))
                     r = rows[-1]
                     print(f"    {r['status']} " + (f"{r['step_s']:.3f} s/step" if r["status"] == "ok"
                                                    else r["reason"]), file=sys.stderr, flush=True)
                 if rate is None:
                     unshaped = next((r for r in rows if r["status"] == "ok"), None)
                 label = "unshaped" if rate is None else f"{rate:g} Mbit/s"
-                print(f"\n{model}, {label}, 2 stages on 2 ranks, 1F1B, {MODELS[model]['batch']} "
+                print(f"\n{model}, {label}, 2 stages x {a.dp} replica(s) (gradients: "
+                      f"{a.gradient_codec}), 1F1B, {MODELS[model]['batch']} "
                       f"samples in {MODELS[model]['micro']} microbatches, {a.steps} timed steps")
                 cells, notes = table_rows(rows, unshaped)
                 print(common.table(cells, HEADER))
