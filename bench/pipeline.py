@@ -66,20 +66,12 @@ WIDTH = 1024
 
 
 def make_model(name: str, seed: int = 0):
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
+    """The tiny GPT, or bench.data_parallel's He-initialised MLP of ``depth`` layers."""
     if name == "gpt":
         return common.tiny_gpt(seed)
-    layers: list[nn.Module] = []
-    depth = MODELS[name]["depth"]
-    for i in range(depth):
-        lin = nn.Linear(WIDTH, WIDTH)
-        nn.init.kaiming_normal_(lin.weight, nonlinearity="relu")
-        nn.init.zeros_(lin.bias)
-        layers += [lin] if i == depth - 1 else [lin, nn.ReLU()]
-    return nn.Sequential(*layers)
+    from bench.data_parallel import make_model as mlp
+
+    return mlp(seed, width=WIDTH, depth=MODELS[name]["depth"])
 
 
 def data(name: str, steps: int, seed: int = 1):
