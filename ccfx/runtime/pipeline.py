@@ -110,12 +110,11 @@ class CompressedStage(PipelineStage):
 
     def __init__(self, submodule: torch.nn.Module, interface: StageInterface,
                  device: torch.device, group: dist.ProcessGroup | None = None,
-                 ledger: Ledger | None = None, graph: int = 0):
+                 ledger: Ledger | None = None, graph: int = 0, compiled: bool = False):
         self.interface = interface
         self.ledger = ledger
         #: The stage module runs compiled (lowering "inductor").
-        self.compiled = isinstance(getattr(submodule, "forward", None), torch.nn.Module) or \
-            hasattr(getattr(submodule, "forward", None), "_torchdynamo_orig_callable")
+        self.compiled = compiled
         self.graph = graph
         d = torch.device(device)
         inputs = tuple(_example(p, d) for p in interface.inputs)
@@ -380,9 +379,10 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     mine = stage_indices(rank, world, len(interfaces), style)
     out = []
     for s in mine:
-        child = getattr(parent, f"stage_{s}")
-        child = _lower(child, backend.config.lowering)
-        out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph))
+        lowering = backend.config.lowering
+        child = _lower(getattr(parent, f"stage_{s}"), lowering)
+        out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph,
+                                   compiled=lowering == "inductor"))
     _share(out, interfaces, rank, world, style, group)
     sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph)
     for st in out:
