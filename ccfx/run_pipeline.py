@@ -19,7 +19,6 @@ that example batch against ``mean(output²)``, a stand-in objective for timing t
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -58,6 +57,12 @@ def main(args) -> int:
         return _rank_main(args)
     if args.nproc % args.dp:
         print(f"ccfx run: --nproc {args.nproc} is not a multiple of --dp {args.dp}",
+              file=sys.stderr)
+        return 2
+    pp = args.nproc // args.dp
+    if args.stages is not None and args.stages % pp:
+        print(f"ccfx run: {args.stages} stages cannot be shared evenly by {pp} pipeline ranks "
+              f"(--nproc {args.nproc} / --dp {args.dp}): give --stages a multiple of {pp}",
               file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -216,7 +221,3 @@ def _profiler(trace: str | None):
     prof.start()
     return prof
 
-
-if __name__ == "__main__":
-    print(json.dumps({"error": "run through `ccfx run`"}))
-    sys.exit(2)

@@ -114,8 +114,9 @@ def split_stages(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphM
     example = dict(zip(placeholders, inputs))
     for n in placeholders:
         if facts(n).get("kind") == "symint":
-            _static_shape(next(iter(n.users)) if n.users else n)  # names the dynamic shape
-            raise PartitionError(f"{n.name} is a symbolic size: compile with dynamic=False")
+            raise PartitionError(
+                f"{n.name} is a symbolic size: a pipeline needs static microbatch shapes. "
+                "Compile with torch.compile(..., dynamic=False) and one microbatch shape.")
     output = next(n for n in gm.graph.nodes if n.op == "output")
     stages = [facts(n)["stage"] for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     num_stages = max(stages, default=0) + 1

@@ -25,6 +25,7 @@ the same values: that is what tests/test_pipeline.py checks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,22 +55,27 @@ class WireFormat:
     def raw(self) -> bool:
         return self.codec.spec == "none"
 
+    # Computed once per hop (every microbatch's send and receive reads them).
+
+    @functools.cached_property
     def layout(self):
         return self.codec.payload_layout(self.shape, self.dtype)
 
-    def offsets(self) -> list[tuple[int, int]]:
+    @functools.cached_property
+    def offsets(self) -> tuple[tuple[int, int], ...]:
+        """(byte offset, byte length) of each payload tensor in the packed buffer."""
         out, at = [], 0
-        for shape, dtype in self.layout():
+        for shape, dtype in self.layout:
             n = 1
             for d in shape:
                 n *= int(d)
             out.append((at, n * dtype.itemsize))
             at += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
-        return out
+        return tuple(out)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        *_, (at, n) = self.offsets()
+        *_, (at, n) = self.offsets
         return at + n
 
     @property
@@ -84,7 +90,7 @@ class WireFormat:
         with torch.no_grad():
             enc = self.codec.encode(x.detach())
             buf = torch.empty(self.nbytes, dtype=torch.uint8, device=x.device)
-            for t, (at, n) in zip(enc.payload, self.offsets(), strict=True):
+            for t, (at, n) in zip(enc.payload, self.offsets, strict=True):
                 buf[at:at + n].copy_(t.contiguous().view(-1).view(torch.uint8))
         return buf
 
@@ -98,7 +104,7 @@ class WireFormat:
     def decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
         """Unpack ``buf``, decode it and write the result into torch's receive buffer."""
         payload = tuple(buf[at:at + n].view(dtype).view(tuple(int(d) for d in shape))
-                        for (shape, dtype), (at, n) in zip(self.layout(), self.offsets(),
+                        for (shape, dtype), (at, n) in zip(self.layout, self.offsets,
                                                             strict=True))
         with torch.no_grad():
             enc = codecs.Encoded(payload, codecs.Context(self.shape, self.dtype))
