@@ -60,6 +60,9 @@ class CompiledGraph:
     #: The parameters and buffers among the graph's inputs (placeholder index → a weak
     #: reference): what ``split`` gives each pipeline stage, without keeping the model alive.
     state_inputs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict)
+    #: Detached copies of the graph's data inputs at the compile (``kind == "input"``): what
+    #: the planner's profile feeds stage 0 (token ids stay valid ids).
+    example_inputs: tuple[torch.Tensor, ...] = ()
 
     def split(self) -> torch.fx.GraphModule:
         """The stage modules of this graph (``passes.split_stages``) over the live parameters."""
@@ -138,6 +141,21 @@ class CcfxBackend:
                 for name, tensor in state.items():
                     self.codec_state.register_buffer(f"{prefix}_{name}", tensor)
 
+    def _plan_auto(self, gm: torch.fx.GraphModule):
+        """``auto`` activation codecs: the planner's choice for every cut edge of ``gm``
+        (partitioned, not yet cut), the same on every rank (rank 0's, where a process group
+        exists: measured timings differ between ranks, the payloads must not)."""
+        from ccfx.config import AUTO
+
+        cfg = self.config
+        if AUTO not in (cfg.activation_codec, cfg.activation_grad_codec):
+            return None
+        from ccfx.planner.plan_edges import plan_edge_codecs
+
+        num_stages = 1 + max((facts(n).get("stage", 0) for n in gm.graph.nodes), default=0)
+        decided = plan_edge_codecs(gm, cfg, num_stages) if _rank() == 0 else None
+        return _from_rank0(decided)
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         kwargs.pop("ccfx_owner", None)
         try:
@@ -171,14 +189,22 @@ class CcfxBackend:
             functools.partial(annotate, example_inputs=example_inputs),
             functools.partial(partition, stages=cfg.stages, balance=cfg.balance,
                               split_points=cfg.split_points),
-            functools.partial(cut_edges, codec=cfg.activation_codec,
-                              grad_codec=cfg.activation_grad_codec,
+        ])
+        decided = self._plan_auto(gm)
+        codecs_for = ((lambda edge, _stage: decided.choice[edge]) if decided is not None
+                      else cfg.codecs_for if cfg.codec_overrides else None)
+        gm = run_passes(gm, [
+            functools.partial(cut_edges, codec=cfg.activation_codec if decided is None else "none",
+                              grad_codec=cfg.activation_grad_codec if decided is None else None,
                               uid_for=functools.partial(self._uid_for, index),
-                              codecs_for=cfg.codecs_for if cfg.codec_overrides else None),
+                              codecs_for=codecs_for),
         ])
         self._allocate_codec_state(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         graph_plan = build_graph_plan(gm, index)
+        if decided is not None:
+            graph_plan.decisions = decided.decisions
+            graph_plan.prediction = decided.prediction
         log.info("ccfx: graph %d partitioned\n%s", index, Plan(cfg.to_dict(), [graph_plan]))
         emit_plan_artifact(Plan(cfg.to_dict(), [graph_plan]).to_json(), index)
         rewrite = None
@@ -190,7 +216,11 @@ class CcfxBackend:
                                   rewrite_backward=rewrite)
         state_inputs = {k: weakref.ref(example_inputs[k]) for k, n in enumerate(placeholders)
                         if facts(n).get("kind") in ("param", "buffer")}
-        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs))
+        data = tuple(example_inputs[k].detach().clone() for k, n in enumerate(placeholders)
+                     if facts(n).get("kind") == "input"
+                     and isinstance(example_inputs[k], torch.Tensor))
+        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs,
+                                         data))
         if dp is not None and dp.buckets(index):  # the backward compiled with the forward
             with_buckets = Plan(cfg.to_dict(), [graph_plan], data_parallel=dp.info())
             graph_plan.buckets = dp.buckets(index)
@@ -235,6 +265,23 @@ def _rewrite_backward(dp_ref, index, gm, compile_fn, decompositions, record):
         return dp.compile_backward(index, gm, compile_fn, decompositions, record)
     except CcfxError as e:
         raise _through_dynamo(e) from e
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _from_rank0(obj):
+    """``obj`` as rank 0 has it, on every rank of the default group (itself without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _parameter_inputs(gm: torch.fx.GraphModule) -> tuple[dict[int, str], list[int]]:

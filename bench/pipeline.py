@@ -19,6 +19,9 @@ Variants (activation codec forward / backward):
   ccfx-int4        int4 both ways
   ccfx-psgd-bwd    none forward, powersgd:rank=16 backward (Optimus-CC's compressed backprop)
   ccfx-int8-psgd   int8 forward, powersgd:rank=16 backward
+  ccfx-auto        the planner's choice per edge and direction (ccfx.planner), told the link's
+                   rate (shaped) or measuring it with a probe (unshaped); its choices are
+                   printed under the table
 
 ``--dp 2`` runs PP x DP on 4 ranks (a (dp, pp) mesh, each replica on its own data) with the
 replicas' gradients through ``--gradient-codec``; "wire" then counts every rank's activation
@@ -53,7 +56,7 @@ from bench.shaped import (
 
 CODECS = {"ccfx-none": ("none", "none"), "ccfx-int8": ("int8", "int8"),
           "ccfx-int4": ("int4", "int4"), "ccfx-psgd-bwd": ("none", "powersgd:rank=16"),
-          "ccfx-int8-psgd": ("int8", "powersgd:rank=16")}
+          "ccfx-int8-psgd": ("int8", "powersgd:rank=16"), "ccfx-auto": ("auto", "auto")}
 VARIANTS = ("torch", *CODECS)
 MODELS = {"mlp4": {"depth": 4, "batch": 256, "micro": 8},
           "mlp10": {"depth": 10, "batch": 256, "micro": 8},
@@ -110,7 +113,7 @@ def _torch_stage(name: str, model, rank: int, world: int):
 
 def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: int,
                warmup: int = 2, lowering: str = "inductor", dp: int = 1,
-               gradient_codec: str = "none") -> dict:
+               gradient_codec: str = "none", link_gbps: float | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B
@@ -130,7 +133,7 @@ def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: i
     batches = data(model, warmup + steps, seed=1 + dp_rank)
     micro = spec["micro"]
     example = batches[0][0].chunk(micro)[0]
-    ledger = None
+    ledger, chosen = None, []
     if variant == "torch":
         if dp > 1:
             raise SystemExit("the torch baseline runs without --dp")
@@ -138,10 +141,13 @@ def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: i
         params = params.parameters()
     else:
         fwd, bwd = CODECS[variant]
-        compiled = torch.compile(m, backend="ccfx", fullgraph=True, options={
-            "stages": pp_world, "activation_codec": fwd, "activation_grad_codec": bwd,
-            "gradient_codec": gradient_codec, "lowering": lowering})
+        options = {"stages": pp_world, "activation_codec": fwd, "activation_grad_codec": bwd,
+                   "gradient_codec": gradient_codec, "lowering": lowering}
+        if variant == "ccfx-auto":
+            options.update(auto_options(micro, link_gbps))
+        compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options)
         compiled(example)  # compiles and plans at the microbatch shape
+        chosen = [(d.what, d.chosen) for d in ccfx.plan_of(compiled).graphs[0].decisions]
         stage = ccfx.build_stages(compiled, rank, "cpu", pp_group, dp_group=dp_group)[0]
         ledger = ccfx.ledger_of(compiled)
         params = stage.submod.parameters()
@@ -179,7 +185,22 @@ def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: i
         raw, wire = (b - a for a, b in zip(base, ledger.totals()))
     else:
         raw = wire = _raw_bytes(stage) * micro * steps
-    return {"times": times, "losses": losses, "raw_bytes": raw / steps, "wire_bytes": wire / steps}
+    return {"times": times, "losses": losses, "raw_bytes": raw / steps, "wire_bytes": wire / steps,
+            "chosen": chosen}
+
+
+def auto_options(microbatches: int, link_gbps: float | None) -> dict:
+    """The planner's options on the shaped loopback (one token bucket for every rank: a shared
+    medium); unshaped, the link is measured by a probe between the ranks."""
+    if link_gbps is None:
+        from ccfx.planner.probe import probe_link
+
+        link = probe_link(shared=True)
+        link_gbps, latency = link.gbps, link.latency_ms
+    else:
+        latency = 0.05
+    return {"link_gbps": link_gbps, "link_latency_ms": latency, "link_shared": True,
+            "microbatches": microbatches, "pipeline_schedule": "1F1B"}
 
 
 def _raw_bytes(stage) -> int:
@@ -213,7 +234,8 @@ def run_variant(model: str, variant: str, world: int, rate: float | None, steps:
             ranks = run_ranks("bench.pipeline", "train_rank", world,
                               {"model": model, "variant": variant, "steps": steps,
                                "lowering": lowering, "dp": dp,
-                               "gradient_codec": gradient_codec},
+                               "gradient_codec": gradient_codec,
+                               "link_gbps": rate / 1000 if rate else None},
                               netns=ns, timeout_s=900, env=env, stall_s=300)
     except (RankFailed, RankTimeout) as e:
         return {"variant": variant, "status": "fails", "reason": e.reason, "details": str(e)}
@@ -225,7 +247,7 @@ def run_variant(model: str, variant: str, world: int, rate: float | None, steps:
             "loss": last["losses"][-1],
             "raw_bytes": sum(r["raw_bytes"] for r in ranks),
             "wire_bytes": sum(r["wire_bytes"] for r in ranks),
-            "wall_s": time.perf_counter() - t0}
+            "chosen": ranks[0].get("chosen", []), "wall_s": time.perf_counter() - t0}
 
 
 HEADER = ["variant", "s/step", "x torch", "x torch unshaped", "wire MB/step (both ways)",

@@ -28,6 +28,14 @@ def plan_of(compiled) -> Plan:
     return backend_of(compiled).plan
 
 
+def explain(compiled) -> str:
+    """What the planner (``"auto"`` codecs) chose for a compiled model, the predicted step
+    time of every candidate, and why each winner won."""
+    from ccfx.planner.explain import explain_plan
+
+    return explain_plan(compiled if isinstance(compiled, Plan) else plan_of(compiled))
+
+
 def ddp_comm_hook(spec: str, process_group=None):
     """``(state, hook)`` that average eager DDP's gradient buckets through a codec:
     ``ddp_model.register_comm_hook(*ccfx.ddp_comm_hook("powersgd:rank=4,ef"))``; see
@@ -135,6 +143,7 @@ __all__ = [
     "codecs",
     "ddp_comm_hook",
     "draw",
+    "explain",
     "ledger_of",
     "plan_of",
     "stage_boundary",

@@ -13,6 +13,9 @@ from typing import Any
 from .errors import ConfigError
 
 BALANCE = ("flops", "params", "memory")
+#: The codec value that asks the planner (``ccfx.planner``) to choose.
+AUTO = "auto"
+SCHEDULES = ("1F1B", "GPipe")
 LOWERING = ("inductor", "eager")
 #: Environment variable holding a JSON object of options, for frameworks that pass only a
 #: backend name (``TrainingArguments(torch_compile_backend="ccfx")``). Explicit options win.
@@ -58,6 +61,23 @@ class Config:
     error_feedback: wrap the gradient codec in error feedback (same as appending ",ef").
     collective_timeout_s: how long a rank waits on a gradient collective before failing with
         an error naming the rank and the bucket (a peer died or diverged).
+
+    The planner (``"auto"`` as ``activation_codec``, ``activation_grad_codec`` or
+    ``gradient_codec``: each edge, direction and bucket gets the codec with the lowest
+    predicted step time, ``none`` where compression does not pay; ``ccfx.explain(compiled)``
+    says why):
+
+    link_gbps: the link's bandwidth in Gbit/s (0.1 for 100 Mbit/s); required by ``auto``.
+    link_latency_ms: its one-way latency in milliseconds.
+    link_shared: every rank's traffic crosses one medium (one switch port, a shaped loopback)
+        rather than a link per pair of ranks.
+    pipeline_schedule: the schedule the pipeline runs ("1F1B" or "GPipe"), and
+    microbatches: how many microbatches a step has; compile at the microbatch shape.
+    auto_loss_budget: codecs whose measured effect on the final loss (bench/convergence.py)
+        exceeds this fraction are not candidates (default 0.01: 1 %).
+    auto_candidates: more codec specs for ``auto`` to consider, beyond the measured ones.
+    auto_min_gain: a lossy codec is chosen only if it makes the predicted step at least this
+        fraction faster than ``none`` (default 0.02).
     """
 
     stages: int = 1
@@ -75,6 +95,14 @@ class Config:
     warmup_steps: int = 0
     error_feedback: bool = False
     collective_timeout_s: float = 300.0
+    link_gbps: float | None = None
+    link_latency_ms: float = 0.05
+    link_shared: bool = False
+    pipeline_schedule: str = "1F1B"
+    microbatches: int = 8
+    auto_loss_budget: float = 0.01
+    auto_candidates: tuple[str, ...] | None = None
+    auto_min_gain: float = 0.02
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
@@ -87,14 +115,13 @@ class Config:
             raise ConfigError(
                 f"lowering={self.lowering!r} is not valid; choose one of {', '.join(LOWERING)}"
             )
-        from . import codecs
 
-        object.__setattr__(self, "activation_codec", codecs.canonical(self.activation_codec))
+        object.__setattr__(self, "activation_codec", _spec(self.activation_codec))
         if self.activation_grad_codec is not None:
-            object.__setattr__(self, "activation_grad_codec",
-                               codecs.canonical(self.activation_grad_codec))
+            object.__setattr__(self, "activation_grad_codec", _spec(self.activation_grad_codec))
         self._check_data_parallel()
         self._check_overrides()
+        self._check_planner()
         if self.split_points is not None:
             points = self.split_points
             if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
@@ -144,6 +171,43 @@ class Config:
         fwd, _, bwd = value.partition("/")
         return fwd, bwd or fwd
 
+    @property
+    def uses_auto(self) -> bool:
+        return AUTO in (self.activation_codec, self.activation_grad_codec, self.gradient_codec)
+
+    def _check_planner(self) -> None:
+        from . import codecs
+
+        if self.link_gbps is not None:
+            if isinstance(self.link_gbps, bool) or not isinstance(self.link_gbps, (int, float)) \
+                    or not self.link_gbps > 0:
+                raise ConfigError(f"link_gbps is the link's bandwidth in Gbit/s (0.1 for "
+                                  f"100 Mbit/s), a positive number; got {self.link_gbps!r}")
+            object.__setattr__(self, "link_gbps", float(self.link_gbps))
+        if self.uses_auto and self.link_gbps is None:
+            raise ConfigError("'auto' codecs need the link they will run on: give link_gbps "
+                              "(Gbit/s, e.g. 0.1 for 100 Mbit/s) and link_latency_ms, e.g. "
+                              "options={'activation_codec': 'auto', 'link_gbps': 0.1}")
+        for name in ("link_latency_ms", "auto_loss_budget", "auto_min_gain"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{name} must be a number ≥ 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not isinstance(self.link_shared, bool):
+            raise ConfigError(f"link_shared is True or False, got {self.link_shared!r}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ConfigError(f"pipeline_schedule={self.pipeline_schedule!r}: the planner "
+                              f"models {', '.join(SCHEDULES)}")
+        m = self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"microbatches must be an integer ≥ 1, got {m!r}")
+        if self.auto_candidates is not None:
+            given = self.auto_candidates
+            if isinstance(given, str):
+                given = (given,)
+            object.__setattr__(self, "auto_candidates",
+                               tuple(codecs.canonical(c) for c in given))
+
     def _check_data_parallel(self) -> None:
         from . import codecs
 
@@ -162,8 +226,8 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an integer ≥ 0, got {value!r}")
-        spec = codecs.canonical(self.gradient_codec)
-        if self.error_feedback and not spec.endswith("ef"):
+        spec = _spec(self.gradient_codec)
+        if self.error_feedback and spec != AUTO and not spec.endswith("ef"):
             spec = codecs.canonical(spec + (",ef" if ":" in spec else ":ef"))
         object.__setattr__(self, "gradient_codec", spec)
 
@@ -228,9 +292,18 @@ class Config:
             d["split_points"] = list(d["split_points"])
         if d["codec_overrides"] is not None:
             d["codec_overrides"] = dict(d["codec_overrides"])
+        if d["auto_candidates"] is not None:
+            d["auto_candidates"] = list(d["auto_candidates"])
         return d
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
 
 
+
+
+def _spec(spec: str) -> str:
+    """A codec option's canonical spec; ``"auto"`` stays as it is."""
+    from . import codecs
+
+    return AUTO if isinstance(spec, str) and spec.strip().lower() == AUTO else codecs.canonical(spec)

@@ -100,6 +100,33 @@ class Bucket:
 
 
 @dataclass
+class Decision:
+    """One choice of the planner (``"auto"``): ``what`` is "edge 3 forward", "edge 3 backward"
+    or "bucket 1"; ``candidates`` the predicted step seconds of each codec it weighed, fastest
+    first; ``reason`` why the winner won."""
+
+    what: str
+    chosen: str
+    candidates: list[tuple[str, float]] = field(default_factory=list)
+    reason: str = ""
+
+    def predicted(self, spec: str) -> float | None:
+        return next((s for c, s in self.candidates if c == spec), None)
+
+
+@dataclass
+class Prediction:
+    """The planner's predicted step for one graph: uncompressed, and with its choices."""
+
+    uncompressed_s: float
+    chosen_s: float
+    link: str  # "0.1 Gbit/s, 0.05 ms, shared"
+    schedule: str
+    microbatches: int
+    compute: str  # where the compute seconds came from ("flops: 1.1e+10 FLOP/s ...")
+
+
+@dataclass
 class DataParallelInfo:
     """How gradients are synchronized: the world the plan was made for and the policy."""
 
@@ -123,6 +150,9 @@ class GraphPlan:
     symbolic: bool = False
     #: Data-parallel gradient buckets, filled when the backward graph is compiled.
     buckets: list[Bucket] = field(default_factory=list)
+    #: What ``auto`` chose and why (empty without ``auto``), and the step it predicted.
+    decisions: list[Decision] = field(default_factory=list)
+    prediction: Prediction | None = None
 
     @property
     def imbalance(self) -> float:
@@ -203,6 +233,11 @@ class Plan:
                         "edges": edges,
                         "shared": [SharedParam(**p) for p in g["shared"]],
                         "buckets": [Bucket(**b) for b in g.get("buckets", [])],
+                        "decisions": [Decision(**{**d, "candidates": [tuple(c) for c in
+                                                                       d["candidates"]]})
+                                      for d in g.get("decisions", [])],
+                        "prediction": (Prediction(**g["prediction"]) if g.get("prediction")
+                                       else None),
                     }
                 )
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -31,6 +32,43 @@ from .graph_utils import facts, insert_call, val
 
 #: (edge index, hop, codec spec, gradient codec spec) → the uid the op reports under.
 UidFor = Callable[[int, tuple[int, int], str, str], int]
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """A value read in stages after its own: the plan's edge number ``index``, before any
+    cut op is inserted (what the planner prices)."""
+
+    index: int
+    node: torch.fx.Node
+    source_stage: int
+    readers: dict[int, list[torch.fx.Node]]  # later stage → its nodes that read the value
+
+    @property
+    def dest_stages(self) -> list[int]:
+        return sorted(self.readers)
+
+    @property
+    def hops(self) -> list[tuple[int, int]]:
+        return [(s - 1, s) for s in range(self.source_stage + 1, self.dest_stages[-1] + 1)]
+
+
+def crossings(gm: torch.fx.GraphModule) -> list[Crossing]:
+    """Every tensor that crosses a stage boundary, in graph order (the edges' order)."""
+    out = []
+    for node in gm.graph.nodes:
+        f = facts(node)
+        if node.op == "output" or f.get("kind") in ("cut", "param", "buffer", "symint"):
+            continue
+        if f.get("pinned") or not isinstance(val(node), torch.Tensor):
+            continue
+        by_stage: dict[int, list[torch.fx.Node]] = defaultdict(list)
+        for u in node.users:
+            if facts(u)["stage"] > f["stage"]:
+                by_stage[facts(u)["stage"]].append(u)
+        if by_stage:
+            out.append(Crossing(len(out), node, f["stage"], dict(by_stage)))
+    return out
 
 
 def cut_edges(
@@ -56,22 +94,9 @@ def cut_edges(
     output = next(n for n in graph.nodes if n.op == "output")
 
     edges = []
-    for node in list(graph.nodes):
-        f = facts(node)
-        if node.op == "output" or f.get("kind") == "cut" or f.get("pinned"):
-            continue
-        if f.get("kind") in ("param", "buffer", "symint"):
-            continue
-        value = val(node)
-        if not isinstance(value, torch.Tensor):
-            continue
-        src_stage = f["stage"]
-        by_stage: dict[int, list[torch.fx.Node]] = defaultdict(list)
-        for u in node.users:
-            by_stage[facts(u)["stage"]].append(u)
-        far = sorted(s for s in by_stage if s > src_stage)
-        if not far:
-            continue
+    for crossing in crossings(gm):
+        node, value, src_stage = crossing.node, val(crossing.node), crossing.source_stage
+        by_stage, far = crossing.readers, crossing.dest_stages
         edge = len(edges)
         fwd, bwd = (codec, grad_codec) if codecs_for is None else codecs_for(edge, src_stage)
         fwd, bwd = codecs.canonical(fwd), codecs.canonical(bwd)
@@ -99,6 +124,6 @@ def cut_edges(
             "requires_grad": bool(value.requires_grad),
             "users": [u.name for s in far for u in by_stage[s]],
         })
-        f["edge"] = edge
+        facts(node)["edge"] = edge
     gm.meta.setdefault("ccfx", {})["edges"] = edges
     return gm

@@ -18,7 +18,9 @@ import datetime
 import os
 import pickle
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -46,7 +48,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results):
+def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results, stacks):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -56,6 +58,9 @@ def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results):
     import torch.distributed as dist
 
     faulthandler.enable()  # a crash in C++ still prints this rank's Python stack
+    # The parent asks a rank that does not finish where it is (SIGUSR1), before killing it.
+    stack_file = open(stacks, "w")  # noqa: SIM115 (open for the life of the process)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(int(env.get("CCFX_RANK_THREADS", "1")))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
@@ -89,9 +94,11 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    tmp = tempfile.TemporaryDirectory(prefix="ccfx-ranks-")
+    stacks = [os.path.join(tmp.name, f"rank{r}.stack") for r in range(world_size)]
     procs = [ctx.Process(target=_child, daemon=True,
                          args=(fn, r, world_size, port, tuple(args), dict(env or {}),
-                               pg_timeout_s, results))
+                               pg_timeout_s, results, stacks[r]))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -126,22 +133,55 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
                 # the other ranks get grace_s to report their own errors (or finish)
                 deadline = min(deadline, time.monotonic() + grace_s)
     finally:
-        for p in procs:
-            p.join(timeout=0.5 if errors or len(done) < world_size else 5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        where = _stop(procs, stacks, errors, done, world_size)
+        tmp.cleanup()
     if errors:
-        raise RankFailed(_failure_message(errors, done, world_size), done)
+        raise RankFailed(_failure_message(errors, done, world_size, where), done)
     if len(done) < world_size:
         missing = sorted(set(range(world_size)) - set(done))
         raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s "
-                          f"(finished: {sorted(done)}); a rank is stuck in a collective or compile")
+                          f"(finished: {sorted(done)}); a rank is stuck in a collective or compile"
+                          + "".join(f"\n  rank {r} was at:\n{where[r]}" for r in sorted(where)))
     return [done[r] for r in range(world_size)]
 
 
+def _stop(procs, stacks: list[str], errors, done, world_size: int) -> dict[int, str]:
+    """Join every rank; ask those still running where they are (their Python stacks, the
+    innermost frames of the main thread), then kill them."""
+    for p in procs:
+        p.join(timeout=0.5 if errors or len(done) < world_size else 5)
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in alive:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    if alive:
+        time.sleep(1.0)
+    where = {}
+    for r in alive:
+        where[r] = _innermost(stacks[r])
+        procs[r].kill()
+        procs[r].join(timeout=5)
+    return where
+
+
+def _innermost(path: str, frames: int = 8) -> str:
+    """The main thread's innermost ``frames`` frames from a faulthandler dump."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return "    (no stack: the rank did not answer)"
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    main = next((b for b in blocks if "Current thread" in b or "most recent call first" in b),
+                blocks[-1] if blocks else "")
+    lines = [ln for ln in main.splitlines() if ln.strip().startswith("File")][:frames]
+    return "\n".join(f"    {ln.strip()}" for ln in lines) or "    (no stack: the rank did not answer)"
+
+
 def _failure_message(errors: dict[int, tuple[float, str]], done: dict[int, Any],
-                     world_size: int) -> str:
+                     world_size: int, where: dict[int, str] | None = None) -> str:
     """The earliest error in full (the cause: a rank that fails tears down its connections,
     and its peers' collectives then fail too), then one line for every other rank."""
     first = min(errors, key=lambda r: errors[r][0])
@@ -152,5 +192,7 @@ def _failure_message(errors: dict[int, tuple[float, str]], done: dict[int, Any],
             lines.append(f"  rank {r} failed {errors[r][0] - errors[first][0]:.1f} s later: "
                          f"{why[:300]}")
         elif r not in done:
-            lines.append(f"  rank {r} did not finish (stopped with it)")
+            at = (where or {}).get(r)
+            lines.append(f"  rank {r} did not finish (stopped with it)"
+                         + (f"; it was at (innermost first):\n{at}" if at else ""))
     return "\n".join(lines) + f"\n{errors[first][1]}"

@@ -1,0 +1,117 @@
+"""``auto``: per edge and direction (and per gradient bucket), the codec with the lowest
+predicted step, or ``none`` where compression does not pay.
+
+The search is coordinate descent over the cost model: start with everything uncompressed;
+for each edge and direction in turn, predict the step with each candidate while the others
+stay as they are, keep the fastest; two passes (a choice on one hop changes what is exposed
+on the others: on a shared link, shrinking one tensor frees the link for the rest). A codec
+other than ``none`` is taken only when it beats ``none`` by ``min_gain`` of the step: a
+compressed tensor costs fidelity, and a gain inside the model's error is no gain.
+
+Every choice is a :class:`Decision` that keeps the predicted step of each candidate and a
+sentence saying why the winner won; ``ccfx.explain(compiled)`` prints them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .. import codecs
+from ..plan import Decision, Prediction
+from .pipeline_model import PipelineModel, PipelinePrediction
+
+DIRECTIONS = {"fwd": "forward", "bwd": "backward"}
+#: (edge, "fwd" | "bwd") → candidate codec specs
+Pool = Callable[..., Sequence[str]]
+
+
+@dataclass
+class PipelineDecisions:
+    choice: dict[int, tuple[str, str]]
+    decisions: list[Decision]
+    uncompressed: PipelinePrediction
+    chosen: PipelinePrediction
+    #: The summary the plan keeps (set by whoever knows the link and the compute's source).
+    prediction: Prediction | None = None
+
+
+def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float = 0.02,
+                           passes: int = 2) -> PipelineDecisions:
+    """The codec of every edge and direction of ``model``; ``pool(edge, "fwd" | "bwd")`` lists
+    its candidates (one spec: fixed by the options, not searched)."""
+    choice = {e.index: (pool(e, "fwd")[0], pool(e, "bwd")[0]) for e in model.edges}
+    searched = [(e, d, _usable(pool(e, d), e.dtype)) for e in model.edges for d in ("fwd", "bwd")
+                if len(pool(e, d)) > 1 and (d == "fwd" or e.requires_grad)]
+    for e, d, _ in searched:
+        choice[e.index] = _set(choice[e.index], d, "none")
+    base = model.predict(choice)
+    tables: dict[tuple[int, str], list[tuple[str, float]]] = {}
+    for _ in range(passes):
+        for e, d, specs in searched:
+            table = []
+            for spec in specs:
+                trial = dict(choice)
+                trial[e.index] = _set(trial[e.index], d, spec)
+                table.append((spec, model.predict(trial).step_s))
+            table.sort(key=lambda t: t[1])
+            tables[(e.index, d)] = table
+            choice[e.index] = _set(choice[e.index], d, _winner(table, min_gain))
+    decisions = []
+    for e in model.edges:
+        for d in ("fwd", "bwd"):
+            table = tables.get((e.index, d))
+            if table is None:
+                continue
+            spec = choice[e.index][0 if d == "fwd" else 1]
+            decisions.append(Decision(f"edge {e.index} {DIRECTIONS[d]}", spec, table,
+                                      _reason(model, base, e, d, spec, table, min_gain)))
+    return PipelineDecisions(choice, decisions, base, model.predict(choice))
+
+
+def _usable(specs: Sequence[str], dtype) -> list[str]:
+    """``none`` first, then the candidates that apply to the tensor's dtype."""
+    out = ["none"]
+    for spec in specs:
+        if spec not in out and codecs.get(spec).applies_to(dtype):
+            out.append(spec)
+    return out
+
+
+def _set(pair: tuple[str, str], direction: str, spec: str) -> tuple[str, str]:
+    return (spec, pair[1]) if direction == "fwd" else (pair[0], spec)
+
+
+def _winner(table: list[tuple[str, float]], min_gain: float) -> str:
+    none_s = dict(table)["none"]
+    best, best_s = table[0]
+    return best if best != "none" and best_s < none_s * (1 - min_gain) else "none"
+
+
+def _reason(model: PipelineModel, base: PipelinePrediction, edge, direction: str, spec: str,
+            table: list[tuple[str, float]], min_gain: float) -> str:
+    times = dict(table)
+    none_s = times["none"]
+    if spec != "none":
+        gain = 1 - times[spec] / none_s
+        others = [c for c, _ in table if c not in (spec, "none")]
+        nxt = f"; next best {others[0]} ({times[others[0]]:.4g} s)" if others else ""
+        return (f"{spec}: {none_s:.4g} s -> {times[spec]:.4g} s per step predicted "
+                f"({gain:.0%} faster){nxt}")
+    if len(table) == 1:
+        return "no candidate codec applies to this tensor's dtype"
+    hops = {a for a, _ in edge.hops}
+    waited = sum(m.waited_s for m in base.timeline.messages
+                 if m.message.kind == direction and m.message.hop in hops)
+    best, best_s = next((c, s) for c, s in table if c != "none")
+    if waited <= 0.01 * none_s:
+        return (f"hidden behind compute: uncompressed, no rank ever waits for these messages, "
+                f"so a codec only adds its encode and decode ({best}: {best_s:.4g} s vs "
+                f"{none_s:.4g} s)")
+    gain = 1 - best_s / none_s
+    if gain <= 0:
+        return (f"compression does not pay here: the best codec, {best}, predicts "
+                f"{best_s:.4g} s against {none_s:.4g} s uncompressed (its encode and decode "
+                "cost more than the wire time it saves)")
+    return (f"the best codec, {best}, saves {gain:.1%} of the step ({best_s:.4g} s vs "
+            f"{none_s:.4g} s), less than the {min_gain:.0%} a lossy codec must save")

@@ -1,0 +1,36 @@
+"""Which codecs ``auto`` may choose: the error budget.
+
+A faster step is worth nothing if the model trains worse, and no cost model predicts a loss.
+So the budget is stated in loss and backed by measurement: ``MEASURED`` holds, for each role
+(forward activations, their gradients, data-parallel gradient buckets) and codec, the change
+of the final loss that bench/convergence.py measured (tiny GPT, 4 stages, 300 AdamW steps,
+mean over 3 seeds, relative to uncompressed). ``auto`` considers the codecs whose measured
+change is within ``auto_loss_budget`` (default 1 %), plus any the user lists in
+``auto_candidates`` (their own responsibility: a codec never measured is never chosen
+otherwise). ``none`` is always a candidate.
+"""
+
+from __future__ import annotations
+
+from .. import codecs
+from ..config import Config
+
+#: role → codec spec → relative change of the final loss (bench/convergence.py, see the module
+#: docstring; the README quotes the table and its command).
+MEASURED: dict[str, dict[str, float]] = {
+    "activation": {"bf16": 0.0, "int8": 0.0, "int4": 0.24},
+    "activation_grad": {"bf16": 0.0, "int8": 0.0, "int4": 0.24},
+    "gradient": {"bf16": 0.0, "int8": 0.0, "powersgd:rank=4,ef": 0.0},
+}
+
+
+def candidates(role: str, config: Config) -> list[str]:
+    """``none``, then every codec of ``role`` within the budget, then the user's own."""
+    out = ["none"]
+    for spec, change in MEASURED[role].items():
+        if change <= config.auto_loss_budget:
+            out.append(codecs.canonical(spec))
+    for spec in config.auto_candidates or ():
+        if spec not in out:
+            out.append(spec)
+    return out

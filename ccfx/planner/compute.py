@@ -1,0 +1,125 @@
+"""Seconds of compute per stage: from FLOPs and a measured machine rate, or a timed profile.
+
+Two sources, both measured on this machine:
+
+* :func:`from_flops`, what ``auto`` uses at compile time, when nothing has run yet: a stage's
+  forward is ``flops / rate + ops * overhead`` and its backward twice the FLOPs (the usual
+  2:1) plus the same per-op overhead. ``rate`` is a matmul's FLOP/s and ``overhead`` the time
+  of a tiny op (:func:`machine_rate`, cached beside the codec timings): the second term is what
+  small models on CPUs spend, and a FLOP count alone misses it.
+* :func:`profile_stages`: the stage modules a pipeline rank runs (``passes.split_stages``,
+  lowered as the plan says), each timed forward and backward on its own at the microbatch
+  shape, the median of a few repeats. Slower to get, closer to the truth; what bench/planner.py
+  validates against.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .codec_cost import cache_path
+from .pipeline_model import StageCompute
+
+
+def machine_rate(device: torch.device | str = "cpu", refresh: bool = False) -> tuple[float, float]:
+    """(FLOP/s of a 512³ fp32 matmul, seconds of one tiny elementwise op), cached per machine."""
+    device = torch.device(device)
+    path = cache_path(device).with_name(cache_path(device).name.replace("codec_times", "rate"))
+    if path.exists() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+            return float(data["flops_per_s"]), float(data["op_s"])
+        except (OSError, ValueError, KeyError):
+            pass
+    n = 512
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    mm = _median_s(lambda: a @ b, device)
+    tiny = torch.ones(8, device=device)
+    op = _median_s(lambda: tiny + tiny, device, repeats=50)
+    rate = 2 * n ** 3 / mm
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"flops_per_s": rate, "op_s": op}))
+    except OSError:
+        pass
+    return rate, op
+
+
+def from_flops(stage_flops: Sequence[float], stage_ops: Sequence[int], microbatches: int = 1,
+               device: torch.device | str = "cpu",
+               rate: tuple[float, float] | None = None) -> list[StageCompute]:
+    """Per-stage seconds per microbatch from the plan's FLOPs (counted at the compiled shape;
+    divided by ``microbatches`` when that shape was the whole batch)."""
+    flops_per_s, op_s = rate or machine_rate(device)
+    out = []
+    for flops, ops in zip(stage_flops, stage_ops, strict=True):
+        f = flops / microbatches / flops_per_s
+        out.append(StageCompute(f + ops * op_s, 2 * f + 2 * ops * op_s, "flops"))
+    return out
+
+
+def profile_stages(compiled, *, lowering: str | None = None, repeats: int = 5,
+                   graph: int = 0) -> list[StageCompute]:
+    """Time each pipeline stage of a compiled model (compiled and called once at the
+    microbatch shape) forward and backward, on its own, with inputs of its ports' shapes."""
+    from ccfx.backends.compiler import backend_of
+    from ccfx.runtime.pipeline import _example, _lower
+
+    backend = backend_of(compiled)
+    parent = backend.graphs[graph].split()
+    lowering = lowering or backend.config.lowering
+    first_inputs = _stage0_inputs(backend, graph)
+    out = []
+    for iface in parent.meta["ccfx"]["interfaces"]:
+        child = _lower(getattr(parent, f"stage_{iface.index}"), lowering)
+        if iface.index == 0:
+            args = first_inputs
+        else:
+            args = [_example(p, torch.device("cpu")).requires_grad_(p.requires_grad)
+                    for p in iface.inputs]
+        out.append(_time_stage(child, args, repeats))
+    return out
+
+
+def _stage0_inputs(backend, graph: int) -> list[torch.Tensor]:
+    """Stage 0's inputs: the compile's own example inputs (token ids stay valid ids)."""
+    return list(backend.graphs[graph].example_inputs)
+
+
+def _time_stage(child: torch.nn.Module, args: Sequence, repeats: int) -> StageCompute:
+    fwd, bwd = [], []
+    for i in range(repeats + 2):  # two warm-ups: inductor compiles the first call
+        inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
+                  else a for a in args]
+        t0 = time.perf_counter()
+        out = child(*inputs)
+        t1 = time.perf_counter()
+        tensors = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(o, torch.Tensor) and o.requires_grad]
+        if tensors:
+            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        t2 = time.perf_counter()
+        if i >= 2:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return StageCompute(statistics.median(fwd), statistics.median(bwd), "profile")
+
+
+def _median_s(fn, device: torch.device, repeats: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -1,0 +1,126 @@
+"""The predicted step of a pipeline under one choice of codecs.
+
+Inputs are the facts the plan already holds plus three measurements:
+
+* per stage, seconds of forward and backward per microbatch (:class:`StageCompute`: from the
+  stage's FLOPs and the machine's measured throughput, or from a timed profile);
+* per cut edge, the tensor that crosses (:class:`EdgeTraffic`: shape, dtype, hops, whether a
+  gradient comes back);
+* the link (:class:`~ccfx.planner.schedule.Link`) and each codec's encode / decode seconds and
+  payload bytes at the tensor's size (:class:`~ccfx.planner.codec_cost.CodecTimer`).
+
+:meth:`PipelineModel.predict` turns a codec choice per edge and direction into per-stage costs
+and per-message bytes and runs the schedule simulator: the prediction is the simulated step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .codec_cost import CodecCost, CodecTimer
+from .schedule import Link, Message, StageCost, Timeline, simulate
+
+
+@dataclass(frozen=True)
+class StageCompute:
+    """Seconds per microbatch; ``source`` says where they came from ("flops", "profile")."""
+
+    forward_s: float
+    backward_s: float
+    source: str = "profile"
+
+
+@dataclass(frozen=True)
+class EdgeTraffic:
+    """One cut edge as the planner sees it: the plan's edge ``index`` at the microbatch shape."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    hops: tuple[tuple[int, int], ...]
+    requires_grad: bool = True
+
+    @property
+    def raw_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n * self.dtype.itemsize
+
+
+#: edge index → (forward spec, backward spec)
+Choice = Mapping[int, tuple[str, str]]
+
+
+@dataclass
+class PipelinePrediction:
+    step_s: float
+    timeline: Timeline
+    wire_bytes: int  # per step, every hop, both directions
+    raw_bytes: int
+    codec_s: float  # encode + decode seconds per step, every rank
+
+
+class PipelineModel:
+    def __init__(self, compute: Sequence[StageCompute], edges: Sequence[EdgeTraffic], link: Link,
+                 *, schedule: str = "1F1B", microbatches: int = 8,
+                 timer: CodecTimer | None = None):
+        self.compute = list(compute)
+        self.edges = list(edges)
+        self.link = link
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.timer = timer or CodecTimer()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.compute)
+
+    def cost(self, edge: EdgeTraffic, spec: str) -> CodecCost:
+        return self.timer.cost(spec, edge.shape, edge.dtype)
+
+    def predict(self, choice: Choice | None = None) -> PipelinePrediction:
+        """The step with ``choice`` (edges not in it: uncompressed)."""
+        choice = choice or {}
+        n = self.num_stages
+        enc = {k: [0.0] * n for k in ("fwd", "bwd")}
+        dec = {k: [0.0] * n for k in ("fwd", "bwd")}
+        size: dict[tuple[str, int], int] = {}
+        codec_s = raw = wire = 0.0
+        for e in self.edges:
+            fwd, bwd = choice.get(e.index, ("none", "none"))
+            for direction, spec in (("fwd", fwd), ("bwd", bwd)):
+                if direction == "bwd" and not e.requires_grad:
+                    continue
+                c = self.cost(e, spec)
+                for a, b in e.hops:
+                    sender, receiver = (a, b) if direction == "fwd" else (b, a)
+                    enc[direction][sender] += c.encode_s
+                    dec[direction][receiver] += c.decode_s
+                    size[(direction, a)] = size.get((direction, a), 0) + c.wire_bytes
+                    codec_s += (c.encode_s + c.decode_s) * self.microbatches
+                    raw += c.raw_bytes * self.microbatches
+                    wire += c.wire_bytes * self.microbatches
+        stages = [StageCost(sc.forward_s, sc.backward_s, encode_fwd_s=enc["fwd"][s],
+                            decode_fwd_s=dec["fwd"][s], encode_bwd_s=enc["bwd"][s],
+                            decode_bwd_s=dec["bwd"][s]) for s, sc in enumerate(self.compute)]
+
+        def nbytes(m: Message) -> int:
+            return size.get((m.kind, m.hop), 0)
+
+        timeline = simulate(self.schedule, stages, self.microbatches, nbytes, self.link)
+        return PipelinePrediction(timeline.step_s, timeline, int(wire), int(raw), codec_s)
+
+
+def edges_from_plan(plan, graph: int = 0) -> list[EdgeTraffic]:
+    """The cut edges of one graph of a :class:`~ccfx.Plan` (shapes as the plan holds them:
+    compile at the microbatch shape to plan a pipeline)."""
+    g = plan.graphs[graph]
+    return [EdgeTraffic(e.index, e.source, tuple(int(d) for d in e.shape),
+                        getattr(torch, e.dtype.replace("torch.", "")), tuple(map(tuple, e.hops)),
+                        e.grad_codec is not None)
+            for e in g.edges]

@@ -1,0 +1,79 @@
+"""Measure the link between ranks: what ``auto`` needs when ``link_gbps`` is not given.
+
+Ranks 0 and 1 of the group time two things with the same point-to-point ops the pipeline
+uses (``dist.send`` / ``dist.recv`` on the group's backend): a ping-pong of one byte (half the
+round trip is the latency) and a tensor sent one way, sized from a first small transfer so that
+it takes about ``seconds`` (the bandwidth: bytes over the time after the latency). Every rank
+of the group calls :func:`probe_link` and gets rank 0's answer.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .schedule import Link
+
+
+def probe_link(group=None, *, seconds: float = 0.3, repeats: int = 3,
+               shared: bool = False) -> Link:
+    """The link between the group's ranks 0 and 1, as every rank of ``group`` sees it."""
+    if not dist.is_initialized():
+        from ..errors import ConfigError
+
+        raise ConfigError("probe_link needs a process group (dist.init_process_group); without "
+                          "one give link_gbps yourself")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = [None]
+    if rank < 2 and world >= 2:
+        peer = dist.get_global_rank(group, 1 - rank) if group is not None else 1 - rank
+        latency = statistics.median(_ping(peer, rank, group) for _ in range(repeats)) / 2
+        small = 1 << 20
+        first = _one_way(peer, rank, small, group)
+        # rank 0 sizes the real transfer and tells rank 1
+        size = torch.tensor([0], dtype=torch.int64)
+        if rank == 0:
+            per_s = small / max(first - 2 * latency, 1e-6)
+            size[0] = int(min(max(per_s * seconds, small), 1 << 28))
+            dist.send(size, peer, group=group)
+        else:
+            dist.recv(size, peer, group=group)
+        nbytes = int(size[0])
+        best = min(_one_way(peer, rank, nbytes, group) for _ in range(repeats))
+        if rank == 0:
+            gbps = nbytes * 8 / max(best - 2 * latency, 1e-9) / 1e9
+            out = [Link(gbps, latency * 1e3, shared)]
+    if world > 1:
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(out, src=src, group=group)
+    return out[0]
+
+
+def _ping(peer: int, rank: int, group) -> float:
+    t = torch.zeros(1, dtype=torch.uint8)
+    start = time.perf_counter()
+    if rank == 0:
+        dist.send(t, peer, group=group)
+        dist.recv(t, peer, group=group)
+    else:
+        dist.recv(t, peer, group=group)
+        dist.send(t, peer, group=group)
+    return time.perf_counter() - start
+
+
+def _one_way(peer: int, rank: int, nbytes: int, group) -> float:
+    """Seconds from rank 0's send to its receipt of rank 1's one-byte acknowledgement (the
+    transfer plus one round trip of latency), as rank 0 measures it."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    ack = torch.zeros(1, dtype=torch.uint8)
+    start = time.perf_counter()
+    if rank == 0:
+        dist.send(t, peer, group=group)
+        dist.recv(ack, peer, group=group)
+    else:
+        dist.recv(t, peer, group=group)
+        dist.send(ack, peer, group=group)
+    return time.perf_counter() - start

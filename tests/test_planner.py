@@ -1,0 +1,138 @@
+"""The planner (issue #10): the schedule simulator, the codec timer, ``auto`` and explain."""
+
+import pytest
+import torch
+from torch import nn
+
+import ccfx
+from ccfx.planner import CodecTimer, Link, StageCost, simulate
+from ccfx.planner.auto import choose_pipeline_codecs
+from ccfx.planner.pipeline_model import EdgeTraffic, PipelineModel, StageCompute
+from ccfx.planner.schedule import Compute, gpipe_program, one_f_one_b_program
+
+NO_WIRE = Link(1e6, 0.0)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+@pytest.mark.parametrize("stages,micro", [(2, 2), (2, 8), (4, 4), (4, 9)])
+def test_without_communication_the_step_is_the_textbook_pipeline(schedule, stages, micro):
+    # (m + n - 1) slots of forward + backward: the bubble is (n - 1) / (m + n - 1)
+    step = simulate(schedule, [StageCost(1.0, 2.0)] * stages, micro, lambda m: 0, NO_WIRE)
+    assert step.step_s == pytest.approx((micro + stages - 1) * 3.0)
+    assert step.bubble == pytest.approx((stages - 1) / (micro + stages - 1))
+
+
+def test_the_1f1b_program_is_torchs_order():
+    # torch's Schedule1F1B: stage s warms up with n - s forwards, then alternates
+    labels = lambda prog: [i.label for i in prog if isinstance(i, Compute)]
+    c = StageCost(1.0, 2.0)
+    assert labels(one_f_one_b_program(0, 2, 4, c)) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert labels(one_f_one_b_program(1, 2, 4, c)) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert labels(gpipe_program(0, 2, 3, c)) == ["F0", "F1", "F2", "B0", "B1", "B2"]
+
+
+def test_a_slow_link_bounds_the_step_and_compression_shortens_it():
+    stages = [StageCost(0.01, 0.02)] * 2
+    link = Link(0.01, 0.0, shared=True)  # 10 Mbit/s, one medium
+    raw = simulate("1F1B", stages, 8, lambda m: 125_000, link)
+    wire_s = 16 * 125_000 * 8 / 1e7  # 8 microbatches, both directions
+    assert raw.step_s >= wire_s
+    assert raw.exposed_s() > 0
+    small = simulate("1F1B", stages, 8, lambda m: 125_000 // 4, link)
+    assert small.step_s < raw.step_s / 2
+
+
+def test_a_fast_link_hides_every_message_behind_compute():
+    t = simulate("1F1B", [StageCost(0.01, 0.02)] * 2, 8, lambda m: 1000, Link(100.0, 0.0))
+    assert t.exposed_s() < 1e-3 * t.step_s
+
+
+def test_codec_times_are_measured_once_and_cached(tmp_path):
+    path = tmp_path / "times.json"
+    timer = CodecTimer(path=path, repeats=2)
+    cost = timer.cost("int8", (16, 256), torch.float32)
+    assert cost.encode_s > 0 and cost.decode_s > 0
+    assert cost.raw_bytes == 16 * 256 * 4
+    assert cost.wire_bytes == ccfx.codecs.get("int8").wire_bytes((16, 256), torch.float32)
+    assert path.exists()
+    again = CodecTimer(path=path)
+    again._measure = None  # a second timer must read the cache, not measure
+    assert again.cost("int8", (16, 256), torch.float32) == cost
+    assert timer.cost("none", (16, 256), torch.float32).encode_s == 0.0
+
+
+def _two_stage_model(gbps: float, micro: int = 8) -> PipelineModel:
+    edges = [EdgeTraffic(0, "h", (64, 1024), torch.float32, ((0, 1),))]
+    compute = [StageCompute(0.004, 0.008)] * 2
+    return PipelineModel(compute, edges, Link(gbps, 0.05, shared=True), microbatches=micro,
+                         timer=CodecTimer(path=None, repeats=2))
+
+
+def _pool(edge, direction):
+    return ["none", "bf16", "int8"]
+
+
+def test_auto_compresses_on_a_slow_link_and_says_why():
+    decided = choose_pipeline_codecs(_two_stage_model(0.01), _pool)
+    assert decided.choice[0][0] != "none" and decided.choice[0][1] != "none"
+    assert decided.chosen.step_s < decided.uncompressed.step_s
+    fwd = decided.decisions[0]
+    assert fwd.what == "edge 0 forward"
+    assert {c for c, _ in fwd.candidates} == {"none", "bf16", "int8"}
+    assert fwd.candidates == sorted(fwd.candidates, key=lambda c: c[1])
+    assert fwd.chosen in fwd.reason and "faster" in fwd.reason
+
+
+def test_auto_says_no_on_a_fast_link():
+    decided = choose_pipeline_codecs(_two_stage_model(100.0), _pool)
+    assert decided.choice[0] == ("none", "none")
+    for d in decided.decisions:
+        assert d.chosen == "none"
+        assert any(w in d.reason for w in ("hidden behind compute", "does not pay", "less than"))
+
+
+def test_a_fixed_direction_is_kept_and_only_the_other_is_searched():
+    decided = choose_pipeline_codecs(
+        _two_stage_model(0.01), lambda e, d: ["int8"] if d == "bwd" else _pool(e, d))
+    assert decided.choice[0][1] == "int8"
+    assert [d.what for d in decided.decisions] == ["edge 0 forward"]
+
+
+def test_auto_needs_the_link():
+    with pytest.raises(ccfx.ConfigError, match="link_gbps"):
+        ccfx.Config(stages=2, activation_codec="auto")
+    with pytest.raises(ccfx.ConfigError, match="pipeline_schedule"):
+        ccfx.Config(pipeline_schedule="zigzag")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 256))
+
+
+@pytest.mark.parametrize("gbps,compressed", [(0.001, True), (1000.0, False)])
+def test_compiling_with_auto_records_the_choice_in_the_plan(gbps, compressed):
+    x = torch.randn(32, 256)
+    model = _mlp()
+    compiled = torch.compile(model, backend="ccfx", fullgraph=True, options={
+        "stages": 2, "activation_codec": "auto", "link_gbps": gbps, "lowering": "eager"})
+    out = compiled(x)
+    plan = ccfx.plan_of(compiled)
+    g = plan.graphs[0]
+    assert g.decisions and g.prediction is not None
+    chosen = {d.chosen for d in g.decisions}
+    assert (chosen != {"none"}) == compressed
+    # the edges carry exactly the codecs the decisions name
+    assert g.edges[0].codec == g.decisions[0].chosen
+    if not compressed:  # identity codec: the same numbers as eager
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    assert ccfx.Plan.from_json(plan.to_json()) == plan
+    text = ccfx.explain(compiled)
+    assert "predicted step" in text and "why:" in text and g.decisions[0].chosen in text
+
+
+def test_explain_without_auto_says_how_to_ask():
+    compiled = torch.compile(_mlp(), backend="ccfx", options={"stages": 2, "lowering": "eager"})
+    compiled(torch.randn(4, 256))
+    assert "'auto'" in ccfx.explain(compiled)
