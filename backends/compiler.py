@@ -112,6 +112,10 @@ class CcfxBackend:
         if dp is not None:
             for g in graphs:
                 g.buckets = dp.buckets(g.index)
+                edge_decisions = [d for d in g.decisions if not d.what.startswith("bucket")]
+                g.decisions = edge_decisions + dp.decisions(g.index)
+                if g.prediction is None:
+                    g.prediction = dp.prediction(g.index)
         plan = Plan(config=self.config.to_dict(), graphs=graphs,
                     option_sources=self.option_sources,
                     data_parallel=dp.info() if dp is not None else None)

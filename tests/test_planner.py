@@ -136,3 +136,23 @@ def test_explain_without_auto_says_how_to_ask():
     compiled = torch.compile(_mlp(), backend="ccfx", options={"stages": 2, "lowering": "eager"})
     compiled(torch.randn(4, 256))
     assert "'auto'" in ccfx.explain(compiled)
+
+
+@pytest.mark.parametrize("gbps,compressed", [(0.005, True), (1000.0, False)])
+def test_gradient_codec_auto_prices_every_bucket(gbps, compressed):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    compiled = torch.compile(model, backend="ccfx", fullgraph=True, options={
+        "data_parallel": True, "gradient_codec": "auto", "link_gbps": gbps, "lowering": "eager"})
+    compiled(torch.randn(16, 256)).sum().backward()
+    plan = ccfx.plan_of(compiled)
+    decisions = [d for d in plan.graphs[0].decisions if d.what.startswith("bucket")]
+    assert decisions, "the compressible bucket was not priced"
+    by_index = {b.index: b for b in plan.buckets}
+    for d in decisions:
+        assert by_index[int(d.what.split()[1])].codec == d.chosen
+    assert (decisions[0].chosen != "none") == compressed
+    # 1-D parameters (biases) are never candidates
+    assert all(b.codec == "none" for b in plan.buckets if "0-d/1-D" in b.reason)
+    assert plan.graphs[0].prediction.chosen_s <= plan.graphs[0].prediction.uncompressed_s
+    assert "bucket" in ccfx.explain(compiled)

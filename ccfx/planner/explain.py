@@ -22,8 +22,9 @@ def _graph(g: GraphPlan, plan: Plan) -> list[str]:
     out = [f"graph {g.index}: {g.num_stages} stage(s)"]
     p = g.prediction
     if p is not None:
-        out.append(f"  assumed: {p.schedule}, {p.microbatches} microbatches per step; link "
-                   f"{p.link}; compute from {p.compute}")
+        steps = (f"{p.schedule}, {p.microbatches} microbatches per step"
+                 if p.schedule in ("1F1B", "GPipe") else p.schedule)
+        out.append(f"  assumed: {steps}; link {p.link}; compute from {p.compute}")
         gain = 1 - p.chosen_s / p.uncompressed_s if p.uncompressed_s else 0.0
         out.append(f"  predicted step: {p.uncompressed_s:.4g} s uncompressed -> "
                    f"{p.chosen_s:.4g} s with these choices ({gain:.0%} faster)")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..config import Config
+from ..config import AUTO, Config
 from ..errors import CcfxError, ConfigError
 from ..plan import Bucket, DataParallelInfo
 from .bucket_exchange import FunctionalComm, LocalComm, exchange_for
@@ -54,6 +54,8 @@ class _GraphState:
     synced: bool = False
     backward_calls: int = 0
     buckets: list = field(default_factory=list)
+    decisions: list = field(default_factory=list)  # what gradient_codec="auto" chose
+    prediction: object = None  # and the step it predicted (a ccfx.plan.Prediction)
 
 
 def _dist():
@@ -128,14 +130,19 @@ class DataParallel:
         g = self._graphs[index]
         cfg = self.config
         slots = find_param_grads(gm, g.param_names)
-        buckets = assign_buckets(slots, cfg.gradient_codec, cfg.bucket_mb,
+        auto = cfg.gradient_codec == AUTO
+        # auto: the buckets a lossy codec gets (small and 1-D parameters apart), then a codec
+        # per bucket from the cost model
+        buckets = assign_buckets(slots, "int8" if auto else cfg.gradient_codec, cfg.bucket_mb,
                                  cfg.compress_min_numel, cfg.min_compression_rate)
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         # The backward compiles with the forward, inside its fake mode: the check and the
         # state tensors must be real.
-        exchanges = [exchange_for(b.layout, b.spec) for b in buckets]
         with unset_fake_temporarily():
+            if auto:
+                buckets = self._choose(index, gm, buckets)
+            exchanges = [exchange_for(b.layout, b.spec) for b in buckets]
             self._check_fingerprint(index, buckets)
             states = []
             for b, ex in zip(buckets, exchanges):
@@ -180,6 +187,36 @@ class DataParallel:
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
+
+    def _choose(self, index: int, gm: torch.fx.GraphModule, buckets):
+        """``gradient_codec="auto"``: rank 0 prices every bucket (``ccfx.planner.dp_model``)
+        and every rank takes its choice (the payloads must agree)."""
+        from ccfx.planner.plan_buckets import plan_bucket_codecs
+
+        g = self._graphs[index]
+        planned = plan_bucket_codecs(gm, buckets, self.config, self.world) if self.rank == 0 \
+            else None
+        choice, g.decisions, g.prediction = self._agree(index, planned)
+        return [type(b)(b.index, b.slots, choice.get(b.index, b.spec), b.reason)
+                if b.spec != "none" else b for b in buckets]
+
+    def _agree(self, index: int, value):
+        """Rank 0's ``value`` on every rank."""
+        dist = _dist()
+        if dist is None or self.world == 1:
+            return value
+        box = [value]
+        self._wait(lambda: dist.broadcast_object_list(box, src=0),
+                   f"rank 0's gradient codec choice for graph {index}", default_group=True)
+        return box[0]
+
+    def decisions(self, index: int) -> list:
+        g = self._graphs.get(index)
+        return list(g.decisions) if g else []
+
+    def prediction(self, index: int):
+        g = self._graphs.get(index)
+        return g.prediction if g else None
 
     def buckets(self, index: int) -> list[Bucket]:
         g = self._graphs.get(index)

@@ -173,9 +173,10 @@ def _innermost(path: str, frames: int = 8) -> str:
             text = f.read()
     except OSError:
         return "    (no stack: the rank did not answer)"
+    # the signal may land on a C++ thread (gloo's): the main thread is the one running _child
     blocks = [b for b in text.split("\n\n") if b.strip()]
-    main = next((b for b in blocks if "Current thread" in b or "most recent call first" in b),
-                blocks[-1] if blocks else "")
+    main = next((b for b in blocks if "in _child" in b),
+                max(blocks, key=lambda b: b.count("File"), default=""))
     lines = [ln for ln in main.splitlines() if ln.strip().startswith("File")][:frames]
     return "\n".join(f"    {ln.strip()}" for ln in lines) or "    (no stack: the rank did not answer)"
 
