@@ -195,11 +195,15 @@ class CcfxBackend:
                               split_points=cfg.split_points),
         ])
         decided = self._plan_auto(gm)
-        codecs_for = ((lambda edge, _stage: decided.choice[edge]) if decided is not None
-                      else cfg.codecs_for if cfg.codec_overrides else None)
+        chosen = ((lambda edge, _stage: decided.choice[edge]) if decided is not None
+                  else cfg.codecs_for)
+
+        def codecs_for(edge: int, stage: int) -> tuple[str, str]:
+            fwd, bwd = chosen(edge, stage)
+            return fwd, cfg.backward_spec(bwd)
+
         gm = run_passes(gm, [
-            functools.partial(cut_edges, codec=cfg.activation_codec if decided is None else "none",
-                              grad_codec=cfg.activation_grad_codec if decided is None else None,
+            functools.partial(cut_edges, codec="none", grad_codec=None,
                               uid_for=functools.partial(self._uid_for, index),
                               codecs_for=codecs_for),
         ])

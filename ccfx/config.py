@@ -78,6 +78,16 @@ class Config:
     auto_candidates: more codec specs for ``auto`` to consider, beyond the measured ones.
     auto_min_gain: a lossy codec is chosen only if it makes the predicted step at least this
         fraction faster than ``none`` (default 0.02).
+
+    Optimus-CC's techniques (Song et al., ASPLOS'23):
+
+    lazy_error_propagation: every backward cut codec carries error feedback: the residual a
+        hop's codec dropped from one microbatch's activation gradient is added to the next
+        microbatch's before encoding (same as appending ",ef" to the backward codecs).
+    epilogue_only: on real pipeline ranks, compress only the backward sends of the
+        schedule's cool-down (those after the sending stage's last forward, which nothing
+        overlaps); the rest travel raw. ``pipeline_schedule`` says which sends those are.
+        The single-process simulation has one microbatch and compresses every backward.
     """
 
     stages: int = 1
@@ -103,6 +113,8 @@ class Config:
     auto_loss_budget: float = 0.01
     auto_candidates: tuple[str, ...] | None = None
     auto_min_gain: float = 0.02
+    lazy_error_propagation: bool = False
+    epilogue_only: bool = False
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
@@ -171,6 +183,15 @@ class Config:
         fwd, _, bwd = value.partition("/")
         return fwd, bwd or fwd
 
+    def backward_spec(self, spec: str) -> str:
+        """A backward cut codec as it runs: with error feedback under
+        ``lazy_error_propagation``."""
+        from . import codecs
+
+        if not self.lazy_error_propagation or spec in ("none", AUTO) or spec.endswith("ef"):
+            return spec
+        return codecs.canonical(spec + (",ef" if ":" in spec else ":ef"))
+
     @property
     def uses_auto(self) -> bool:
         return AUTO in (self.activation_codec, self.activation_grad_codec, self.gradient_codec)
@@ -193,8 +214,9 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{name} must be a number ≥ 0, got {value!r}")
             object.__setattr__(self, name, float(value))
-        if not isinstance(self.link_shared, bool):
-            raise ConfigError(f"link_shared is True or False, got {self.link_shared!r}")
+        for name in ("link_shared", "lazy_error_propagation", "epilogue_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} is True or False, got {getattr(self, name)!r}")
         if self.pipeline_schedule not in SCHEDULES:
             raise ConfigError(f"pipeline_schedule={self.pipeline_schedule!r}: the planner "
                               f"models {', '.join(SCHEDULES)}")

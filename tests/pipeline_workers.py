@@ -72,8 +72,9 @@ def loss_fn(out, target):
 
 
 def options(stages: int, codec: str, grad_codec: str | None, lowering: str = LOWERING,
-            overrides: dict | None = None) -> dict:
-    opts = {"stages": stages, "activation_codec": codec, "balance": "params", "lowering": lowering}
+            overrides: dict | None = None, extra: dict | None = None) -> dict:
+    opts = {"stages": stages, "activation_codec": codec, "balance": "params", "lowering": lowering,
+            **(extra or {})}
     if overrides:
         opts["codec_overrides"] = overrides
     if grad_codec:
@@ -114,13 +115,16 @@ def simulate(model: str, stages: int, codec: str, grad_codec: str | None, n_micr
 
 def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
              grad_codec: str | None, n_micro: int, steps: int, schedule: str,
-             lr: float = 0.05, lowering: str = LOWERING, overrides: dict | None = None) -> dict:
-    """The same training on ``world`` ranks under torch's ``schedule``."""
+             lr: float = 0.05, lowering: str = LOWERING, overrides: dict | None = None,
+             extra: dict | None = None) -> dict:
+    """The same training on ``world`` ranks under torch's ``schedule``; ``extra``: more ccfx
+    options."""
     from torch.distributed.pipelining import schedules
 
     m = make_model(model)
     compiled = torch.compile(m, backend="ccfx", fullgraph=True,
-                             options=options(stages, codec, grad_codec, lowering, overrides))
+                             options=options(stages, codec, grad_codec, lowering, overrides,
+                                             extra))
     data = batches(steps, model)
     compiled(data[0][0].chunk(n_micro)[0])  # compiles and plans at the microbatch shape
     style = "v" if schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"
@@ -306,3 +310,11 @@ def simulate_forward(codec: str, n_micro: int) -> torch.Tensor:
     x, _ = batches(1)[0]
     with torch.no_grad():
         return torch.cat([compiled(xm) for xm in x.chunk(n_micro)])
+
+
+def epilogue_pair(rank: int, world: int, n_micro: int, schedule: str) -> list:
+    """The mlp's backward int8, every send compressed and then epilogue-only (Optimus-CC):
+    one step each, in the same ranks; their ledgers and losses."""
+    return [pipeline(rank, world, "mlp", world, "none", "int8", n_micro, 1, schedule,
+                     extra={"epilogue_only": only, "pipeline_schedule": schedule[8:]})
+            for only in (False, True)]

@@ -173,3 +173,22 @@ def test_codec_overrides_reach_the_wire():
         total = [sum(r["ledger"][d][k] for r in ranks) for k in (0, 1)]
         assert total == list(ref["ledger"][d])
         assert total[1] < 0.5 * total[0]  # compressed both ways
+
+
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleGPipe"])
+def test_epilogue_only_compresses_the_cool_down_backward_sends_only(schedule):
+    from ccfx.planner.schedule import epilogue_backwards
+
+    full, epi = zip(*spawn(pw.epilogue_pair, 3, (N_MICRO, schedule), timeout_s=240))
+    assert full[2]["losses"] == pytest.approx(epi[2]["losses"], rel=1e-2)
+    for rank in (1, 2):  # the ranks that send gradients back
+        raw, wire_full = full[rank]["ledger"]["bwd"]
+        raw_epi, wire_epi = epi[rank]["ledger"]["bwd"]
+        assert raw_epi == raw and wire_full < raw
+        # the cool-down microbatches go int8, the others raw
+        k = len(epilogue_backwards(schedule[8:], rank, 3, N_MICRO))
+        assert wire_epi == (N_MICRO - k) * raw // N_MICRO + k * wire_full // N_MICRO
+        if schedule == "ScheduleGPipe":  # every backward follows every forward
+            assert k == N_MICRO and wire_epi == wire_full
+        else:
+            assert 0 < k < N_MICRO

@@ -156,3 +156,37 @@ def test_gradient_codec_auto_prices_every_bucket(gbps, compressed):
     assert all(b.codec == "none" for b in plan.buckets if "0-d/1-D" in b.reason)
     assert plan.graphs[0].prediction.chosen_s <= plan.graphs[0].prediction.uncompressed_s
     assert "bucket" in ccfx.explain(compiled)
+
+
+def _grad_sum_error(lazy: bool, calls: int = 16) -> float:
+    """Relative error of the stage-0 weight's gradient summed over ``calls`` backward passes
+    of one input through an int4 backward cut, against eager's."""
+    x = torch.randn(8, 256)
+    eager = _mlp()
+    eager(x).pow(2).sum().backward()
+    exact = eager[0].weight.grad * calls
+    model = _mlp()
+    compiled = torch.compile(model, backend="ccfx", fullgraph=True, options={
+        "stages": 2, "activation_codec": "none", "activation_grad_codec": "int4",
+        "lazy_error_propagation": lazy, "lowering": "eager"})
+    for _ in range(calls):
+        compiled(x).pow(2).sum().backward()
+    grad_codecs = {e.grad_codec for e in ccfx.plan_of(compiled).edges}
+    assert all(c.endswith("ef") for c in grad_codecs) == lazy, grad_codecs
+    return float((model[0].weight.grad - exact).norm() / exact.norm())
+
+
+def test_lazy_error_propagation_carries_each_hops_residual_to_the_next_call():
+    # Error feedback: what int4 drops from one microbatch's gradient is sent with the next,
+    # so the sum over calls (what the optimizer integrates) converges to the exact sum.
+    plain, lazy = _grad_sum_error(False), _grad_sum_error(True)
+    assert lazy < 0.25 * plain, (lazy, plain)
+
+
+def test_the_cost_model_prices_epilogue_only_between_none_and_all_compressed():
+    m = _two_stage_model(0.01)
+    every = m.predict({0: ("none", "int8")}).step_s
+    none = m.predict({0: ("none", "none")}).step_s
+    m.epilogue_only = True
+    epi = m.predict({0: ("none", "int8")}).step_s
+    assert every < epi < none

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .codec_cost import CodecCost, CodecTimer
-from .schedule import Link, Message, StageCost, Timeline, simulate
+from .schedule import Link, Message, StageCost, Timeline, epilogue_backwards, simulate
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,16 @@ class PipelinePrediction:
 class PipelineModel:
     def __init__(self, compute: Sequence[StageCompute], edges: Sequence[EdgeTraffic], link: Link,
                  *, schedule: str = "1F1B", microbatches: int = 8,
-                 timer: CodecTimer | None = None):
+                 timer: CodecTimer | None = None, epilogue_only: bool = False):
         self.compute = list(compute)
         self.edges = list(edges)
         self.link = link
         self.schedule = schedule
         self.microbatches = microbatches
         self.timer = timer or CodecTimer()
+        #: backward sends compressed only in the cool-down (Optimus-CC): the others cost
+        #: their raw bytes on the wire and no codec time
+        self.epilogue_only = epilogue_only
 
     @property
     def num_stages(self) -> int:
@@ -90,6 +93,7 @@ class PipelineModel:
         enc = {k: [0.0] * n for k in ("fwd", "bwd")}
         dec = {k: [0.0] * n for k in ("fwd", "bwd")}
         size: dict[tuple[str, int], int] = {}
+        raw_size: dict[int, int] = {}
         codec_s = raw = wire = 0.0
         for e in self.edges:
             fwd, bwd = choice.get(e.index, ("none", "none"))
@@ -102,14 +106,26 @@ class PipelineModel:
                     enc[direction][sender] += c.encode_s
                     dec[direction][receiver] += c.decode_s
                     size[(direction, a)] = size.get((direction, a), 0) + c.wire_bytes
+                    if direction == "bwd":
+                        raw_size[a] = raw_size.get(a, 0) + c.raw_bytes
                     codec_s += (c.encode_s + c.decode_s) * self.microbatches
                     raw += c.raw_bytes * self.microbatches
                     wire += c.wire_bytes * self.microbatches
+        def epilogue(stage: int) -> frozenset[int] | None:
+            if not self.epilogue_only or stage >= n:
+                return None
+            return epilogue_backwards(self.schedule, stage, n, self.microbatches)
+
         stages = [StageCost(sc.forward_s, sc.backward_s, encode_fwd_s=enc["fwd"][s],
                             decode_fwd_s=dec["fwd"][s], encode_bwd_s=enc["bwd"][s],
-                            decode_bwd_s=dec["bwd"][s]) for s, sc in enumerate(self.compute)]
+                            decode_bwd_s=dec["bwd"][s], encode_bwd_mbs=epilogue(s),
+                            decode_bwd_mbs=epilogue(s + 1))
+                  for s, sc in enumerate(self.compute)]
 
         def nbytes(m: Message) -> int:
+            if self.epilogue_only and m.kind == "bwd" and m.microbatch not in \
+                    epilogue_backwards(self.schedule, m.hop + 1, n, self.microbatches):
+                return raw_size.get(m.hop, 0)
             return size.get((m.kind, m.hop), 0)
 
         timeline = simulate(self.schedule, stages, self.microbatches, nbytes, self.link)

@@ -56,7 +56,7 @@ def plan_edge_codecs(gm: torch.fx.GraphModule, config: Config,
     flops, ops = stage_work(gm, num_stages)
     compute = from_flops(flops, ops, device=_device(gm))
     model = PipelineModel(compute, edges, link_of(config), schedule=config.pipeline_schedule,
-                          microbatches=config.microbatches)
+                          microbatches=config.microbatches, epilogue_only=config.epilogue_only)
     overrides = dict(config.codec_overrides or ())
 
     def pool(edge: EdgeTraffic, direction: str) -> list[str]:

@@ -28,6 +28,7 @@ exposed; most steady-state sends hide), computed for the actual schedule.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,10 @@ class StageCost:
     decode_fwd_s: float = 0.0  # decoding what it received forward
     encode_bwd_s: float = 0.0  # encoding the input gradient it sends back
     decode_bwd_s: float = 0.0  # decoding the output gradient it received
+    #: the microbatches whose backward send / receive carries the codec (None: all; fewer
+    #: under epilogue-only compression)
+    encode_bwd_mbs: frozenset[int] | None = None
+    decode_bwd_mbs: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,9 @@ def _forward(s: int, mb: int, c: StageCost, n: int) -> Compute:
 
 
 def _backward(s: int, mb: int, c: StageCost, n: int) -> Compute:
-    seconds = c.backward_s + (c.decode_bwd_s if s < n - 1 else 0) + (c.encode_bwd_s if s > 0 else 0)
+    decodes = s < n - 1 and (c.decode_bwd_mbs is None or mb in c.decode_bwd_mbs)
+    encodes = s > 0 and (c.encode_bwd_mbs is None or mb in c.encode_bwd_mbs)
+    seconds = c.backward_s + (c.decode_bwd_s if decodes else 0) + (c.encode_bwd_s if encodes else 0)
     return Compute(seconds, f"B{mb}")
 
 
@@ -228,6 +235,19 @@ def one_f_one_b_program(s: int, n: int, m: int, c: StageCost) -> list[Instructio
 
 PROGRAMS: dict[str, Callable[[int, int, int, StageCost], list[Instruction]]] = {
     "1F1B": one_f_one_b_program, "GPipe": gpipe_program}
+
+
+@functools.cache
+def epilogue_backwards(schedule: str, stage: int, num_stages: int,
+                       microbatches: int) -> frozenset[int]:
+    """The microbatches whose backward ``stage`` runs after its last forward under
+    ``schedule``: the cool-down, where nothing overlaps the backward sends (Optimus-CC's
+    epilogue-only compression compresses only these)."""
+    labels = [i.label for i in PROGRAMS[schedule](stage, num_stages, microbatches,
+                                                  StageCost(1.0, 1.0))
+              if isinstance(i, Compute)]
+    last_forward = max(k for k, label in enumerate(labels) if label.startswith("F"))
+    return frozenset(int(label[1:]) for label in labels[last_forward + 1:])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,8 +116,12 @@ class CompressedStage(PipelineStage):
 
     def __init__(self, submodule: torch.nn.Module, interface: StageInterface,
                  device: torch.device, group: dist.ProcessGroup | None = None,
-                 ledger: Ledger | None = None, graph: int = 0, compiled: bool = False):
+                 ledger: Ledger | None = None, graph: int = 0, compiled: bool = False,
+                 epilogue_only: str | None = None):
         self.interface = interface
+        #: Optimus-CC's epilogue-only compression under this schedule ("1F1B", "GPipe"):
+        #: backward sends are compressed only after the sending stage's last forward.
+        self.epilogue_only = epilogue_only
         self.ledger = ledger
         #: The stage module runs compiled (lowering "inductor").
         self.compiled = compiled
@@ -133,6 +137,8 @@ class CompressedStage(PipelineStage):
         self._recv_bwd = [_wire(p, p.grad_codec) for p in interface.outputs]
         self._recv_fwd = [_wire(p, p.codec) for p in interface.inputs]
         self._send_bwd = [_wire(p, p.grad_codec) for p in interface.inputs]
+        self._raw_recv_bwd = [_wire(p, "none") for p in interface.outputs]
+        self._raw_send_bwd = [_wire(p, "none") for p in interface.inputs]
         self._register_codec_state(d)
         #: (kind, chunk) → [(torch's receive buffer, payload buffer, wire format)]
         self._pending: dict[tuple[str, int], list] = {}
@@ -202,7 +208,9 @@ class CompressedStage(PipelineStage):
             return ops
         sent = [k for k, stage in enumerate(self.grad_send_info)
                 if stage is not None and self._get_grad_send_meta(k) is not None]
-        return [self._send(op, self._send_bwd[k], op.tensor, k, "bwd")
+        wires = (self._send_bwd if self._compressed_bwd(bwd_chunk_id, self.stage_index)
+                 else self._raw_send_bwd)
+        return [self._send(op, wires[k], op.tensor, k, "bwd")
                 for op, k in zip(ops, sent, strict=True)]
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
@@ -210,7 +218,20 @@ class CompressedStage(PipelineStage):
         if not ops:
             return ops
         infos = self.grad_recv_info[bwd_chunk_id]
-        return self._recvs(ops, infos, self._recv_bwd, ("bwd", bwd_chunk_id))
+        wires = (self._recv_bwd if self._compressed_bwd(bwd_chunk_id, self.stage_index + 1)
+                 else self._raw_recv_bwd)
+        return self._recvs(ops, infos, wires, ("bwd", bwd_chunk_id))
+
+    def _compressed_bwd(self, chunk: int, sender: int) -> bool:
+        """Whether the backward send of ``chunk`` from stage ``sender`` carries its codec:
+        always, or under ``epilogue_only`` when it comes after the sender's last forward (both
+        ends derive that from the schedule's program)."""
+        if self.epilogue_only is None:
+            return True
+        from ..planner.schedule import epilogue_backwards
+
+        return chunk in epilogue_backwards(self.epilogue_only, sender, self.num_stages,
+                                           self.chunks)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
                            last_backward: bool = False):
@@ -387,8 +408,11 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     for s in mine:
         lowering = backend.config.lowering
         child = _lower(getattr(parent, f"stage_{s}"), lowering)
+        cfg = backend.config
         out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph,
-                                   compiled=lowering == "inductor"))
+                                   compiled=lowering == "inductor",
+                                   epilogue_only=cfg.pipeline_schedule if cfg.epilogue_only
+                                   else None))
     _share(out, interfaces, rank, world, style, group)
     sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph)
     for st in out:
