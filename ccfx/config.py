@@ -84,6 +84,10 @@ class Config:
     lazy_error_propagation: every backward cut codec carries error feedback: the residual a
         hop's codec dropped from one microbatch's activation gradient is added to the next
         microbatch's before encoding (same as appending ",ef" to the backward codecs).
+    gradient_codec_stages: under PP × DP, the pipeline stages whose data-parallel gradients go
+        through ``gradient_codec`` (the others: uncompressed); None: every stage. With
+        ``gradient_codec="auto"`` the planner picks them: the stages whose exchange ends the
+        step (selective stage compression).
     epilogue_only: on real pipeline ranks, compress only the backward sends of the
         schedule's cool-down (those after the sending stage's last forward, which nothing
         overlaps); the rest travel raw. ``pipeline_schedule`` says which sends those are.
@@ -115,6 +119,7 @@ class Config:
     auto_min_gain: float = 0.02
     lazy_error_propagation: bool = False
     epilogue_only: bool = False
+    gradient_codec_stages: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
@@ -223,6 +228,12 @@ class Config:
         m = self.microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ConfigError(f"microbatches must be an integer ≥ 1, got {m!r}")
+        if self.gradient_codec_stages is not None:
+            st = self.gradient_codec_stages
+            if isinstance(st, int) or not all(isinstance(x, int) and x >= 0 for x in st):
+                raise ConfigError("gradient_codec_stages is a list of stage indices such as "
+                                  f"[0, 1], got {st!r}")
+            object.__setattr__(self, "gradient_codec_stages", tuple(sorted(set(st))))
         if self.auto_candidates is not None:
             given = self.auto_candidates
             if isinstance(given, str):
@@ -314,8 +325,9 @@ class Config:
             d["split_points"] = list(d["split_points"])
         if d["codec_overrides"] is not None:
             d["codec_overrides"] = dict(d["codec_overrides"])
-        if d["auto_candidates"] is not None:
-            d["auto_candidates"] = list(d["auto_candidates"])
+        for key in ("auto_candidates", "gradient_codec_stages"):
+            if d[key] is not None:
+                d[key] = list(d[key])
         return d
 
     def replace(self, **changes) -> Config:

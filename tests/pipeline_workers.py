@@ -163,7 +163,7 @@ def ccfx_totals(built) -> dict:
 
 
 def pipeline_dp(rank: int, world: int, model: str, codec: str, gradient_codec: str,
-                n_micro: int, steps: int, lr: float = 0.05) -> dict:
+                n_micro: int, steps: int, lr: float = 0.05, extra: dict | None = None) -> dict:
     """PP × DP on 4 ranks: 2 stages × 2 replicas (a DeviceMesh ``("dp", "pp")``). Replica r
     trains on rows [r/2, (r+1)/2) of every batch, so the two replicas together see what the
     simulation sees with twice the microbatches."""
@@ -175,7 +175,7 @@ def pipeline_dp(rank: int, world: int, model: str, codec: str, gradient_codec: s
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     m = make_model(model)
     opts = {**options(world // 2, codec, None), "gradient_codec": gradient_codec,
-            "compress_min_numel": 16}
+            "compress_min_numel": 16, **(extra or {})}
     compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=opts)
     data = [(x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]) for x, y in batches(steps, model)]
     compiled(data[0][0].chunk(n_micro)[0])
@@ -196,7 +196,9 @@ def pipeline_dp(rank: int, world: int, model: str, codec: str, gradient_codec: s
             first_grads = {n: p.grad.clone() for n, p in stage.submod.named_parameters()}
         opt.step()
     after = ccfx.ledger_of(compiled).totals("bucket")
+    decisions = [(d.what, d.chosen, d.reason) for d in ccfx.plan_of(compiled).graphs[0].decisions]
     return {"rank": rank, "pp": pp_rank, "dp": dp_rank, "losses": losses, "grads": first_grads,
+            "decisions": decisions,
             "params": {n: p.detach().clone() for n, p in stage.submod.named_parameters()},
             "buckets": tuple(a - b for a, b in zip(after, before))}
 
@@ -318,3 +320,13 @@ def epilogue_pair(rank: int, world: int, n_micro: int, schedule: str) -> list:
     return [pipeline(rank, world, "mlp", world, "none", "int8", n_micro, 1, schedule,
                      extra={"epilogue_only": only, "pipeline_schedule": schedule[8:]})
             for only in (False, True)]
+
+
+def selective_stages(rank: int, world: int, n_micro: int, steps: int) -> list:
+    """PP × DP twice in the same ranks: PowerSGD gradients on stage 0 only (given), then
+    ``gradient_codec="auto"`` on a 1 Mbit/s link (the planner picks the stages)."""
+    given = pipeline_dp(rank, world, "mlp", "none", "powersgd:rank=2", n_micro, steps,
+                        extra={"gradient_codec_stages": [0]})
+    auto = pipeline_dp(rank, world, "mlp", "none", "auto", n_micro, steps,
+                       extra={"link_gbps": 0.001, "microbatches": n_micro})
+    return [given, auto]

@@ -192,3 +192,20 @@ def test_epilogue_only_compresses_the_cool_down_backward_sends_only(schedule):
             assert k == N_MICRO and wire_epi == wire_full
         else:
             assert 0 < k < N_MICRO
+
+
+def test_selective_stage_compression_given_and_chosen_by_auto():
+    given, auto = zip(*spawn(pw.selective_stages, 4, (2, 2), timeout_s=400))
+    for r in given:  # gradient_codec_stages=[0]: stage 0's replicas compress, stage 1's not
+        raw, wire = r["buckets"]
+        assert (wire < raw / 2) if r["pp"] == 0 else (wire == raw), (r["pp"], raw, wire)
+    by_stage = {}
+    for r in auto:
+        stages = [d for d in r["decisions"] if d[0].startswith("stage ")]
+        assert [d[0] for d in stages] == ["stage 0 gradients", "stage 1 gradients"]
+        by_stage.setdefault(r["pp"], set()).add(r["buckets"])
+        chosen = {d[0]: d[1] for d in stages}[f"stage {r['pp']} gradients"]
+        raw, wire = r["buckets"]
+        assert (wire < raw) == (chosen != "none"), (chosen, raw, wire)
+    # both replicas of a stage send the same bytes: they agreed on the codec
+    assert all(len(v) == 1 for v in by_stage.values())

@@ -190,3 +190,15 @@ def test_the_cost_model_prices_epilogue_only_between_none_and_all_compressed():
     m.epilogue_only = True
     epi = m.predict({0: ("none", "int8")}).step_s
     assert every < epi < none
+
+
+def test_selective_stage_compression_compresses_only_the_stage_that_ends_the_step():
+    from ccfx.planner.plan_stages import choose_stage_codecs
+
+    # 1F1B: stage 0 runs the last backward; the last stage ends early and its exchange hides
+    end = [3.0, 2.0]
+    sync = [{"none": 1.0, "powersgd:ef": 0.2}, {"none": 1.0, "powersgd:ef": 0.2}]
+    chosen, decisions = choose_stage_codecs(end, sync)
+    assert chosen == ["powersgd:ef", "none"]
+    assert "off the critical path" in decisions[1].reason
+    assert decisions[0].predicted("powersgd:ef") == pytest.approx(3.2)

@@ -129,6 +129,7 @@ class Timeline:
     compute_s: list[float]  # per rank
     wait_s: list[float]  # per rank: time blocked in Wait
     messages: list[MessageTime] = field(default_factory=list)
+    end_s: list[float] = field(default_factory=list)  # per rank: when its program ends
 
     def exposed_s(self, kind: str | None = None) -> float:
         """Waiting caused by the link for messages (of ``kind``), summed over ranks: time a
@@ -338,5 +339,5 @@ def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
                 stuck = {r: programs[r][pc[r]] for r in runnable}
                 raise RuntimeError(f"the simulated schedule deadlocks: {stuck}")
             schedule_ready(pending[0][0])
-    return Timeline(max(clock), compute, waited, sorted(times.values(),
-                                                       key=lambda t: t.start_s))
+    return Timeline(max(clock), compute, waited,
+                    sorted(times.values(), key=lambda t: t.start_s), list(clock))

@@ -414,10 +414,41 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
                                    epilogue_only=cfg.pipeline_schedule if cfg.epilogue_only
                                    else None))
     _share(out, interfaces, rank, world, style, group)
-    sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph)
+    codec = _stage_gradient_codec(backend, parent, mine, dp_group, graph)
+    sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph, codec)
     for st in out:
         st.grad_sync = sync
     return out
+
+
+def _stage_gradient_codec(backend, parent, mine: list[int], dp_group, graph: int) -> str:
+    """This rank's data-parallel gradient codec under PP × DP: ``gradient_codec``, unless
+    ``gradient_codec_stages`` leaves its stages out, or ``"auto"`` chooses per stage (rank 0's
+    choice, taken by every rank; the decisions go in the plan)."""
+    from ..config import AUTO
+
+    cfg = backend.config
+    if dp_group is None or dist.get_world_size(dp_group) < 2:
+        return "none" if cfg.gradient_codec == AUTO else cfg.gradient_codec
+    if cfg.gradient_codec != AUTO:
+        selected = cfg.gradient_codec_stages
+        if selected is not None and not set(mine) & set(selected):
+            return "none"
+        return cfg.gradient_codec
+    from ..planner.plan_stages import plan_stage_codecs
+
+    decided = None
+    if dist.get_rank() == 0:
+        shapes = [[tuple(p.shape) for p in getattr(parent, f"stage_{s}").parameters()
+                   if p.dim() >= 2 and p.numel() >= cfg.compress_min_numel]
+                  for s in range(len(parent.meta["ccfx"]["interfaces"]))]
+        decided = plan_stage_codecs(backend.plan, cfg, dist.get_world_size(dp_group), shapes)
+    box = [decided]
+    dist.broadcast_object_list(box, src=0)
+    chosen, decisions = box[0]
+    g = backend.graphs[graph].plan
+    g.decisions = [d for d in g.decisions if not d.what.startswith("stage ")] + decisions
+    return chosen[mine[0]]
 
 
 def _share(stages: list[CompressedStage], interfaces, rank: int, world: int, style: str,

@@ -35,8 +35,12 @@ from .comm_hook import ProcessGroupComm
 class StageGradSync:
     """One rank's gradient synchronization for its stages (see the module docstring)."""
 
-    def __init__(self, stages: Sequence, config, dp_group=None, ledger=None, graph: int = 0):
+    def __init__(self, stages: Sequence, config, dp_group=None, ledger=None, graph: int = 0,
+                 codec: str | None = None):
+        """``codec``: these stages' gradient codec (default ``config.gradient_codec``; selective
+        stage compression gives each stage its own)."""
         self.stages = list(stages)
+        self.codec = codec or config.gradient_codec
         self.dp_group = dp_group
         self.ledger = ledger
         self.graph = graph
@@ -58,7 +62,7 @@ class StageGradSync:
                           len(names) - k) for k, name in enumerate(names)]
         tied = [s for s in slots if s.name in self.shared]
         rest = [s for s in slots if s.name not in self.shared]
-        plan = assign_buckets(rest, config.gradient_codec, config.bucket_mb,
+        plan = assign_buckets(rest, self.codec, config.bucket_mb,
                               config.compress_min_numel, config.min_compression_rate)
         if tied:
             plan += assign_buckets(tied, "none", config.bucket_mb, 0, 1.0)

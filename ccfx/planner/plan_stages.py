@@ -1,0 +1,81 @@
+"""Selective stage compression (Optimus-CC): in PP × DP, compress the data-parallel gradients
+only of the stages whose exchange is on the critical path.
+
+Each pipeline rank averages its stage's gradients over its replicas after its part of the
+step ends (``ccfx.sync_grads``), and the step ends when the last rank is done. Under 1F1B the
+stages do not end together: stage 0 runs the last backward, the last stage finishes early and
+its exchange hides in the time the others still compute. So stage ``s`` ends at
+``end_s[s] + sync_s[s]``, with ``end_s`` from the schedule simulator and ``sync_s`` the
+exchange of its buckets over ``dp`` replicas (:mod:`.dp_model`, nothing to overlap); a stage is
+compressed only if that shortens the slowest. Greedy, slowest stage first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..config import Config
+from ..plan import Decision
+from .candidates import candidates
+from .dp_model import BucketTraffic, DataParallelModel
+from .plan_edges import link_of
+from .schedule import Link
+
+
+def stage_sync_seconds(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, spec: str,
+                       dp: int, link: Link) -> float:
+    """Seconds to average one stage's gradients (one bucket) over ``dp`` replicas."""
+    model = DataParallelModel(0.0, 0.0, [BucketTraffic(0, tuple(shapes), dtype, 0.0)], dp, link)
+    return model.predict({0: spec}).step_s
+
+
+def choose_stage_codecs(end_s: Sequence[float], sync: Sequence[dict[str, float]], *,
+                        min_gain: float = 0.02) -> tuple[list[str], list[Decision]]:
+    """Per stage, the codec of its gradient exchange: ``sync[s][spec]`` its seconds."""
+    chosen = ["none"] * len(end_s)
+
+    def step(choice) -> float:
+        return max(e + sync[s][choice[s]] for s, e in enumerate(end_s))
+
+    for s in sorted(range(len(end_s)), key=lambda s: -(end_s[s] + sync[s]["none"])):
+        best = min(sync[s], key=lambda spec: step([*chosen[:s], spec, *chosen[s + 1:]]))
+        if best != "none" and step([*chosen[:s], best, *chosen[s + 1:]]) < step(chosen) * (
+                1 - min_gain):
+            chosen[s] = best
+    total = step(chosen)
+    decisions = []
+    for s, e in enumerate(end_s):
+        table = sorted(((spec, step([*chosen[:s], spec, *chosen[s + 1:]])) for spec in sync[s]),
+                       key=lambda t: t[1])
+        slack = total - (e + sync[s]["none"])
+        reason = (f"{chosen[s]}: this stage's exchange ends the step" if chosen[s] != "none"
+                  else f"off the critical path: its part of the step ends at {e:.4g} s and its "
+                       f"uncompressed exchange still finishes {slack:.4g} s before the step "
+                       "does" if slack >= 0 else
+                  "compressing this stage's exchange does not shorten the step enough")
+        decisions.append(Decision(f"stage {s} gradients", chosen[s], table, reason))
+    return chosen, decisions
+
+
+def plan_stage_codecs(plan, config: Config, dp: int,
+                      stage_shapes: Sequence[Sequence[tuple[int, ...]]]
+                      ) -> tuple[list[str], list[Decision]]:
+    """``gradient_codec="auto"`` under PP × DP: the codec of each stage's exchange;
+    ``stage_shapes[s]``: the shapes of stage ``s``'s parameters that its bucket exchange
+    may compress (≥ 2-D)."""
+    from .compute import from_flops
+    from .pipeline_model import PipelineModel, edges_from_plan
+
+    g = plan.graphs[0]
+    compute = from_flops([s.flops for s in g.stages], [len(s.nodes) for s in g.stages])
+    link = link_of(config)
+    model = PipelineModel(compute, edges_from_plan(plan), link,
+                          schedule=config.pipeline_schedule, microbatches=config.microbatches)
+    choice = {e.index: (e.codec, e.grad_codec or "none") for e in g.edges}
+    end = model.predict(choice).timeline.end_s
+    specs = candidates("gradient", config)
+    sync = [{spec: stage_sync_seconds(shapes, torch.float32, spec, dp, link) if shapes else 0.0
+             for spec in specs} for shapes in stage_shapes]
+    return choose_stage_codecs(end, sync, min_gain=config.auto_min_gain)
