@@ -202,13 +202,42 @@ class DataParallel:
 
     def _agree(self, index: int, value):
         """Rank 0's ``value`` on every rank."""
+        import pickle
+
         dist = _dist()
         if dist is None or self.world == 1:
             return value
-        box = [value]
-        self._wait(lambda: dist.broadcast_object_list(box, src=0),
-                   f"rank 0's gradient codec choice for graph {index}", default_group=True)
-        return box[0]
+        mine = pickle.dumps(value) if self.rank == 0 else b""
+        return pickle.loads(self._exchange(f"graph{index}/auto", mine,
+                                           f"rank 0's gradient codec choice for graph {index}",
+                                           only=0)[0])
+
+    def _exchange(self, key: str, value: bytes, what: str, only: int | None = None) -> list:
+        """Every rank's ``value`` (or rank ``only``'s) through the c10d store, not a collective.
+
+        These exchanges happen while a graph compiles, at moments the ranks reach after
+        different compile times, and a rank may compile more graphs than another (a graph
+        break, a recompile): a collective on the default group would then pair with a different
+        collective on another rank (gloo hangs, or aborts on the size mismatch). A store key
+        names the graph it is for, so a rank that never comes is a clear error instead."""
+        import datetime
+
+        dist = _dist()
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"ccfx/dp{self.group.group_name}/{key}"
+        store.set(f"{prefix}/{self.rank}", value)
+        ranks = [only] if only is not None else list(range(self.world))
+        keys = [f"{prefix}/{r}" for r in ranks]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.config.collective_timeout_s))
+        except RuntimeError as e:
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world}: {what}: ranks {missing} did not reach it "
+                f"within {self.config.collective_timeout_s:g} s (collective_timeout_s): they "
+                "died, hang, or compiled a different model or different graphs "
+                f"({_first_line(e)})") from e
+        return [store.get(k) for k in keys]
 
     def decisions(self, index: int) -> list:
         g = self._graphs.get(index)
@@ -244,11 +273,11 @@ class DataParallel:
         dist = _dist()
         if dist is None or self.world == 1:
             return
-        mine = self._fingerprint(index, buckets)
-        everyone: list = [None] * self.world
-        self._wait(lambda: dist.all_gather_object(everyone, mine),
-                   f"the bucket-plan check of graph {index} (every rank compiles graph {index} "
-                   "at its first call)", default_group=True)
+        mine = self._fingerprint(index, buckets).encode()
+        everyone = [v.decode() for v in self._exchange(
+            f"graph{index}/fingerprint", mine,
+            f"the bucket-plan check of graph {index} (every rank compiles graph {index} at its "
+            "first call)")]
         differ = [r for r, fp in enumerate(everyone) if fp != everyone[0]]
         if differ:
             raise ConfigError(

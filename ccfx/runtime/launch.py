@@ -52,6 +52,11 @@ def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results, stacks)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # A compile cache per rank: ranks on one machine otherwise share torch's cache directory,
+    # Dynamo's profile-guided shape state (written by one rank while the other compiles)
+    # included, and the same model can then compile differently on two ranks.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), f"ccfx-torch-cache-rank{rank}"))
     import faulthandler
 
     import torch
