@@ -39,6 +39,10 @@ def add_arguments(p) -> None:
                    help="activation gradient codec, backward (default: --codec)")
     p.add_argument("--gradient-codec", default="none",
                    help="data-parallel gradient codec (with --dp > 1; default none)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="the link's Gbit/s for 'auto' codecs (default: measured by a probe "
+                        "between ranks 0 and 1)")
+    p.add_argument("--link-latency-ms", type=float, default=None)
     p.add_argument("--schedule", choices=SCHEDULES, default="1F1B")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="samples per replica per step")
@@ -73,7 +77,8 @@ def main(args) -> int:
 
 def _forward(args) -> list[str]:
     out = []
-    for key in ("stages", "dp", "codec", "grad_codec", "gradient_codec", "schedule",
+    for key in ("stages", "dp", "codec", "grad_codec", "gradient_codec", "link_gbps",
+                "link_latency_ms", "schedule",
                 "microbatches", "batch_size", "steps", "lowering", "lr", "trace", "timeout"):
         v = getattr(args, key)
         if v is not None:
@@ -134,6 +139,12 @@ def _rank_main(args) -> int:
     options = {"stages": stages, "activation_codec": args.codec,
                "activation_grad_codec": args.grad_codec or args.codec,
                "gradient_codec": args.gradient_codec, "lowering": args.lowering}
+    auto = "auto" in (options["activation_codec"], options["activation_grad_codec"],
+                      options["gradient_codec"])
+    if auto:
+        options.update(_link_options(args), microbatches=args.microbatches)
+        if args.schedule in ("1F1B", "GPipe"):
+            options["pipeline_schedule"] = args.schedule
     compiled = torch.compile(model, backend="ccfx", fullgraph=True, options=options)
     x, y = next_batch()
     compiled(x.chunk(args.microbatches)[0])
@@ -143,6 +154,8 @@ def _rank_main(args) -> int:
     built = ccfx.build_stages(compiled, pp_rank, "cpu", pp, style=style,
                               dp_group=dp if args.dp > 1 else None)
     ledger = ccfx.ledger_of(compiled)
+    if auto and rank == 0:
+        print(ccfx.explain(compiled), flush=True)
     del compiled, model
     cls = getattr(schedules, f"Schedule{args.schedule}")
     single = issubclass(cls, schedules.PipelineScheduleSingle)
@@ -193,6 +206,18 @@ def _rank_main(args) -> int:
         print(f"rank {rank}: trace written to {path}", flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def _link_options(args) -> dict:
+    """The link for 'auto': as given, or measured between ranks 0 and 1 (every rank probes
+    together, rank 0's answer for all)."""
+    if args.link_gbps is not None:
+        return {"link_gbps": args.link_gbps,
+                **({"link_latency_ms": args.link_latency_ms} if args.link_latency_ms else {})}
+    from ccfx.planner import probe_link
+
+    link = probe_link()
+    return {"link_gbps": link.gbps, "link_latency_ms": args.link_latency_ms or link.latency_ms}
 
 
 def _links(ledger) -> dict[str, tuple[int, int]]:

@@ -202,3 +202,13 @@ def test_selective_stage_compression_compresses_only_the_stage_that_ends_the_ste
     assert chosen == ["powersgd:ef", "none"]
     assert "off the critical path" in decisions[1].reason
     assert decisions[0].predicted("powersgd:ef") == pytest.approx(3.2)
+
+
+def test_the_html_report_shows_the_planners_choices(tmp_path):
+    from ccfx.viz.report import write_report
+
+    compiled = torch.compile(_mlp(), backend="ccfx", fullgraph=True, options={
+        "stages": 2, "activation_codec": "auto", "link_gbps": 0.001, "lowering": "eager"})
+    compiled(torch.randn(32, 256))
+    html = write_report(tmp_path / "r.html", ccfx.plan_of(compiled)).read_text()
+    assert "<h2>Planner</h2>" in html and "edge 0 forward" in html and "predicted step" in html

@@ -23,3 +23,15 @@ def test_ccfx_run_trains_the_tiny_gpt_on_two_stages_and_writes_a_trace_per_rank(
         assert any(n.startswith(f"ccfx encode {sends}") for n in names), rank
         assert any(n.startswith(f"ccfx decode {receives} mb1") for n in names), rank
         assert f"ccfx stage {rank} forward mb1" in names
+
+
+def test_ccfx_run_with_auto_codecs_probes_the_link_and_explains_its_choices():
+    out = subprocess.run(
+        [sys.executable, "-m", "ccfx.cli", "run", "--nproc", "2", "--stages", "2",
+         "--codec", "auto", "--steps", "1", "--batch-size", "8", "--microbatches", "2",
+         "--timeout", "120"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "predicted step" in out.stdout and "edge 0 forward" in out.stdout, out.stdout
+    assert "why:" in out.stdout
+    assert "Gbit/s" in out.stdout  # the probed link, as the planner was told

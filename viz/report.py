@@ -211,6 +211,24 @@ def _edge_section(plan: Plan) -> str:
     return "".join(out)
 
 
+def _planner_section(plan: Plan) -> str:
+    """What ``auto`` chose: per decision the predicted step of every candidate and why."""
+    out = []
+    for g in plan.graphs:
+        p = g.prediction
+        if p is not None:
+            out.append(f"<p>Graph {g.index}: predicted step {p.uncompressed_s:.4g} s "
+                       f"uncompressed, {p.chosen_s:.4g} s with these choices; "
+                       f"{escape(p.schedule)}, link {escape(p.link)}; compute from "
+                       f"{escape(p.compute)}.</p>")
+        rows = [[d.what, _Raw(f"<b>{escape(d.chosen)}</b>"),
+                 "  ".join(f"{c} {t:.4g} s" for c, t in d.candidates), d.reason]
+                for d in g.decisions]
+        if rows:
+            out.append(_table(["choice", "codec", "predicted s/step per candidate", "why"], rows))
+    return "".join(out)
+
+
 def _ledger_section(ledger) -> str:
     if ledger is None or not ledger.steps:
         return ""
@@ -253,6 +271,9 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
     body.append(_stage_section(plan))
     body.append("<h2>Cut edges</h2>")
     body.append(_edge_section(plan))
+    if any(g.decisions for g in plan.graphs):
+        body.append("<h2>Planner</h2>")
+        body.append(_planner_section(plan))
     loss_series = _series(losses, "loss")
     if loss_series:
         body.append("<h2>Loss</h2>")
