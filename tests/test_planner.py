@@ -212,3 +212,10 @@ def test_the_html_report_shows_the_planners_choices(tmp_path):
     compiled(torch.randn(32, 256))
     html = write_report(tmp_path / "r.html", ccfx.plan_of(compiled)).read_text()
     assert "<h2>Planner</h2>" in html and "edge 0 forward" in html and "predicted step" in html
+
+
+def test_a_tied_weight_sum_after_the_step_is_priced():
+    m = _two_stage_model(0.01)
+    alone = m.predict({}).step_s
+    m.shared = [((0, 1), 4_000_000)]  # a 1M-parameter fp32 tied embedding on stages 0 and 1
+    assert m.predict({}).step_s >= alone + 4_000_000 * 8 / 1e7 * 0.99

@@ -68,7 +68,8 @@ class PipelinePrediction:
 class PipelineModel:
     def __init__(self, compute: Sequence[StageCompute], edges: Sequence[EdgeTraffic], link: Link,
                  *, schedule: str = "1F1B", microbatches: int = 8,
-                 timer: CodecTimer | None = None, epilogue_only: bool = False):
+                 timer: CodecTimer | None = None, epilogue_only: bool = False,
+                 shared: Sequence[tuple[tuple[int, ...], int]] = ()):
         self.compute = list(compute)
         self.edges = list(edges)
         self.link = link
@@ -78,6 +79,9 @@ class PipelineModel:
         #: backward sends compressed only in the cool-down (Optimus-CC): the others cost
         #: their raw bytes on the wire and no codec time
         self.epilogue_only = epilogue_only
+        #: tied parameters (the stages that hold one, its bytes): their gradient partials are
+        #: summed over those stages' ranks after the step (``ccfx.sync_grads``), uncompressed
+        self.shared = list(shared)
 
     @property
     def num_stages(self) -> int:
@@ -129,7 +133,12 @@ class PipelineModel:
             return size.get((m.kind, m.hop), 0)
 
         timeline = simulate(self.schedule, stages, self.microbatches, nbytes, self.link)
-        return PipelinePrediction(timeline.step_s, timeline, int(wire), int(raw), codec_s)
+        step = timeline.step_s
+        for holders, size in self.shared:  # the tied-weight all-reduce after the step
+            k = len(holders)
+            moved = 2 * (k - 1) / k * size * (k if self.link.shared else 1)
+            step = max(step, max(timeline.end_s[s] for s in holders) + self.link.seconds(moved))
+        return PipelinePrediction(step, timeline, int(wire), int(raw), codec_s)
 
 
 def edges_from_plan(plan, graph: int = 0) -> list[EdgeTraffic]:
@@ -140,3 +149,8 @@ def edges_from_plan(plan, graph: int = 0) -> list[EdgeTraffic]:
                         getattr(torch, e.dtype.replace("torch.", "")), tuple(map(tuple, e.hops)),
                         e.grad_codec is not None)
             for e in g.edges]
+
+
+def shared_from_plan(plan, graph: int = 0) -> list[tuple[tuple[int, ...], int]]:
+    """The plan's tied parameters as (stages holding one, its bytes)."""
+    return [(tuple(p.stages), p.nbytes) for p in plan.graphs[graph].shared]
