@@ -17,7 +17,9 @@ rank hands to its collectives per step (a ring all-reduce puts 2(w-1)/w of that 
 Variants: ddp, ddp-fp16, ddp-powersgd (torch's powerSGD_hook, rank 4; allowed to fail: it
 aborts on gloo), ccfx-none, ccfx-fp16, ccfx-powersgd, ccfx-int8, ccfx-topk (the model compiled
 with backend="ccfx", data_parallel=True, no DDP wrapper; skipped with the reason while ccfx
-rejects the option), and two references without any communication: no-comm (one process, the
+rejects the option; ccfx-auto: gradient_codec="auto", the planner told the tc rate, or the
+loopback's probed rate unshaped, its choice and predicted step printed under the table), and
+two references without any communication: no-comm (one process, the
 plain eager step) and no-comm-all (every rank runs the eager step on its own, no gradient sync:
 the same CPU sharing as the ranks, which matters when ranks outnumber cores).
 
@@ -45,7 +47,7 @@ from bench.shaped import (
 
 WIDTH, DEPTH, BATCH, LR = 1024, 10, 32, 0.01
 CCFX_CODECS = {"ccfx-none": "none", "ccfx-fp16": "fp16", "ccfx-powersgd": "powersgd:rank=4",
-               "ccfx-int8": "int8", "ccfx-topk": "topk:ratio=0.01,ef"}
+               "ccfx-int8": "int8", "ccfx-topk": "topk:ratio=0.01,ef", "ccfx-auto": "auto"}
 DDP_VARIANTS = ("ddp", "ddp-fp16", "ddp-powersgd")
 REFERENCES = ("no-comm", "no-comm-all")
 VARIANTS = (*DDP_VARIANTS, *CCFX_CODECS, *REFERENCES)
@@ -82,10 +84,12 @@ def rank_batch(rank: int, seed: int = 0, batch: int = BATCH, width: int = WIDTH)
     return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
 
 
-def ccfx_options(codec: str, lowering: str = "inductor") -> dict:
-    """The torch.compile options of a ccfx variant."""
+def ccfx_options(codec: str, lowering: str = "inductor", link_gbps: float = 1.0) -> dict:
+    """The torch.compile options of a ccfx variant (the link: for ``auto`` only; the shaped
+    loopback is one medium every rank's bytes cross)."""
+    extra = ({"link_gbps": link_gbps, "link_shared": True} if codec == "auto" else {})
     return {"data_parallel": True, "gradient_codec": codec, "bucket_mb": 25,
-            "lowering": lowering}
+            "lowering": lowering, **extra}
 
 
 def ccfx_wire_bytes(compiled) -> float:
@@ -96,7 +100,7 @@ def ccfx_wire_bytes(compiled) -> float:
     return float(ccfx.ledger_of(compiled).per_step("bucket")[1])
 
 
-def _wrap(variant: str, model, lowering: str):
+def _wrap(variant: str, model, lowering: str, link_gbps: float | None = None):
     """(the callable to train, a function giving its wire bytes per step or None)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -104,8 +108,13 @@ def _wrap(variant: str, model, lowering: str):
     if variant in REFERENCES:
         return model, lambda: 0.0
     if variant in CCFX_CODECS:
-        options = ccfx_options(CCFX_CODECS[variant], lowering)
+        if variant == "ccfx-auto" and link_gbps is None:
+            from ccfx.planner import probe_link
+
+            link_gbps = probe_link(shared=True).gbps
+        options = ccfx_options(CCFX_CODECS[variant], lowering, link_gbps or 1.0)
         compiled = torch.compile(model, backend="ccfx", options=options)
+        object.__setattr__(model, "_ccfx_compiled", compiled)  # not a submodule: a reference
         return compiled, lambda: ccfx_wire_bytes(compiled)
     ddp = DDP(model)
     if variant == "ddp-fp16":
@@ -122,7 +131,7 @@ def _wrap(variant: str, model, lowering: str):
 
 
 def train_rank(rank: int, world_size: int, *, variant: str, steps: int, warmup: int = 2,
-               seed: int = 0, lowering: str = "inductor") -> dict:
+               seed: int = 0, lowering: str = "inductor", link_gbps: float | None = None) -> dict:
     """One rank of one variant: warm up, barrier, time ``steps`` steps. Returns the per-step
     times, every step's loss, and the wire bytes per step when the variant counts them."""
     import torch
@@ -132,7 +141,7 @@ def train_rank(rank: int, world_size: int, *, variant: str, steps: int, warmup: 
     model = make_model(seed)
     x, y = rank_batch(rank, seed)
     try:
-        net, wire = _wrap(variant, model, lowering)
+        net, wire = _wrap(variant, model, lowering, link_gbps)
     except Exception as e:
         if _is_config_error(e):
             return {"skipped": f"ccfx rejects the options: {e}"}
@@ -163,7 +172,16 @@ def train_rank(rank: int, world_size: int, *, variant: str, steps: int, warmup: 
         losses.append(step())
         times.append(time.perf_counter() - t)
         _log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.5f}, {times[-1]:.3f} s")
-    return {"times": times, "losses": losses, "wire_bytes": wire()}
+    out = {"times": times, "losses": losses, "wire_bytes": wire()}
+    compiled = getattr(model, "_ccfx_compiled", None)
+    if variant == "ccfx-auto" and compiled is not None:
+        import ccfx
+
+        g = ccfx.plan_of(compiled).graphs[0]
+        out["chosen"] = [(d.what, d.chosen) for d in g.decisions]
+        if g.prediction is not None:
+            out["predicted"] = [g.prediction.uncompressed_s, g.prediction.chosen_s]
+    return out
 
 
 def _log(rank: int, msg: str) -> None:
@@ -256,7 +274,8 @@ def run_variant(variant: str, world: int, rate_mbit: float | None, steps: int,
     try:
         with shaped_namespace(rate_mbit) as ns:
             ranks = run_ranks("bench.data_parallel", "train_rank", world,
-                              {"variant": variant, "steps": steps, "lowering": lowering},
+                              {"variant": variant, "steps": steps, "lowering": lowering,
+                               "link_gbps": rate_mbit / 1000 if rate_mbit else None},
                               netns=ns, timeout_s=timeout_s or limit, threads_per_rank=threads,
                               env=env, stall_s=stall)
     except (RankFailed, RankTimeout) as e:
@@ -277,11 +296,29 @@ def summarize(variant: str, ranks: list[dict], wall_s: float) -> dict:
     return {"variant": variant, "status": "ok", "ranks": len(ranks),
             "step_s": max(statistics.mean(r["times"]) for r in ranks),
             "wire_bytes": wire, "final_loss": statistics.mean(r["losses"][-1] for r in ranks),
-            "per_rank": ranks, "wall_s": wall_s}
+            "per_rank": ranks, "wall_s": wall_s, "chosen": ranks[0].get("chosen"),
+            "predicted": ranks[0].get("predicted")}
 
 
 # ---------------------------------------------------------------------------------------------
 # Output.
+
+
+def auto_notes(rows: list[dict]) -> list[str]:
+    """What ccfx-auto chose, its predicted step (compile time: FLOPs and the told link) against
+    the measured one, and against ccfx-none measured in the same table."""
+    by = {r["variant"]: r for r in rows if r.get("status") == "ok"}
+    auto, none = by.get("ccfx-auto"), by.get("ccfx-none")
+    if auto is None or not auto.get("predicted"):
+        return []
+    unc, chosen = auto["predicted"]
+    out = [(f"auto chose {', '.join(f'{w}: {c}' for w, c in auto['chosen'])}; predicted "
+           f"{chosen:.3f} s/step (uncompressed {unc:.3f}), measured {auto['step_s']:.3f} "
+           f"({(chosen - auto['step_s']) / auto['step_s']:+.0%})")]
+    if none is not None:
+        out.append(f"ccfx-none measured {none['step_s']:.3f} s/step against the predicted "
+                   f"{unc:.3f} ({(unc - none['step_s']) / none['step_s']:+.0%})")
+    return out
 
 
 def _ratio(base: dict | None, row: dict) -> str:
@@ -368,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                       f" batch {BATCH}/rank, {a.threads} thread(s)/rank")
                 cells, notes = table_rows(rows)
                 print(common.table(cells, HEADER))
-                print("\n".join(notes), flush=True)
+                print("\n".join(notes + auto_notes(rows)), flush=True)
                 results.append({"rate_mbit": rate, "world": world, "steps": steps, "rows": rows})
     except ShapingUnavailable as e:
         print(f"cannot shape the network: {e}", file=sys.stderr)
