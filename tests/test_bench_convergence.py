@@ -1,0 +1,34 @@
+"""bench/convergence.py on a tiny model: the table has its rows, the losses are finite, and a
+lossy codec puts fewer bytes on the wire than none."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench import convergence
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The tiny model gains nothing from intra-op threads, and loses a lot on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_convergence_table_rows_losses_and_wire(tmp_path, capsys):
+    out = tmp_path / "convergence.json"
+    assert convergence.main(["--model", "small", "--steps", "4", "--seeds", "0",
+                             "--variants", "none", "int8", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = printed.split("variant", 1)[1]
+    assert "none / none" in table and "int8 / int8" in table
+
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"none", "int8"}
+    assert all(math.isfinite(loss) for r in rows.values() for loss in r["losses"])
+    assert rows["none"]["vs_none"] == 0
+    assert rows["int8"]["cut_wire"] < rows["none"]["cut_wire"] == rows["none"]["cut_raw"] > 0
