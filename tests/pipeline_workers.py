@@ -314,12 +314,14 @@ def simulate_forward(codec: str, n_micro: int) -> torch.Tensor:
         return torch.cat([compiled(xm) for xm in x.chunk(n_micro)])
 
 
-def epilogue_pair(rank: int, world: int, n_micro: int, schedule: str) -> list:
-    """The mlp's backward int8, every send compressed and then epilogue-only (Optimus-CC):
-    one step each, in the same ranks; their ledgers and losses."""
-    return [pipeline(rank, world, "mlp", world, "none", "int8", n_micro, 1, schedule,
-                     extra={"epilogue_only": only, "pipeline_schedule": schedule[8:]})
-            for only in (False, True)]
+def epilogue_pairs(rank: int, world: int, n_micro: int, schedules: list[str]) -> dict:
+    """Per schedule, the mlp's backward int8 with every send compressed and then epilogue-only
+    (Optimus-CC): one step each, in the same ranks; their ledgers and losses."""
+    return {schedule: [pipeline(rank, world, "mlp", world, "none", "int8", n_micro, 1, schedule,
+                                extra={"epilogue_only": only,
+                                       "pipeline_schedule": schedule[len("Schedule"):]})
+                       for only in (False, True)]
+            for schedule in schedules}
 
 
 def selective_stages(rank: int, world: int, n_micro: int, steps: int) -> list:
@@ -328,5 +330,6 @@ def selective_stages(rank: int, world: int, n_micro: int, steps: int) -> list:
     given = pipeline_dp(rank, world, "mlp", "none", "powersgd:rank=2", n_micro, steps,
                         extra={"gradient_codec_stages": [0]})
     auto = pipeline_dp(rank, world, "mlp", "none", "auto", n_micro, steps,
-                       extra={"link_gbps": 0.001, "microbatches": n_micro})
+                       extra={"link_gbps": 0.001, "microbatches": n_micro,
+                              "auto_loss_budget": 0.05})
     return [given, auto]

@@ -143,7 +143,8 @@ def test_gradient_codec_auto_prices_every_bucket(gbps, compressed):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     compiled = torch.compile(model, backend="ccfx", fullgraph=True, options={
-        "data_parallel": True, "gradient_codec": "auto", "link_gbps": gbps, "lowering": "eager"})
+        "data_parallel": True, "gradient_codec": "auto", "link_gbps": gbps, "lowering": "eager",
+        "auto_loss_budget": 0.05})  # PowerSGD with error feedback (+1.7 %) is a candidate
     compiled(torch.randn(16, 256)).sum().backward()
     plan = ccfx.plan_of(compiled)
     decisions = [d for d in plan.graphs[0].decisions if d.what.startswith("bucket")]
@@ -219,3 +220,18 @@ def test_a_tied_weight_sum_after_the_step_is_priced():
     alone = m.predict({}).step_s
     m.shared = [((0, 1), 4_000_000)]  # a 1M-parameter fp32 tied embedding on stages 0 and 1
     assert m.predict({}).step_s >= alone + 4_000_000 * 8 / 1e7 * 0.99
+
+
+def test_the_loss_budget_decides_the_candidates():
+    from ccfx.planner.candidates import MEASURED, candidates
+
+    strict, loose = ccfx.Config(), ccfx.Config(auto_loss_budget=0.05)
+    for role, measured in MEASURED.items():
+        for budget, cfg in ((0.01, strict), (0.05, loose)):
+            got = candidates(role, cfg)
+            assert got[0] == "none"
+            for spec, change in measured.items():
+                assert (ccfx.codecs.canonical(spec) in got) == (change <= budget), (role, spec)
+    assert "int4" not in candidates("activation", loose)  # +11 %: never a default candidate
+    extra = ccfx.Config(auto_candidates=["topk:ratio=0.01,ef"])
+    assert candidates("gradient", extra)[-1] == ccfx.codecs.canonical("topk:ratio=0.01,ef")
