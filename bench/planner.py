@@ -7,8 +7,9 @@ For each model, stage count and rate:
    process (``ccfx.planner.profile_stages``, inductor lowering, 1 thread), the link as given
    (shaped: the tc rate; unshaped: measured by ``ccfx.planner.probe_link`` between two ranks),
    the codecs' encode/decode timed at each tensor's size; the 1F1B step simulated
-   (``ccfx.planner.schedule``) for each fixed variant. When the ranks outnumber the cores, each
-   stage's compute is scaled by ranks / cores (they share them);
+   (``ccfx.planner.schedule``) for each fixed variant, then the tied-weight sum and the
+   optimizer step (timed on each stage's parameters, the bench's optimizer). When the ranks
+   outnumber the cores, each stage's compute is scaled by ranks / cores (they share them);
 2. **measure**: the same variants as real gloo ranks (``bench.pipeline.train_rank``), plus
    ``ccfx-auto``, which plans inside the ranks at compile time (compute from FLOPs, since
    nothing has run yet) and is told the same link;
@@ -73,8 +74,14 @@ def predictions(model: str, stages: int, gbps: float, latency_ms: float) -> dict
     from ccfx.planner.pipeline_model import shared_from_plan
 
     plan = ccfx.plan_of(compiled)
+    from ccfx.planner.compute import optimizer_seconds
+
+    tail = optimizer_seconds(compiled, lambda ps: (torch.optim.AdamW(ps, lr=3e-3)
+                                                   if model == "gpt" else
+                                                   torch.optim.SGD(ps, lr=0.01)))
     pm = PipelineModel(compute, edges_from_plan(plan), Link(gbps, latency_ms, shared=True),
-                       microbatches=spec["micro"], shared=shared_from_plan(plan))
+                       microbatches=spec["micro"], shared=shared_from_plan(plan),
+                       tail_s=[t * scale for t in tail])
     out = {}
     for variant in FIXED:
         fwd, bwd = CODECS[variant]

@@ -235,3 +235,17 @@ def test_the_loss_budget_decides_the_candidates():
     assert "int4" not in candidates("activation", loose)  # +11 %: never a default candidate
     extra = ccfx.Config(auto_candidates=["topk:ratio=0.01,ef"])
     assert candidates("gradient", extra)[-1] == ccfx.codecs.canonical("topk:ratio=0.01,ef")
+
+
+def test_the_optimizer_step_after_the_schedule_is_priced():
+    from ccfx.planner.compute import optimizer_seconds
+
+    compiled = torch.compile(_mlp(), backend="ccfx", fullgraph=True,
+                             options={"stages": 2, "lowering": "eager"})
+    compiled(torch.randn(8, 256))
+    tail = optimizer_seconds(compiled, lambda ps: torch.optim.AdamW(ps), repeats=2)
+    assert len(tail) == 2 and all(t > 0 for t in tail)
+    m = _two_stage_model(100.0)
+    alone = m.predict({}).step_s
+    m.tail_s = [0.5, 0.0]
+    assert m.predict({}).step_s == pytest.approx(alone + 0.5, rel=0.05)

@@ -123,3 +123,22 @@ def _median_s(fn, device: torch.device, repeats: int = 10) -> float:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def optimizer_seconds(compiled, make_optimizer, *, repeats: int = 5,
+                      graph: int = 0) -> list[float]:
+    """Per stage, the seconds of one ``make_optimizer(params).step()`` over the stage's own
+    parameters (gradients set to random values): the part of a step after the schedule."""
+    from ccfx.backends.compiler import backend_of
+
+    parent = backend_of(compiled).graphs[graph].split()
+    out = []
+    for iface in parent.meta["ccfx"]["interfaces"]:
+        params = [p.detach().clone().requires_grad_(True)
+                  for p in getattr(parent, f"stage_{iface.index}").parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = make_optimizer(params)
+        out.append(_median_s(opt.step, params[0].device if params else torch.device("cpu"),
+                             repeats) if params else 0.0)
+    return out

@@ -69,7 +69,8 @@ class PipelineModel:
     def __init__(self, compute: Sequence[StageCompute], edges: Sequence[EdgeTraffic], link: Link,
                  *, schedule: str = "1F1B", microbatches: int = 8,
                  timer: CodecTimer | None = None, epilogue_only: bool = False,
-                 shared: Sequence[tuple[tuple[int, ...], int]] = ()):
+                 shared: Sequence[tuple[tuple[int, ...], int]] = (),
+                 tail_s: Sequence[float] = ()):
         self.compute = list(compute)
         self.edges = list(edges)
         self.link = link
@@ -82,6 +83,8 @@ class PipelineModel:
         #: tied parameters (the stages that hold one, its bytes): their gradient partials are
         #: summed over those stages' ranks after the step (``ccfx.sync_grads``), uncompressed
         self.shared = list(shared)
+        #: per stage, seconds after its part of the schedule (the optimizer step)
+        self.tail_s = list(tail_s)
 
     @property
     def num_stages(self) -> int:
@@ -133,11 +136,15 @@ class PipelineModel:
             return size.get((m.kind, m.hop), 0)
 
         timeline = simulate(self.schedule, stages, self.microbatches, nbytes, self.link)
-        step = timeline.step_s
+        end = list(timeline.end_s)
         for holders, size in self.shared:  # the tied-weight all-reduce after the step
             k = len(holders)
             moved = 2 * (k - 1) / k * size * (k if self.link.shared else 1)
-            step = max(step, max(timeline.end_s[s] for s in holders) + self.link.seconds(moved))
+            done = max(end[s] for s in holders) + self.link.seconds(moved)
+            for s in holders:
+                end[s] = done
+        step = max(e + (self.tail_s[s] if s < len(self.tail_s) else 0.0)
+                   for s, e in enumerate(end))
         return PipelinePrediction(step, timeline, int(wire), int(raw), codec_s)
 
 
