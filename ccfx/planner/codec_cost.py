@@ -75,12 +75,16 @@ class CodecTimer:
         if spec == "none" or not codec.applies_to(dtype):
             return CodecCost("none", 0.0, 0.0, raw, raw)
         key = f"{spec}|{'x'.join(map(str, shape))}|{str(dtype).replace('torch.', '')}|{self.device.type}"
+        hit = self.cached(key, lambda: self._measure(spec, shape, dtype))
+        return CodecCost(spec, hit["encode_s"], hit["decode_s"], raw, hit["wire_bytes"])
+
+    def cached(self, key: str, measure) -> dict:
+        """``measure()`` (a JSON-able dict) once per ``key`` on this machine, then the cache."""
         hit = self._table.get(key)
         if hit is None:
-            hit = self._measure(spec, shape, dtype)
-            self._table[key] = hit
+            hit = self._table[key] = measure()
             self._save()
-        return CodecCost(spec, hit["encode_s"], hit["decode_s"], raw, hit["wire_bytes"])
+        return hit
 
     def _measure(self, spec: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
         from ..runtime.pipeline import WireFormat

@@ -91,22 +91,21 @@ def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer) -> 
         per_rank = 2 * (world - 1) / world * payload
     if spec == "none":
         return BucketCost(0.0, per_rank, payload)
-    key = f"bucket:{spec}|{';'.join('x'.join(map(str, s)) for s in b.shapes)}|{b.dtype}"
-    hit = timer._table.get(key)
-    if hit is None:
+    def measure() -> dict:
         grads = [torch.randn(s, dtype=b.dtype) for s in b.shapes]
         state = ex.init_state()
         times = []
         for i in range(4):
             t0 = time.perf_counter()
             ex.run([g.clone() for g in grads], state, LocalComm())
-            if i:
+            if i:  # the first call warms up
                 times.append(time.perf_counter() - t0)
         decode = (timer.cost(spec, (layout.numel,), b.dtype).decode_s
                   if ex.collective == "all_gather" else 0.0)
-        hit = {"local_s": statistics.median(times), "decode_s": decode}
-        timer._table[key] = hit
-        timer._save()
+        return {"local_s": statistics.median(times), "decode_s": decode}
+
+    key = f"bucket:{spec}|{';'.join('x'.join(map(str, s)) for s in b.shapes)}|{b.dtype}"
+    hit = timer.cached(key, measure)
     # every rank decodes every other rank's payload after an all-gather
     return BucketCost(hit["local_s"] + (world - 1) * hit["decode_s"], per_rank, payload)
 
