@@ -21,10 +21,11 @@ from ..config import Config
 #: compresses one role or both: a backward codec measured with a lossy forward (int4 / int4:ef)
 #: carries the forward's error too, an upper bound for the backward alone.
 MEASURED: dict[str, dict[str, float]] = {
-    "activation": {"int8": -0.0026, "int4": 0.1109, "int4:ef": 0.0120},
-    "activation_grad": {"int8": -0.0026, "int4": 0.1109, "int4:ef": 0.0067,
+    "activation": {"int8": -0.0026, "bf16": 0.0061, "int4": 0.1109, "int4:ef": 0.0120},
+    "activation_grad": {"int8": -0.0026, "bf16": 0.0061, "int4": 0.1109, "int4:ef": 0.0067,
                         "powersgd:rank=16": 0.0150},
-    "gradient": {"powersgd:rank=4": 0.0448, "powersgd:rank=4,ef": 0.0170},
+    "gradient": {"bf16": 0.0028, "int8": 0.0119, "powersgd:rank=4": 0.0448,
+                 "powersgd:rank=4,ef": 0.0170},
 }
 
 
