@@ -133,6 +133,11 @@ def choose_bucket_codecs(model: DataParallelModel, pool: Mapping[int, Sequence[s
     for b in model.buckets:
         table = tables.get(b.index)
         if table is None:
+            if list(pool.get(b.index, [])) == ["none"]:  # compressible, but nothing admitted
+                decisions.append(Decision(
+                    f"bucket {b.index}", "none", [("none", base.step_s)],
+                    "no codec is within the loss budget for gradient buckets (raise "
+                    "auto_loss_budget, or name one in auto_candidates)"))
             continue
         decisions.append(Decision(f"bucket {b.index}", choice[b.index], table,
                                   _reason(choice[b.index], table, base, min_gain)))
