@@ -45,8 +45,7 @@ def plan_bucket_codecs(gm: torch.fx.GraphModule, buckets: Sequence, config: Conf
                              done_at[min(b.ready, len(done_at) - 1)]) for b in buckets]
     model = DataParallelModel(backward_s / 2, backward_s, traffic, max(world, 2),
                               link_of(config))
-    pool = {b.index: candidates("gradient", config) if b.spec != "none" else ["none"]
-            for b in buckets}
+    pool = {b.index: candidates("gradient", config) for b in buckets if b.spec != "none"}
     choice, decisions = choose_bucket_codecs(model, pool, min_gain=config.auto_min_gain)
     prediction = Prediction(
         model.predict({}).step_s, model.predict(choice).step_s, describe_link(model.link),
