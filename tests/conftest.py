@@ -7,6 +7,13 @@ import os
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The planner's measured timings: a cache of the test session's own, not the user's
+# (~/.cache/ccfx), so tests neither read timings taken elsewhere nor leave theirs behind.
+if "CCFX_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["CCFX_CACHE_DIR"] = tempfile.mkdtemp(prefix="ccfx-test-cache-")
+
 import pytest
 import torch
 
