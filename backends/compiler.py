@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import sys
 import weakref
@@ -94,6 +95,8 @@ class CcfxBackend:
         self.option_sources = dict(option_sources or {})
         self.mode = mode
         self.ledger = Ledger()
+        #: this process's n-th backend: names its compile-time exchanges between ranks
+        self.serial = next(_SERIALS)
         self.graphs: list[CompiledGraph] = []
         #: The hops this backend registered (the cut op's table refers to them weakly).
         self.hops: list[Hop] = []
@@ -155,10 +158,14 @@ class CcfxBackend:
         if AUTO not in (cfg.activation_codec, cfg.activation_grad_codec):
             return None
         from ccfx.planner.plan_edges import plan_edge_codecs
+        from ccfx.runtime.store_exchange import from_rank0
 
         num_stages = 1 + max((facts(n).get("stage", 0) for n in gm.graph.nodes), default=0)
         decided = plan_edge_codecs(gm, cfg, num_stages) if _rank() == 0 else None
-        return _from_rank0(decided)
+        # every rank compiles the same torch.compile calls in the same order: the serial and
+        # the graph index name this compile on all of them
+        return from_rank0(f"ccfx/auto/backend{self.serial}/graph{len(self.graphs)}", decided,
+                          cfg.collective_timeout_s, "rank 0's codec choice for the cut edges")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         kwargs.pop("ccfx_owner", None)
@@ -281,17 +288,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _from_rank0(obj):
-    """``obj`` as rank 0 has it, on every rank of the default group (itself without one)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _parameter_inputs(gm: torch.fx.GraphModule) -> tuple[dict[int, str], list[int]]:
     """Forward inputs that are parameters (index → name), and those to broadcast from rank 0
     at the first call (parameters and buffers)."""
@@ -307,6 +303,8 @@ def _parameter_inputs(gm: torch.fx.GraphModule) -> tuple[dict[int, str], list[in
 
 
 # -- one backend per torch.compile call -------------------------------------------------------
+
+_SERIALS = itertools.count()
 
 #: Every live backend, weakly (tests check that compiled models free theirs).
 _LIVE: weakref.WeakSet[CcfxBackend] = weakref.WeakSet()

@@ -1,12 +1,14 @@
 """``auto``: per edge and direction (and per gradient bucket), the codec with the lowest
 predicted step, or ``none`` where compression does not pay.
 
-The search is coordinate descent over the cost model: start with everything uncompressed;
-for each edge and direction in turn, predict the step with each candidate while the others
-stay as they are, keep the fastest; two passes (a choice on one hop changes what is exposed
-on the others: on a shared link, shrinking one tensor frees the link for the rest). A codec
-other than ``none`` is taken only when it beats ``none`` by ``min_gain`` of the step: a
-compressed tensor costs fidelity, and a gain inside the model's error is no gain.
+The search is coordinate descent over the cost model: start from the best uniform choice
+(one codec everywhere it is a candidate, or everything uncompressed); for each edge and
+direction in turn, predict the step with each candidate while the others stay as they are,
+keep the fastest; two passes (a choice on one hop changes what is exposed on the others: on a
+shared link, shrinking one tensor frees the link for the rest). A codec other than ``none`` is
+taken only when it beats ``none`` by ``min_gain`` of the step, and the whole choice only if it
+beats all-uncompressed by as much: a compressed tensor costs fidelity, and a gain inside the
+model's error is no gain.
 
 Every choice is a :class:`Decision` that keeps the predicted step of each candidate and a
 sentence saying why the winner won; ``ccfx.explain(compiled)`` prints them.
@@ -46,6 +48,20 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
     for e, d, _ in searched:
         choice[e.index] = _set(choice[e.index], d, "none")
     base = model.predict(choice)
+    # Start from the best uniform choice (one codec wherever it is a candidate): on a link per
+    # direction the step waits for the slower one, so compressing one direction alone can look
+    # worthless when compressing both is not; the descent then refines edge by edge.
+    start, start_s = dict(choice), base.step_s
+    for spec in {s for _, _, specs in searched for s in specs} - {"none"}:
+        trial = dict(choice)
+        for e, d, specs in searched:
+            if spec in specs:
+                trial[e.index] = _set(trial[e.index], d, spec)
+        t = model.predict(trial).step_s
+        if t < start_s:
+            start, start_s = trial, t
+    if start_s < base.step_s * (1 - min_gain):
+        choice = start
     tables: dict[tuple[int, str], list[tuple[str, float]]] = {}
     for _ in range(passes):
         for e, d, specs in searched:
@@ -57,6 +73,10 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
             table.sort(key=lambda t: t[1])
             tables[(e.index, d)] = table
             choice[e.index] = _set(choice[e.index], d, _winner(table, min_gain))
+    if model.predict(choice).step_s >= base.step_s * (1 - min_gain):
+        # all together the lossy codecs do not buy min_gain: send everything raw
+        for e, d, _ in searched:
+            choice[e.index] = _set(choice[e.index], d, "none")
     decisions = []
     for e in model.edges:
         for d in ("fwd", "bwd"):

@@ -39,6 +39,7 @@ from ..errors import CcfxError, ConfigError
 from ..plan import Bucket, DataParallelInfo
 from .bucket_exchange import FunctionalComm, LocalComm, exchange_for
 from .ledger import Ledger
+from .store_exchange import StoreTimeout, exchange, from_rank0
 
 log = logging.getLogger("ccfx")
 
@@ -202,42 +203,17 @@ class DataParallel:
 
     def _agree(self, index: int, value):
         """Rank 0's ``value`` on every rank."""
-        import pickle
-
-        dist = _dist()
-        if dist is None or self.world == 1:
+        if _dist() is None or self.world == 1:
             return value
-        mine = pickle.dumps(value) if self.rank == 0 else b""
-        return pickle.loads(self._exchange(f"graph{index}/auto", mine,
-                                           f"rank 0's gradient codec choice for graph {index}",
-                                           only=0)[0])
-
-    def _exchange(self, key: str, value: bytes, what: str, only: int | None = None) -> list:
-        """Every rank's ``value`` (or rank ``only``'s) through the c10d store, not a collective.
-
-        These exchanges happen while a graph compiles, at moments the ranks reach after
-        different compile times, and a rank may compile more graphs than another (a graph
-        break, a recompile): a collective on the default group would then pair with a different
-        collective on another rank (gloo hangs, or aborts on the size mismatch). A store key
-        names the graph it is for, so a rank that never comes is a clear error instead."""
-        import datetime
-
-        dist = _dist()
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"ccfx/dp{self.group.group_name}/{key}"
-        store.set(f"{prefix}/{self.rank}", value)
-        ranks = [only] if only is not None else list(range(self.world))
-        keys = [f"{prefix}/{r}" for r in ranks]
         try:
-            store.wait(keys, datetime.timedelta(seconds=self.config.collective_timeout_s))
-        except RuntimeError as e:
-            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-            raise CollectiveError(
-                f"rank {self.rank} of {self.world}: {what}: ranks {missing} did not reach it "
-                f"within {self.config.collective_timeout_s:g} s (collective_timeout_s): they "
-                "died, hang, or compiled a different model or different graphs "
-                f"({_first_line(e)})") from e
-        return [store.get(k) for k in keys]
+            return from_rank0(self._key(f"graph{index}/auto"), value,
+                              self.config.collective_timeout_s,
+                              f"rank 0's gradient codec choice for graph {index}")
+        except StoreTimeout as e:
+            raise CollectiveError(str(e)) from e
+
+    def _key(self, what: str) -> str:
+        return f"ccfx/dp{self.group.group_name}/{what}"
 
     def decisions(self, index: int) -> list:
         g = self._graphs.get(index)
@@ -274,10 +250,14 @@ class DataParallel:
         if dist is None or self.world == 1:
             return
         mine = self._fingerprint(index, buckets).encode()
-        everyone = [v.decode() for v in self._exchange(
-            f"graph{index}/fingerprint", mine,
-            f"the bucket-plan check of graph {index} (every rank compiles graph {index} at its "
-            "first call)")]
+        try:
+            everyone = [v.decode() for v in exchange(
+                self._key(f"graph{index}/fingerprint"), mine, self.rank, range(self.world),
+                self.config.collective_timeout_s,
+                f"the bucket-plan check of graph {index} (every rank compiles graph {index} at "
+                "its first call)")]
+        except StoreTimeout as e:
+            raise CollectiveError(str(e)) from e
         differ = [r for r, fp in enumerate(everyone) if fp != everyone[0]]
         if differ:
             raise ConfigError(
