@@ -24,3 +24,13 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: tiny models gain nothing from more, and lose a lot
+    on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

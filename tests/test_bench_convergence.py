@@ -5,18 +5,10 @@ import json
 import math
 
 import pytest
-import torch
 
 from bench import convergence
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tiny model gains nothing from intra-op threads, and loses a lot on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_convergence_table_rows_losses_and_wire(tmp_path, capsys):

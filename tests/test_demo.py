@@ -4,7 +4,6 @@ import argparse
 import math
 
 import pytest
-import torch
 
 from ccfx.demo import DemoResult, add_arguments, format_demo, run_demo, write_demo_report
 from ccfx.models import GPTConfig
@@ -12,13 +11,7 @@ from ccfx.models import GPTConfig
 TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and lose a lot on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_run_demo_structure_with_injected_compile():
