@@ -61,9 +61,6 @@ class CompiledGraph:
     #: The parameters and buffers among the graph's inputs (placeholder index → a weak
     #: reference): what ``split`` gives each pipeline stage, without keeping the model alive.
     state_inputs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict)
-    #: Detached copies of the graph's data inputs at the compile (``kind == "input"``): what
-    #: the planner's profile feeds stage 0 (token ids stay valid ids).
-    example_inputs: tuple[torch.Tensor, ...] = ()
 
     def split(self) -> torch.fx.GraphModule:
         """The stage modules of this graph (``passes.split_stages``) over the live parameters."""
@@ -231,11 +228,7 @@ class CcfxBackend:
                                   rewrite_backward=rewrite)
         state_inputs = {k: weakref.ref(example_inputs[k]) for k, n in enumerate(placeholders)
                         if facts(n).get("kind") in ("param", "buffer")}
-        data = tuple(example_inputs[k].detach().clone() for k, n in enumerate(placeholders)
-                     if facts(n).get("kind") == "input"
-                     and isinstance(example_inputs[k], torch.Tensor))
-        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs,
-                                         data))
+        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs))
         if dp is not None and dp.buckets(index):  # the backward compiled with the forward
             with_buckets = Plan(cfg.to_dict(), [graph_plan], data_parallel=dp.info())
             graph_plan.buckets = dp.buckets(index)

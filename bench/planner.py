@@ -70,7 +70,7 @@ def predictions(model: str, stages: int, gbps: float, latency_ms: float) -> dict
     compiled(example)
     scale = max(1.0, stages / (os.cpu_count() or 1))
     compute = [StageCompute(c.forward_s * scale, c.backward_s * scale, c.source)
-               for c in profile_stages(compiled)]
+               for c in profile_stages(compiled, example)]
     from ccfx.planner.pipeline_model import shared_from_plan
 
     plan = ccfx.plan_of(compiled)

@@ -249,3 +249,15 @@ def test_the_optimizer_step_after_the_schedule_is_priced():
     alone = m.predict({}).step_s
     m.tail_s = [0.5, 0.0]
     assert m.predict({}).step_s == pytest.approx(alone + 0.5, rel=0.05)
+
+
+def test_profile_stages_times_each_stage_forward_and_backward():
+    from ccfx.planner import profile_stages
+
+    x = torch.randn(8, 256)
+    compiled = torch.compile(_mlp(), backend="ccfx", fullgraph=True,
+                             options={"stages": 2, "lowering": "eager"})
+    compiled(x)
+    times = profile_stages(compiled, x, repeats=2)
+    assert len(times) == 2
+    assert all(t.forward_s > 0 and t.backward_s > 0 and t.source == "profile" for t in times)

@@ -64,32 +64,30 @@ def from_flops(stage_flops: Sequence[float], stage_ops: Sequence[int], microbatc
     return out
 
 
-def profile_stages(compiled, *, lowering: str | None = None, repeats: int = 5,
+def profile_stages(compiled, *inputs, lowering: str | None = None, repeats: int = 5,
                    graph: int = 0) -> list[StageCompute]:
     """Time each pipeline stage of a compiled model (compiled and called once at the
-    microbatch shape) forward and backward, on its own, with inputs of its ports' shapes."""
+    microbatch shape) forward and backward, on its own: stage 0 on ``inputs`` (a microbatch,
+    as the model takes it: token ids stay valid ids), later stages on Gaussian tensors of their
+    ports' shapes."""
     from ccfx.backends.compiler import backend_of
-    from ccfx.runtime.pipeline import _example, _lower
+    from ccfx.runtime.pipeline import _lower
 
     backend = backend_of(compiled)
     parent = backend.graphs[graph].split()
     lowering = lowering or backend.config.lowering
-    first_inputs = _stage0_inputs(backend, graph)
     out = []
     for iface in parent.meta["ccfx"]["interfaces"]:
         child = _lower(getattr(parent, f"stage_{iface.index}"), lowering)
-        if iface.index == 0:
-            args = first_inputs
-        else:
-            args = [_example(p, torch.device("cpu")).requires_grad_(p.requires_grad)
-                    for p in iface.inputs]
+        args = list(inputs) if iface.index == 0 else [_port_input(p) for p in iface.inputs]
         out.append(_time_stage(child, args, repeats))
     return out
 
 
-def _stage0_inputs(backend, graph: int) -> list[torch.Tensor]:
-    """Stage 0's inputs: the compile's own example inputs (token ids stay valid ids)."""
-    return list(backend.graphs[graph].example_inputs)
+def _port_input(port) -> torch.Tensor:
+    if port.dtype.is_floating_point:
+        return torch.randn(port.shape, dtype=port.dtype).requires_grad_(port.requires_grad)
+    return torch.zeros(port.shape, dtype=port.dtype)
 
 
 def _time_stage(child: torch.nn.Module, args: Sequence, repeats: int) -> StageCompute:

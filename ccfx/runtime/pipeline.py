@@ -404,15 +404,13 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     if check:
         check_same_plan(interfaces, group, rank)
     mine = stage_indices(rank, world, len(interfaces), style)
+    cfg = backend.config
+    epilogue = cfg.pipeline_schedule if cfg.epilogue_only else None
     out = []
     for s in mine:
-        lowering = backend.config.lowering
-        child = _lower(getattr(parent, f"stage_{s}"), lowering)
-        cfg = backend.config
+        child = _lower(getattr(parent, f"stage_{s}"), cfg.lowering)
         out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph,
-                                   compiled=lowering == "inductor",
-                                   epilogue_only=cfg.pipeline_schedule if cfg.epilogue_only
-                                   else None))
+                                   compiled=cfg.lowering == "inductor", epilogue_only=epilogue))
     _share(out, interfaces, rank, world, style, group)
     codec = _stage_gradient_codec(backend, parent, mine, dp_group, graph)
     sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph, codec)
