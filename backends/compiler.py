@@ -105,6 +105,24 @@ class CcfxBackend:
         self.data_parallel: DataParallel | None = None
         _LIVE.add(self)
 
+    def _check_local_steps(self) -> None:
+        """``sync_every`` without ``ccfx.local_steps``: the replicas would silently train apart."""
+        import warnings
+
+        import torch.distributed as dist
+
+        if self.config.sync_every is None or not (dist.is_available() and dist.is_initialized()
+                                                  and dist.get_world_size() > 1):
+            return
+        ctx, _ = _dynamo_callers()
+        outer = getattr(ctx, "_ccfx_local_steps", None)
+        if outer is None or outer() is None:
+            warnings.warn(
+                f"sync_every={self.config.sync_every} is set but no ccfx.local_steps(compiled, "
+                "optimizer) syncs this model: until it does, the replicas train apart. "
+                "Call it after making the optimizer, before the first step.",
+                CcfxWarning, stacklevel=3)
+
     @property
     def plan(self) -> Plan:
         graphs = [g.plan for g in self.graphs]
@@ -192,6 +210,7 @@ class CcfxBackend:
         index = len(self.graphs)
         cfg = self.config
         dp = self._setup_data_parallel()
+        self._check_local_steps()
         captured = gm.code
         gm = run_passes(gm, [
             functools.partial(annotate, example_inputs=example_inputs),
@@ -383,6 +402,25 @@ def ccfx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options=
         if wrapper is not None and "ccfx_owner" not in wrapper.kwargs:
             wrapper.kwargs["ccfx_owner"] = _OwnerToken()
     return backend(gm, example_inputs, mode=mode)
+
+
+def config_of(obj) -> Config | None:
+    """The Config of a model compiled with ``backend="ccfx"``, before or after its first call
+    (before it, the backend does not exist yet: the options are read off Dynamo's wrapper of
+    the backend); None if ccfx did not compile it."""
+    try:
+        return backend_of(obj).config
+    except ConfigError:
+        pass
+    ctx = getattr(obj, "dynamo_ctx", None)
+    fn = getattr(ctx, "callback", None)
+    for _ in range(8):  # CatchErrorsWrapper -> ConvertFrame -> WrapBackendDebug -> the backend
+        if fn is None:
+            return None
+        if getattr(fn, "compiler_fn", None) is ccfx_backend:
+            return Config.resolve((getattr(fn, "kwargs", None) or {}).get("options"))[0]
+        fn = getattr(fn, "_torchdynamo_orig_backend", None)
+    return None
 
 
 def backend_of(obj) -> CcfxBackend:

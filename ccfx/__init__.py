@@ -105,6 +105,20 @@ def sync_grads(stages) -> None:
     _sync(stages)
 
 
+def local_steps(target, optimizer, group=None, **options):
+    """Local steps for slow links (DiLoCo, Streaming DiLoCo): every ``sync_every`` steps of
+    ``optimizer``, ``target``'s replicas average their pseudo-gradient through ``outer_codec``
+    and an outer Nesterov SGD updates the global parameters, which every replica takes.
+    ``target``: a model (compiled by ccfx with ``sync_every`` in its options, or any model
+    with the options given here) or the stages ``build_stages(..., dp_group=...)`` returned.
+    Returns the :class:`~ccfx.runtime.local_steps.LocalSteps` (its ``state_dict()`` belongs
+    in the checkpoint); it hooks the optimizer, so the training loop is otherwise unchanged.
+    See :mod:`ccfx.runtime.local_steps`."""
+    from ccfx.runtime.local_steps import local_steps as _local_steps
+
+    return _local_steps(target, optimizer, group, **options)
+
+
 def stage_boundary() -> None:
     """Mark a pipeline stage boundary in a model's ``forward``: ccfx cuts each graph exactly at
     its markers (one stage more than markers; no ``stages`` option needed). It is
@@ -145,6 +159,7 @@ __all__ = [
     "draw",
     "explain",
     "ledger_of",
+    "local_steps",
     "plan_of",
     "stage_boundary",
     "sync_grads",

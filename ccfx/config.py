@@ -17,6 +17,8 @@ BALANCE = ("flops", "params", "memory")
 AUTO = "auto"
 SCHEDULES = ("1F1B", "GPipe")
 LOWERING = ("inductor", "eager")
+#: How non-summable payloads are averaged (``gradient_collective``, ``outer_collective``).
+COLLECTIVES = ("all_gather", "ring", AUTO)
 #: Environment variable holding a JSON object of options, for frameworks that pass only a
 #: backend name (``TrainingArguments(torch_compile_backend="ccfx")``). Explicit options win.
 OPTIONS_ENV = "CCFX_OPTIONS"
@@ -93,6 +95,34 @@ class Config:
         schedule's cool-down (those after the sending stage's last forward, which nothing
         overlaps); the rest travel raw. ``pipeline_schedule`` says which sends those are.
         The single-process simulation has one microbatch and compresses every backward.
+
+    How a compressed gradient bucket or pseudo-gradient fragment is averaged (codecs whose
+    payloads cannot be summed: int8, int4, topk, ...):
+
+    gradient_collective: "all_gather" (every rank decodes every payload; receive bytes grow
+        with the world), "ring" (a ring that re-encodes at every hop and accumulates in fp32,
+        then all-gathers the reduced chunks' bytes so every rank decodes the same bytes:
+        2(W-1)/W of a payload per rank) or "auto" (the cheaper for this world size and link).
+        Sum-compatible codecs (none, fp16, bf16) always all-reduce.
+
+    Local steps (DiLoCo for slow links; ``ccfx.local_steps(model, optimizer)`` runs it):
+
+    sync_every: H, the inner optimizer steps each replica takes between syncs (None: no local
+        steps). At every sync the pseudo-gradient (global minus local parameters) is averaged
+        across replicas through ``outer_codec`` and an outer optimizer updates the global
+        parameters, which every replica then takes. H = 1 with ``outer_lr=1``,
+        ``outer_momentum=0`` and codec none is per-step data parallel.
+    outer_codec: the pseudo-gradient's codec ("none", "bf16", "int8", "int4", "fp8",
+        "topk:ratio=0.01,ef", "powersgd:rank=8", ...).
+    outer_lr, outer_momentum, outer_nesterov: the outer SGD (DiLoCo: 0.7, 0.9, Nesterov).
+    outer_collective: as ``gradient_collective``, for the pseudo-gradient.
+    fragments: split the parameters into this many fragments (strided across the model's
+        depth) synced in turn, one every H / fragments steps (Streaming DiLoCo).
+    fragment_delay: τ, inner steps a fragment's sync runs in the background, overlapped with
+        compute, before its result is merged (0: merged at once, the inner loop waits).
+    fragment_alpha: α, on merge a fragment's parameters become (1 - α)·global + α·local
+        (local: the replica's parameters after the τ overlapped steps); 0 takes the global.
+        With α > 0 replicas differ by their last τ steps (the global parameters never do).
     """
 
     stages: int = 1
@@ -121,6 +151,16 @@ class Config:
     lazy_error_propagation: bool = False
     epilogue_only: bool = False
     gradient_codec_stages: tuple[int, ...] | None = None
+    gradient_collective: str = "all_gather"
+    sync_every: int | None = None
+    outer_codec: str = "none"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    outer_collective: str = AUTO
+    fragments: int = 1
+    fragment_delay: int = 0
+    fragment_alpha: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
@@ -138,6 +178,7 @@ class Config:
         if self.activation_grad_codec is not None:
             object.__setattr__(self, "activation_grad_codec", _spec(self.activation_grad_codec))
         self._check_data_parallel()
+        self._check_local_steps()
         self._check_overrides()
         self._check_planner()
         if self.split_points is not None:
@@ -265,6 +306,46 @@ class Config:
             spec = codecs.canonical(spec + (",ef" if ":" in spec else ":ef"))
         object.__setattr__(self, "gradient_codec", spec)
 
+    def _check_local_steps(self) -> None:
+        for name in ("gradient_collective", "outer_collective"):
+            if getattr(self, name) not in COLLECTIVES:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not valid; choose one of "
+                                  f"{', '.join(COLLECTIVES)}")
+        if not isinstance(self.outer_nesterov, bool):
+            raise ConfigError(f"outer_nesterov is True or False, got {self.outer_nesterov!r}")
+        for name, low in (("fragments", 1), ("fragment_delay", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer ≥ {low}, got {value!r}")
+        for name in ("outer_lr", "outer_momentum", "fragment_alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{name} must be a number ≥ 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.fragment_alpha > 1 or self.outer_momentum >= 1:
+            raise ConfigError("fragment_alpha is in [0, 1] and outer_momentum in [0, 1), got "
+                              f"{self.fragment_alpha} and {self.outer_momentum}")
+        object.__setattr__(self, "outer_codec", codecs_canonical(self.outer_codec))
+        h = self.sync_every
+        if h is None:
+            return
+        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+            raise ConfigError(f"sync_every must be an integer ≥ 1 (inner steps between syncs) "
+                              f"or None, got {h!r}")
+        if self.data_parallel:
+            raise ConfigError(
+                "data_parallel=True averages gradients at every step and sync_every averages "
+                "parameters every H steps: choose one (sync_every=1 with outer_lr=1 and "
+                "outer_momentum=0 is per-step data parallel)")
+        if self.fragments > h:
+            raise ConfigError(f"fragments={self.fragments} > sync_every={h}: each fragment "
+                              "syncs once every sync_every steps, at most one per step")
+        if self.fragment_delay >= max(1, h // self.fragments) and self.fragment_delay:
+            raise ConfigError(
+                f"fragment_delay={self.fragment_delay} must be < sync_every // fragments = "
+                f"{h // self.fragments}: a fragment's sync must be merged before the next "
+                "fragment's starts")
+
     @classmethod
     def keys(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -335,6 +416,12 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+
+
+def codecs_canonical(spec: str) -> str:
+    from . import codecs
+
+    return codecs.canonical(spec)
 
 
 def _spec(spec: str) -> str:

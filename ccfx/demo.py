@@ -50,6 +50,8 @@ class RunResult:
     #: Per step, bytes that crossed stage boundaries (ledger): raw, and on the wire.
     raw_bytes: list[int] = field(default_factory=list)
     wire_bytes: list[int] = field(default_factory=list)
+    #: The loss on held-out batches after training, where measured.
+    eval_loss: float | None = None
 
     @property
     def total_s(self) -> float:

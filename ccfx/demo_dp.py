@@ -32,10 +32,12 @@ class DPDemoResult:
     seed: int
 
 
-def _rank_main(rank: int, world: int, steps: int, batch_per_rank: int, codecs: list[str],
-               lowering: str, seed: int, lr: float, model: dict | None = None):
-    """One rank: train once per codec; per step the loss averaged over ranks, the step time
-    and the bucket bytes this rank sent."""
+def _rank_main(rank: int, world: int, steps: int, batch_per_rank: int, codecs: list,
+               lowering: str, seed: int, lr: float, model: dict | None = None,
+               eval_batches: int = 0):
+    """One rank: train once per codec (a gradient codec spec, or a dict of local-step options
+    with an optional ``name``); per step the loss averaged over ranks, the step time and the
+    gradient or pseudo-gradient bytes this rank sent; at the end the held-out loss."""
     import torch.distributed as dist
 
     from ccfx.models import CharTokenizer, TinyGPT, batches, load_corpus
@@ -48,13 +50,20 @@ def _rank_main(rank: int, world: int, steps: int, batch_per_rank: int, codecs: l
         import dataclasses
 
         config = dataclasses.replace(config, **model)
+    held_out = [next(batches(data, 16, config.block_size, 10_000 + seed * 7 + i))
+                for i in range(eval_batches)]
     out = []
     for codec in codecs:
         torch.manual_seed(seed)
         gpt = TinyGPT(config)
-        compiled = torch.compile(gpt, backend="ccfx", fullgraph=True, options={
-            "data_parallel": True, "gradient_codec": codec, "lowering": lowering})
+        local = isinstance(codec, dict)  # local steps: {"sync_every": H, "outer_codec": ...}
+        options = ({k: v for k, v in codec.items() if k != "name"} if local
+                   else {"data_parallel": True, "gradient_codec": codec})
+        compiled = torch.compile(gpt, backend="ccfx", fullgraph=True,
+                                 options={**options, "lowering": lowering})
         opt = torch.optim.AdamW(gpt.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        outer = ccfx.local_steps(compiled, opt) if local else None
+        channel = "outer" if local else "bucket"
         stream = batches(data, batch_per_rank, config.block_size, seed * 1000 + rank)
         losses, times, raw, wire = [], [], [], []
         seen = (0.0, 0.0)
@@ -72,27 +81,39 @@ def _rank_main(rank: int, world: int, steps: int, batch_per_rank: int, codecs: l
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
             ledger = ccfx.ledger_of(compiled)
-            now = ledger.totals("bucket")
+            now = ledger.totals(channel)
             raw.append(now[0] - seen[0])
             wire.append(now[1] - seen[1])
             seen = now
-        name = "uncompressed (none)" if codec == "none" else codec
+        if outer is not None:
+            outer.close()
+        name = codec.get("name", f"local steps {codec}") if local else (
+            "uncompressed (none)" if codec == "none" else codec)
         out.append({"name": name, "losses": losses, "times": times, "raw": raw, "wire": wire,
                     "plan": ccfx.plan_of(compiled).to_json() if rank == 0 else None,
-                    "params": gpt.num_parameters()})
+                    "params": gpt.num_parameters(), "eval": _evaluate(gpt, held_out)})
     return out
 
 
-def run_dp_demo(world: int = 2, steps: int = 120, codec: str | list[str] = DP_CODEC,
+def _evaluate(model, held_out) -> float:
+    """The mean loss on held-out batches (the same on every rank), without compilation."""
+    with torch.no_grad():
+        return sum(model(x, y)[1].item() for x, y in held_out) / max(len(held_out), 1)
+
+
+def run_dp_demo(world: int = 2, steps: int = 120, codec: str | list = DP_CODEC,
                 batch_per_rank: int = 8, lowering: str = "eager", seed: int = 0,
                 lr: float = DEMO_LR, timeout_s: float = 1800,
-                model: dict | None = None) -> DPDemoResult:
-    """Spawn ``world`` ranks; train uncompressed, then with each codec in ``codec``.
-    ``model``: GPTConfig fields to change (a smaller GPT for tests)."""
+                model: dict | None = None, eval_batches: int = 0) -> DPDemoResult:
+    """Spawn ``world`` ranks; train uncompressed, then with each codec in ``codec`` (a
+    gradient codec spec, or a dict of local-step options such as ``{"sync_every": 50,
+    "outer_codec": "int8", "name": "H=50 int8"}``). ``model``: GPTConfig fields to change (a
+    smaller GPT for tests); ``eval_batches``: held-out batches of 16 scored after training."""
     from .runtime.launch import spawn
 
-    codecs = ["none", *([codec] if isinstance(codec, str) else codec)]
-    results = spawn(_rank_main, world, (steps, batch_per_rank, codecs, lowering, seed, lr, model),
+    codecs = ["none", *([codec] if isinstance(codec, (str, dict)) else codec)]
+    results = spawn(_rank_main, world, (steps, batch_per_rank, codecs, lowering, seed, lr, model,
+                                        eval_batches),
                     timeout_s=timeout_s, pg_timeout_s=300.0)
     rank0 = results[0]
     runs = []
@@ -100,7 +121,8 @@ def run_dp_demo(world: int = 2, steps: int = 120, codec: str | list[str] = DP_CO
         # the slowest rank sets the pace of a synchronous step
         times = [max(r[i]["times"][s] for r in results) for s in range(steps)]
         runs.append(RunResult(name=run["name"], losses=run["losses"], step_times=times,
-                              raw_bytes=run["raw"], wire_bytes=run["wire"]))
+                              raw_bytes=run["raw"], wire_bytes=run["wire"],
+                              eval_loss=run["eval"] if eval_batches else None))
     return DPDemoResult(runs=runs, plan=ccfx.Plan.from_json(rank0[-1]["plan"]), world=world,
                         batch_per_rank=batch_per_rank, num_parameters=rank0[0]["params"],
                         seed=seed)

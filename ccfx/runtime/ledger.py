@@ -3,7 +3,8 @@
 One table, keyed by *channel*: a hop of a cut edge in one direction (``"fwd"``/``"bwd"``,
 reported by each ``ccfx::cut`` op that executes) or a data-parallel gradient bucket
 (direction ``"bucket"``, reported by the compiled backward each time it runs its collectives;
-wire bytes are the payload this rank contributes). A *step* is one call of a compiled graph;
+wire bytes are the payload this rank contributes) or a local-steps sync of a parameter fragment
+(direction ``"outer"``, reported by :mod:`.local_steps` at each merge). A *step* is one call of a compiled graph;
 with graph breaks, each graph runs once per step, so ``steps`` is the largest call count among
 the graphs. ``per_step()`` divides by it.
 """
@@ -43,6 +44,10 @@ class Ledger:
     def record_bucket(self, graph: int, bucket: int, raw: int, wire: int) -> None:
         self.record(graph, bucket, (0, 0), "bucket", raw, wire)
 
+    def record_outer(self, fragment: int, raw: int, wire: int) -> None:
+        """A local-steps sync of one fragment's pseudo-gradient (direction ``"outer"``)."""
+        self.record(0, fragment, (0, 0), "outer", raw, wire)
+
     def count_call(self, graph: int) -> None:
         self._graph_calls[graph] += 1
 
@@ -56,10 +61,10 @@ class Ledger:
 
     def entries(self, direction: str | None = None) -> list[EdgeCount]:
         """Rows of one direction, or all of them (cut hops first, then gradient buckets)."""
-        order = {"fwd": 0, "bwd": 1, "bucket": 2}
+        order = {"fwd": 0, "bwd": 1, "bucket": 2, "outer": 3}
         rows = [c for c in self._counts.values() if direction in (None, c.direction)]
-        return sorted(rows, key=lambda c: (c.direction == "bucket", c.graph, c.edge, c.hop,
-                                           order.get(c.direction, 3)))
+        return sorted(rows, key=lambda c: (order.get(c.direction, 4) // 2, c.direction == "outer",
+                                           c.graph, c.edge, c.hop, order.get(c.direction, 4)))
 
     def totals(self, direction: str | None = None) -> tuple[int, int]:
         """(raw, wire) bytes summed over every edge, hop and step (one direction, or both)."""
@@ -94,17 +99,17 @@ class Ledger:
         steps = max(self.steps, 1)
         for c in self.entries():
             ratio = c.wire_bytes / c.raw_bytes if c.raw_bytes else 1.0
-            where = f"{c.hop[0]}->{c.hop[1]:<2}" if c.direction != "bucket" else "  -  "
-            direction = c.direction if c.direction != "bucket" else "grad"
+            where = f"{c.hop[0]}->{c.hop[1]:<2}" if c.direction in ("fwd", "bwd") else "  -  "
+            direction = {"bucket": "grad", "outer": "sync"}.get(c.direction, c.direction)
             lines.append(
                 f"  {c.graph:>5} {c.edge:>4} {where} {direction:>3} "
                 f"{human_bytes(c.raw_bytes / steps):>12} {human_bytes(c.wire_bytes / steps):>12} "
                 f"{ratio:.3f}"
             )
-        for d in ("fwd", "bwd", "bucket"):
+        for d in ("fwd", "bwd", "bucket", "outer"):
             raw, wire = self.per_step(d)
             if raw:
-                name = "gradient buckets" if d == "bucket" else d
+                name = {"bucket": "gradient buckets", "outer": "local-steps sync"}.get(d, d)
                 lines.append(f"  {name} per step: {human_bytes(raw)} raw -> {human_bytes(wire)} "
                              f"wire ({wire / raw:.3f})")
         return "\n".join(lines)

@@ -40,6 +40,7 @@ class StageGradSync:
         """``codec``: these stages' gradient codec (default ``config.gradient_codec``; selective
         stage compression gives each stage its own)."""
         self.stages = list(stages)
+        self.config = config
         self.codec = codec or config.gradient_codec
         self.dp_group = dp_group
         self.ledger = ledger
@@ -52,7 +53,9 @@ class StageGradSync:
             name: pg for st in self.stages for name, (pg, _) in st.shared.items()}
         self.buckets = []
         self.state = torch.nn.Module()
-        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        # Local steps (sync_every) average parameters every H steps instead: no per-step buckets.
+        if (dp_group is not None and dist.get_world_size(dp_group) > 1
+                and config.sync_every is None):
             self._plan_buckets(config)
 
     def _plan_buckets(self, config) -> None:

@@ -1,0 +1,437 @@
+"""Local steps with an outer optimizer (DiLoCo), streamed in fragments (Streaming DiLoCo).
+
+    compiled = torch.compile(model, backend="ccfx",
+                             options={"sync_every": 50, "outer_codec": "int8"})
+    opt = torch.optim.AdamW(compiled.parameters(), lr=3e-4)
+    outer = ccfx.local_steps(compiled, opt)          # the one line a training loop gains
+    for x, y in data:                                # unchanged: its own optimizer, LR schedule
+        loss_fn(compiled(x), y).backward(); opt.step(); opt.zero_grad()
+
+Every replica (a rank of the default process group, or under PP × DP a stage's data-parallel
+group) takes ``sync_every`` = H steps of its own optimizer. Then, for each fragment of the
+parameters, the pseudo-gradient ``global - local`` (fp32) is averaged over the replicas through
+``outer_codec`` by the gradient buckets' own exchanges (:mod:`.bucket_exchange`: all-reduce for
+sum-compatible codecs, an all-gather or a re-encoding ring for the others, PowerSGD its own),
+an outer SGD (DiLoCo: lr 0.7, momentum 0.9, Nesterov) steps the fp32 global parameters with it,
+and every replica takes the result. The averaged bytes are identical on every rank, so the
+global parameters are too, bit for bit.
+
+Streaming (``fragments`` = P > 1): the parameters are split into P fragments, strided across
+the model's depth (parameter k goes to fragment k mod P, so each fragment holds early and late
+layers), and fragment f syncs every H steps at offset (f + 1)·H/P: the link carries a fragment
+every H/P steps instead of the whole model every H. With ``fragment_delay`` = τ > 0 a
+fragment's exchange runs on a background thread while the replica takes τ more inner steps; its
+result is merged at the τ-th: ``local ← (1 - α)·global + α·local`` (``fragment_alpha``).
+
+The hook. :func:`local_steps` registers a step post-hook on the user's optimizer
+(``Optimizer.register_step_post_hook``): nothing else in the loop changes, and a scheduler
+stepping that optimizer works as before (the inner optimizer's state stays per replica, as in
+DiLoCo). The sync uses a process group of its own (created here, over the replicas, with
+``collective_timeout_s``), so the background exchange never interleaves with the user's own
+collectives; a sync that does not finish in time is a :class:`CollectiveError` naming the rank,
+the fragment and the step it started at.
+
+State (:meth:`LocalSteps.state_dict`): the inner step count, per fragment the global parameters,
+the outer optimizer's momentum and the codec state (error-feedback residuals, PowerSGD's Q),
+the result of an exchange still in flight (so a checkpoint taken between a fragment's sync and
+its merge resumes with identical numerics), and this replica's own parameters: a new
+``local_steps`` starts by giving every replica the first one's parameters, which between two
+syncs are not this replica's. Save it beside the optimizer's; to resume, make the model and
+optimizer, call ``local_steps``, then load the optimizer's state and this one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config import AUTO, Config
+from ..errors import ConfigError
+from .bucket_exchange import BucketLayout, Exchange, LocalComm, exchange_for
+from .data_parallel import CollectiveError
+
+log = logging.getLogger("ccfx")
+
+
+@dataclass
+class _Part:
+    """One exchange of a fragment: its parameters' indices (into the fragment) and codec state."""
+
+    members: list[int]
+    exchange: Exchange
+    state: dict[str, torch.Tensor]
+
+
+@dataclass
+class _InFlight:
+    """A fragment's exchange started at inner step ``started`` and merged at ``merge_at``."""
+
+    started: int
+    merge_at: int
+    future: concurrent.futures.Future | None = None
+    averaged: list[torch.Tensor] | None = None  # set once the exchange has finished
+
+
+@dataclass
+class Fragment:
+    """Parameters synced together: the replica's (``local``), the fp32 global copies every
+    replica agrees on, the outer optimizer stepping them, the exchanges averaging them."""
+
+    index: int
+    names: list[str]
+    local: list[torch.nn.Parameter]
+    global_: list[torch.Tensor]
+    outer: torch.optim.Optimizer
+    offset: int  # syncs at inner steps t with t % sync_every == offset
+    parts: list[_Part] = field(default_factory=list)
+    in_flight: _InFlight | None = None
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.local)
+
+
+def _fragments_of(named: Sequence[tuple[str, torch.nn.Parameter]], count: int) -> list[list[int]]:
+    """Parameter k into fragment k mod count: each fragment spans the model's depth."""
+    if count > len(named):
+        raise ConfigError(f"fragments={count} but the model has {len(named)} parameters: use at "
+                          f"most {len(named)} fragments")
+    return [list(range(f, len(named), count)) for f in range(count)]
+
+
+class LocalSteps:
+    """The outer loop of one replica (see the module docstring); made by :func:`local_steps`."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], optimizer,
+                 config: Config, group=None, ledger=None):
+        if config.sync_every is None:
+            raise ConfigError("local steps need sync_every=H (inner steps between syncs): pass "
+                              "it in torch.compile's options or to ccfx.local_steps()")
+        if not named_params:
+            raise ConfigError("the model has no parameters that require grad: nothing to sync")
+        self.config = config
+        self.sync_every = config.sync_every
+        self.ledger = ledger
+        self.step = 0  # inner optimizer steps taken
+        self.syncs = 0  # fragment exchanges merged
+        self.raw_bytes = 0  # pseudo-gradient bytes averaged, raw (fp32) and on the wire
+        self.wire_bytes = 0
+        self._started = dist.is_available() and dist.is_initialized()
+        self.group = self._own_group(group) if self._started else None
+        self.world = dist.get_world_size(self.group) if self._started else 1
+        self.rank = dist.get_rank() if self._started else 0
+        self.collective = self._collective()
+        self._broadcast_from_first([p for _, p in named_params])
+        h, count = config.sync_every, config.fragments
+        self.fragments: list[Fragment] = []
+        for f, members in enumerate(_fragments_of(named_params, count)):
+            local = [named_params[k][1] for k in members]
+            global_ = [p.detach().float().clone() for p in local]
+            nesterov = config.outer_nesterov and config.outer_momentum > 0
+            outer = torch.optim.SGD(global_, lr=config.outer_lr, momentum=config.outer_momentum,
+                                    nesterov=nesterov)
+            frag = Fragment(f, [named_params[k][0] for k in members], local, global_, outer,
+                            offset=((f + 1) * h // count) % h)
+            frag.parts = self._parts_of(frag)
+            self.fragments.append(frag)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ccfx-outer-sync") if config.fragment_delay else None
+        self._hook = optimizer.register_step_post_hook(self._after_step)
+        self.optimizer = optimizer
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _own_group(self, group):
+        """A process group over the replicas for the sync alone: a background exchange must not
+        interleave with collectives the training loop issues on its own groups."""
+        ranks = list(range(dist.get_world_size())) if group is None else \
+            dist.get_process_group_ranks(group)
+        timeout = datetime.timedelta(seconds=self.config.collective_timeout_s)
+        if group is None:
+            return dist.new_group(ranks, timeout=timeout)
+        return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+
+    def _collective(self) -> str:
+        chosen = self.config.outer_collective
+        if chosen != AUTO:
+            return chosen
+        try:
+            from ..planner.dp_model import choose_collective
+        except ImportError:  # TEMP until the ring lands
+            return "all_gather"
+
+        numel = 1 << 20  # a fragment's size only matters through latency against bytes
+        return choose_collective(self.config.outer_codec, numel, torch.float32, self.world)
+
+    def _broadcast_from_first(self, params: list[torch.nn.Parameter]) -> None:
+        """Replicas start from the first replica's parameters (as DDP does at construction)."""
+        if self.world < 2:
+            return
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=src, group=self.group)
+
+    def _parts_of(self, frag: Fragment) -> list[_Part]:
+        """The codec on the fragment's matrices; vectors and small tensors (biases, norms)
+        travel in an uncompressed part of their own, as the gradient buckets' policy does."""
+        cfg = self.config
+        small = [i for i, p in enumerate(frag.local)
+                 if p.dim() < 2 or p.numel() < cfg.compress_min_numel]
+        big = [i for i in range(len(frag.local)) if i not in small]
+        parts = []
+        for members, spec in ((big, cfg.outer_codec), (small, "none")):
+            if not members:
+                continue
+            layout = BucketLayout(tuple(tuple(frag.local[i].shape) for i in members),
+                                  torch.float32)
+            exchange = _exchange_for(layout, spec, self.collective)
+            parts.append(_Part(members, exchange, exchange.init_state(frag.local[0].device)))
+        return parts
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self.step += 1
+        for frag in self.fragments:
+            flight = frag.in_flight
+            if flight is not None and self.step >= flight.merge_at:
+                self._merge(frag)
+        for frag in self.fragments:
+            if self.step % self.sync_every == frag.offset:
+                self._start(frag)
+
+    def _start(self, frag: Fragment) -> None:
+        with torch.no_grad():
+            delta = [g - p.detach().float() for g, p in zip(frag.global_, frag.local)]
+        flight = _InFlight(self.step, self.step + self.config.fragment_delay)
+        if self._pool is None:
+            flight.averaged = self._exchange(frag, delta)
+            frag.in_flight = flight
+            self._merge(frag)
+        else:
+            flight.future = self._pool.submit(self._exchange, frag, delta)
+            frag.in_flight = flight
+
+    def _exchange(self, frag: Fragment, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The averaged pseudo-gradient of one fragment (runs on the sync thread when τ > 0)."""
+        comm = LocalComm() if self.world < 2 else _comm(self.group)
+        out: list[torch.Tensor | None] = [None] * len(delta)
+        for part in frag.parts:
+            averaged = part.exchange.run([delta[i] for i in part.members], part.state, comm)
+            for i, a in zip(part.members, averaged, strict=True):
+                out[i] = a.float()
+        return out
+
+    def _merge(self, frag: Fragment) -> None:
+        flight = frag.in_flight
+        if flight.averaged is None:
+            flight.averaged = self._wait(frag, flight)
+        frag.in_flight = None
+        for g, a in zip(frag.global_, flight.averaged):
+            g.grad = a
+        frag.outer.step()
+        alpha = self.config.fragment_alpha
+        with torch.no_grad():
+            for p, g in zip(frag.local, frag.global_):
+                g.grad = None
+                p.copy_(g if alpha == 0 else torch.lerp(g, p.float(), alpha))
+        self.syncs += 1
+        raw = sum(t.numel() for t in frag.global_) * 4
+        wire = sum(part.exchange.wire_bytes() for part in frag.parts)
+        self.raw_bytes += raw
+        self.wire_bytes += wire
+        ledger = self.ledger() if callable(self.ledger) else self.ledger
+        if ledger is not None:
+            ledger.record_outer(frag.index, raw, wire)
+
+    def _wait(self, frag: Fragment, flight: _InFlight) -> list[torch.Tensor]:
+        timeout = self.config.collective_timeout_s
+        try:
+            return flight.future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise CollectiveError(
+                f"rank {self.rank}: the outer sync of fragment {frag.index} (started at inner "
+                f"step {flight.started}) did not finish within collective_timeout_s={timeout:g} "
+                "s: a replica died, hangs, or took a different number of optimizer steps"
+            ) from None
+        except Exception as e:
+            raise CollectiveError(
+                f"rank {self.rank}: the outer sync of fragment {frag.index} (started at inner "
+                f"step {flight.started}) failed: {type(e).__name__}: {e}") from e
+
+    def finish(self) -> None:
+        """Merge every exchange still in flight (before evaluating or saving the final model)."""
+        for frag in self.fragments:
+            if frag.in_flight is not None:
+                self._merge(frag)
+
+    def close(self) -> None:
+        """Finish, stop the hook and the sync thread; the optimizer goes back to plain steps."""
+        self.finish()
+        self._hook.remove()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """The fp32 global parameters every replica agrees on, by name."""
+        return {n: g for f in self.fragments for n, g in zip(f.names, f.global_)}
+
+    @property
+    def bytes_per_step(self) -> float:
+        """Wire bytes of pseudo-gradient this rank contributed per inner step so far."""
+        return self.wire_bytes / max(self.step, 1)
+
+    def __repr__(self) -> str:
+        return (f"LocalSteps(sync_every={self.sync_every}, codec={self.config.outer_codec!r}, "
+                f"collective={self.collective!r}, fragments={len(self.fragments)}, "
+                f"delay={self.config.fragment_delay}, world={self.world}, step={self.step})")
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything the outer loop needs to resume with identical numerics (an exchange in
+        flight is waited for and its result saved, to be merged at the same step)."""
+        frags = []
+        for frag in self.fragments:
+            flight = frag.in_flight
+            pending = None
+            if flight is not None:
+                if flight.averaged is None:
+                    flight.averaged = self._wait(frag, flight)
+                pending = {"started": flight.started, "merge_at": flight.merge_at,
+                           "averaged": [a.clone() for a in flight.averaged]}
+            frags.append({
+                "names": list(frag.names),
+                "global": [g.clone() for g in frag.global_],
+                "local": [p.detach().clone() for p in frag.local],
+                "outer": frag.outer.state_dict(),
+                "codec": [{k: t.clone() for k, t in part.state.items()} for part in frag.parts],
+                "pending": pending,
+            })
+        return {"step": self.step, "syncs": self.syncs, "raw_bytes": self.raw_bytes,
+                "wire_bytes": self.wire_bytes, "config": _outer_options(self.config),
+                "fragments": frags}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["config"]
+        if saved != _outer_options(self.config):
+            diff = {k: (v, _outer_options(self.config)[k]) for k, v in saved.items()
+                    if _outer_options(self.config).get(k) != v}
+            raise ConfigError(f"this local-steps state was saved with other options "
+                              f"(saved, now): {diff}; resume with the saved options")
+        if len(state["fragments"]) != len(self.fragments) or any(
+                s["names"] != f.names for s, f in zip(state["fragments"], self.fragments)):
+            raise ConfigError("the checkpoint's fragments hold other parameters than this "
+                              "model's: resume the same model with the same fragments")
+        self.step, self.syncs = int(state["step"]), int(state["syncs"])
+        self.raw_bytes, self.wire_bytes = int(state["raw_bytes"]), int(state["wire_bytes"])
+        for frag, saved_frag in zip(self.fragments, state["fragments"]):
+            with torch.no_grad():
+                for g, s in zip(frag.global_, saved_frag["global"]):
+                    g.copy_(s)
+                for p, s in zip(frag.local, saved_frag["local"]):
+                    p.copy_(s)
+            frag.outer.load_state_dict(saved_frag["outer"])
+            for part, codec_state in zip(frag.parts, saved_frag["codec"]):
+                for k, t in part.state.items():
+                    t.copy_(codec_state[k])
+            pending = saved_frag["pending"]
+            frag.in_flight = None if pending is None else _InFlight(
+                pending["started"], pending["merge_at"],
+                averaged=[a.clone() for a in pending["averaged"]])
+
+
+def _outer_options(config: Config) -> dict:
+    keys = ("sync_every", "outer_codec", "outer_lr", "outer_momentum", "outer_nesterov",
+            "fragments", "fragment_delay", "fragment_alpha")
+    return {k: getattr(config, k) for k in keys}
+
+
+def _exchange_for(layout, spec, collective):
+    try:
+        return exchange_for(layout, spec, collective=collective)
+    except TypeError:  # TEMP until the ring lands
+        return exchange_for(layout, spec)
+
+
+def _comm(group):
+    from .comm_hook import ProcessGroupComm
+
+    return ProcessGroupComm(group)
+
+
+def local_steps(target, optimizer, group=None, **options) -> LocalSteps:
+    """Sync ``target``'s parameters every ``sync_every`` steps of ``optimizer`` (see the module
+    docstring). ``target``: a model (compiled by ccfx or not) or the list of stages
+    ``ccfx.build_stages`` returned (PP × DP: each stage syncs over its ``dp_group``).
+    ``options``: local-step options (``sync_every``, ``outer_codec``, ...), over those the model
+    was compiled with. Every replica must call it, in the same order as its other groups."""
+    config, ledger, named = _target(target)
+    if group is None and isinstance(target, (list, tuple)):
+        sync = getattr(target[0], "grad_sync", None)
+        group = getattr(sync, "dp_group", None)
+        if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError("local steps over pipeline stages need the stages' data-parallel "
+                              "group: build them with ccfx.build_stages(..., dp_group=...)")
+    if options:
+        unknown = sorted(set(options) - set(Config.keys()))
+        if unknown:
+            raise ConfigError(f"unknown option(s) {unknown}; valid: {Config.keys()}")
+        config = config.replace(**options)
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in named if id(p) not in in_optimizer]
+    if missing:
+        raise ConfigError(f"parameters {missing[:3]}{' ...' if len(missing) > 3 else ''} are not "
+                          "in the optimizer: local steps sync what the optimizer trains; give "
+                          "it every parameter that requires grad")
+    outer = LocalSteps(named, optimizer, config, group, ledger)
+    ctx = getattr(target, "dynamo_ctx", None)
+    if ctx is not None:  # the backend checks, when it compiles, that something syncs the model
+        ctx._ccfx_local_steps = weakref.ref(outer)
+    return outer
+
+
+def _target(target):
+    """(config, ledger, named parameters) of a model or a rank's stages; the ledger may be a
+    function returning it (a compiled model's backend exists only after its first call)."""
+    from ..backends.compiler import backend_of, config_of
+
+    if isinstance(target, (list, tuple)):
+        if not target or not hasattr(target[0], "submod"):
+            raise ConfigError("ccfx.local_steps takes a model or the list ccfx.build_stages "
+                              f"returned, got {type(target).__name__}")
+        sync = getattr(target[0], "grad_sync", None)
+        if sync is None:
+            raise ConfigError("these stages were not built by ccfx.build_stages()")
+        config, ledger = sync.config, sync.ledger
+        seen, named = set(), []
+        for st in target:
+            for n, p in st.submod.named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((f"stage{st.stage_index}.{n}", p))
+        return config, ledger, named
+    if not isinstance(target, torch.nn.Module):
+        raise ConfigError(f"ccfx.local_steps takes an nn.Module or a list of stages, got "
+                          f"{type(target).__name__}")
+    config = config_of(target)
+    ledger = None
+    if config is not None:  # the ledger is the backend's, made at the first call
+        def ledger():
+            try:
+                return backend_of(target).ledger
+            except ConfigError:
+                return None
+    named = [(n.removeprefix("_orig_mod."), p) for n, p in target.named_parameters()
+             if p.requires_grad]
+    return config or Config(), ledger, named

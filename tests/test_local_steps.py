@@ -1,0 +1,224 @@
+"""Local steps (DiLoCo) and their streamed, compressed sync (issue #11).
+
+Multi-rank tests run on gloo ranks on 127.0.0.1 (``ccfx.runtime.launch.spawn``, bounded in
+time); the rest run in this process (world size 1: each exchange is the codec's round trip)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ccfx
+from ccfx.runtime.launch import spawn
+
+from . import local_steps_workers as w
+
+# -- one process --------------------------------------------------------------------------------
+
+
+def _train(model, opt, steps, rank=0, start=0):
+    for i in range(start, start + steps):
+        w.loss_of(model, rank, i).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_outer_nesterov_step_matches_the_formula_on_one_replica():
+    """World size 1, codec none: after H inner steps the outer SGD steps the global parameters
+    with pseudo-gradient (global - local), Nesterov momentum, as torch.optim.SGD defines."""
+    model = w.mlp(0)
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = ccfx.local_steps(model, opt, sync_every=3, outer_lr=0.7, outer_momentum=0.9)
+    _train(model, opt, 2)
+    assert outer.syncs == 0
+    probe = w.mlp(0)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.05)
+    _train(probe, probe_opt, 3)
+    _train(model, opt, 1, start=2)  # the third step: sync
+    assert outer.syncs == 1
+    for p, s, local in zip(model.parameters(), start, probe.parameters()):
+        delta = s - local.detach()
+        # SGD with momentum 0.9 and Nesterov, first step: buf = d; update = d + 0.9 * buf
+        expected = s - 0.7 * (delta + 0.9 * delta)
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+
+
+def test_compiled_model_options_and_ledger_rows():
+    """sync_every in torch.compile's options; local_steps reads them before the first call,
+    and the compiled model's ledger gets one 'outer' row per fragment."""
+    model = w.mlp(0)
+    compiled = torch.compile(model, backend="ccfx", options={
+        "sync_every": 4, "outer_codec": "int8", "fragments": 2, "lowering": "eager"})
+    opt = torch.optim.Adam(compiled.parameters(), lr=0.01)
+    outer = ccfx.local_steps(compiled, opt, compress_min_numel=0)
+    assert (outer.sync_every, outer.config.outer_codec, len(outer.fragments)) == (4, "int8", 2)
+    _train(compiled, opt, 8)
+    assert outer.syncs == 4  # two fragments, each every 4 steps, over 8 steps
+    ledger = ccfx.ledger_of(compiled)
+    rows = ledger.entries("outer")
+    assert sorted(r.edge for r in rows) == [0, 1]
+    raw, wire = ledger.totals("outer")
+    assert raw == outer.raw_bytes and wire == outer.wire_bytes
+    assert raw == 2 * sum(p.numel() for p in model.parameters()) * 4
+    assert wire < raw / 3  # int8 of fp32 pseudo-gradients: ~1/4 plus scales
+    assert "local-steps sync" in str(ledger)
+
+
+def test_fragments_are_strided_across_depth_and_staggered():
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = ccfx.local_steps(model, opt, sync_every=6, fragments=3)
+    names = [f.names for f in outer.fragments]
+    assert names == [["0.weight", "2.bias"], ["0.bias", "4.weight"], ["2.weight", "4.bias"]]
+    assert [f.offset for f in outer.fragments] == [2, 4, 0]
+
+
+def test_delayed_merge_and_mixing_on_one_replica():
+    """τ = 1: the sync started at step t is merged at t + 1 as (1 - α)·global + α·local."""
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = ccfx.local_steps(model, opt, sync_every=2, fragment_delay=1, fragment_alpha=0.5,
+                             outer_lr=1.0, outer_momentum=0.0)
+    _train(model, opt, 2)
+    frag = outer.fragments[0]
+    assert frag.in_flight is not None and frag.in_flight.merge_at == 3 and outer.syncs == 0
+    _train(model, opt, 1, start=2)  # step 3: one more local step, then the merge
+    assert frag.in_flight is None and outer.syncs == 1
+    # Plain SGD gives the replica's parameters at steps 2 and 3 (nothing was merged before).
+    probe = w.mlp(0)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.05)
+    _train(probe, probe_opt, 2)
+    at2 = [p.detach().clone() for p in probe.parameters()]
+    _train(probe, probe_opt, 1, start=2)
+    at3 = [p.detach().clone() for p in probe.parameters()]
+    # outer lr 1, no momentum, codec none: global = its start - (start - at2) = at2; the merge
+    # then mixes it half and half with the replica's step-3 parameters.
+    for p, g, a2, a3 in zip(model.parameters(), frag.global_, at2, at3):
+        torch.testing.assert_close(g, a2, rtol=0, atol=1e-6)
+        torch.testing.assert_close(p.detach(), 0.5 * a2 + 0.5 * a3, rtol=0, atol=1e-6)
+    outer.close()
+
+
+def test_bad_options_are_clear_errors():
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(ccfx.ConfigError, match="sync_every"):
+        ccfx.local_steps(model, opt)
+    with pytest.raises(ccfx.ConfigError, match="choose one"):
+        ccfx.Config(sync_every=10, data_parallel=True)
+    with pytest.raises(ccfx.ConfigError, match="fragments=8 > sync_every=4"):
+        ccfx.Config(sync_every=4, fragments=8)
+    with pytest.raises(ccfx.ConfigError, match="fragment_delay"):
+        ccfx.Config(sync_every=8, fragments=4, fragment_delay=2)
+    with pytest.raises(ccfx.ConfigError, match="not in the optimizer"):
+        ccfx.local_steps(model, torch.optim.SGD(list(model.parameters())[:2], lr=0.1),
+                         sync_every=2)
+    with pytest.raises(ccfx.ConfigError, match="unknown option"):
+        ccfx.local_steps(model, opt, sync_evry=2)
+    with pytest.raises(ccfx.ConfigError, match="unknown codec 'int9'"):
+        ccfx.local_steps(model, opt, sync_every=2, outer_codec="int9")
+
+
+def test_resume_refuses_other_options():
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = ccfx.local_steps(model, opt, sync_every=2, outer_codec="int8")
+    state = outer.state_dict()
+    outer.close()
+    other = ccfx.local_steps(model, opt, sync_every=3, outer_codec="int8")
+    with pytest.raises(ccfx.ConfigError, match="sync_every"):
+        other.load_state_dict(state)
+
+
+# -- several ranks --------------------------------------------------------------------------------
+
+
+def test_h1_outer_sgd_lr1_equals_per_step_data_parallel():
+    out = spawn(w.h1_against_data_parallel, 2, (5,), timeout_s=180)
+    for rank in out:
+        assert rank["syncs"] == 5
+        for a, b in zip(rank["dp"], rank["local"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for a, b in zip(out[0]["local"], out[1]["local"]):
+        assert torch.equal(a, b)
+
+
+CODECS = ["none", "bf16", "int8", "int4", "fp8", "topk:ratio=0.1,ef", "powersgd:rank=2"]
+
+
+def test_replicas_bit_identical_after_every_sync_for_every_codec():
+    out = spawn(w.replicas_after_sync, 2, (CODECS, 6, {"sync_every": 3}), timeout_s=240)
+    for spec in CODECS:
+        r0, r1 = out[0][spec], out[1][spec]
+        assert r0["syncs"] == 2
+        for a, b in zip(r0["global"], r1["global"], strict=True):
+            assert torch.equal(a, b), spec
+        for a, b in zip(r0["local"], r1["local"], strict=True):
+            assert torch.equal(a, b), spec
+        assert r0["ledger"] == (r0["raw"], r0["wire"])
+    raw = out[0]["none"]["raw"]
+    assert out[0]["int8"]["wire"] < raw / 3 and out[0]["int4"]["wire"] < raw / 5
+
+
+@pytest.mark.parametrize("stop_at", [3, 4])
+def test_checkpoint_resumes_with_identical_numerics(stop_at):
+    """Saved between syncs (3) or with a fragment's exchange in flight (4: fragment 1's, started
+    at step 4 with τ = 1), with error-feedback residuals and outer momentum: the resumed run equals the
+    uninterrupted one bit for bit."""
+    options = {"sync_every": 4, "fragments": 2, "fragment_delay": 1, "fragment_alpha": 0.5,
+               "outer_codec": "topk:ratio=0.2,ef", "compress_min_numel": 0}
+    out = spawn(w.checkpoint_resume, 2, (options, stop_at, 11), timeout_s=180)
+    for rank in out:
+        assert rank["in_flight"] == (stop_at == 4)
+        for a, b in zip(rank["straight"], rank["resumed"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_streaming_overlaps_each_fragment_with_inner_steps():
+    options = {"sync_every": 4, "fragments": 2, "fragment_delay": 1, "outer_codec": "int8",
+               "compress_min_numel": 0}
+    out = spawn(w.streaming_overlap, 2, (options, 8), timeout_s=180)
+    for rank in out:
+        exchanges = [e for e in rank["events"] if e[0] == "exchange"]
+        merges = [e for e in rank["events"] if e[0] == "merge"]
+        # fragment 0 at steps 2 and 6, fragment 1 at 4 and 8; each merged one step later
+        assert [(e[1], e[2]) for e in exchanges] == [(0, 2), (1, 4), (0, 6), (1, 8)]
+        assert all(e[3].startswith("ccfx-outer-sync") for e in exchanges)
+        assert [(e[1], e[2], e[3]) for e in merges][:3] == [(0, 3, 2), (1, 5, 4), (0, 7, 6)]
+        assert abs(rank["sizes"][0] - rank["sizes"][1]) < max(rank["sizes"])
+    for a, b in zip(out[0]["global"], out[1]["global"]):
+        assert torch.equal(a, b)
+
+
+def test_pipeline_times_data_parallel_syncs_each_stage_over_its_replicas():
+    out = spawn(w.pipeline_dp_local_steps, 4, (4, 2), timeout_s=300)
+    by_stage = {}
+    for r in out:
+        assert r["buckets"] == 0  # no per-step gradient exchange under local steps
+        assert r["syncs"] == 2
+        by_stage.setdefault(r["stage"], []).append(r)
+    for stage, (a, b) in by_stage.items():
+        assert a["replica"] != b["replica"]
+        for x, y in zip(a["params"], b["params"], strict=True):
+            assert torch.equal(x, y), stage
+        for x, y in zip(a["global"], b["global"], strict=True):
+            assert torch.equal(x, y), stage
+
+
+def test_warns_when_sync_every_is_set_but_nothing_syncs():
+    out = spawn(_compile_without_local_steps, 2, (), timeout_s=120)
+    assert all("no ccfx.local_steps" in msg for msg in out)
+
+
+def _compile_without_local_steps(rank, world):
+    import warnings
+
+    model = nn.Linear(4, 2)
+    compiled = torch.compile(model, backend="ccfx", options={"sync_every": 4,
+                                                             "lowering": "eager"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(2, 4))
+    return " ".join(str(c.message) for c in caught if issubclass(c.category, ccfx.CcfxWarning))
