@@ -15,9 +15,11 @@ Three steps, each usable alone:
    collectives and the codecs' own ops) and spliced in: the first phase right after the
    bucket's last gradient (the collective starts as soon as the bucket is ready), middle
    phases after the next buckets' gradients, the last phase (wait, decode, ÷ world) just
-   before the output (waited on as late as possible). The output then returns the averaged
-   gradients. Codec state becomes extra placeholders at the end of the inputs, updated in the
-   graph with ``copy_``: the caller passes the tensors it owns (see
+   before the output (waited on as late as possible). A bucket on the ring
+   (``BucketAssignment.collective == "ring"``) is one blocking ``ccfx::ring_all_reduce`` op
+   in its first phase. The output then returns the averaged gradients. Codec state becomes
+   extra placeholders at the end of the inputs, updated in the graph with ``copy_``: the
+   caller passes the tensors it owns (see
    ``ccfx.runtime.data_parallel``).
 
 Facts: each spliced node gets ``meta["ccfx"] = {"bucket": i, "phase": k}``; the graph gets
@@ -61,6 +63,9 @@ class BucketAssignment:
     slots: tuple[GradSlot, ...]
     spec: str  # the codec applied ("none" when the policy skipped compression)
     reason: str = ""  # why it travels uncompressed, when it does
+    #: how a non-summable payload is averaged: "all_gather" or "ring" (summable codecs
+    #: all-reduce whichever it says; see bucket_exchange.exchange_for)
+    collective: str = "all_gather"
 
     @property
     def layout(self) -> BucketLayout:
@@ -170,7 +175,7 @@ def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
                 row.append(node)
             state_nodes.append(row)
 
-    exchanges: list[Exchange] = [exchange_for(b.layout, b.spec) for b in buckets]
+    exchanges: list[Exchange] = [exchange_for(b.layout, b.spec, b.collective) for b in buckets]
     after_ready = [nodes[b.ready + 1] if nodes[b.ready].op != "placeholder" else first_op
                    for b in buckets]
     # (anchor, bucket, phase) in the order they are inserted: phases of one bucket in turn

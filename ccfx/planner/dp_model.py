@@ -8,12 +8,17 @@ cores, so it delays the rest of the backward; its collective goes on the link on
 is ready and the link is free (collectives of one group run one after the other). The step is
 the forward, then whichever ends last: the backward with the codecs' work, or the last
 collective. Bytes per rank: an all-reduce moves ``2 (W-1)/W`` times its payload (ring), an
-all-gather ``W-1`` times, PowerSGD's two all-reduces their P and Q; on a shared medium every
-rank's bytes cross the one link.
+all-gather ``W-1`` times, PowerSGD's two all-reduces their P and Q, ccfx's re-encoding ring
+(``gradient_collective="ring"``) ``2 (W-1)/W`` of the payload in ``2 (W-1)`` sequential hops,
+each paying the link's latency; on a shared medium every rank's bytes cross the one link.
+
+:func:`choose_collective` is ``gradient_collective="auto"`` (and ``outer_collective``): ring or
+all-gather for one non-summable payload, from the same prices.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +44,7 @@ class BucketCost:
     codec_s: float
     link_bytes: float  # per rank
     wire_bytes: int  # the payload one rank contributes (the plan's wire/step)
+    hops: int = 1  # sequential messages, each paying the link's latency
 
 
 @dataclass
@@ -49,18 +55,27 @@ class DataParallelPrediction:
 
 
 class DataParallelModel:
+    """``collective``: how non-summable payloads are averaged, ``gradient_collective``
+    ("all_gather", "ring", or "auto": :func:`choose_collective` per bucket and codec)."""
+
     def __init__(self, forward_s: float, backward_s: float, buckets: Sequence[BucketTraffic],
-                 world: int, link: Link, timer: CodecTimer | None = None):
+                 world: int, link: Link, timer: CodecTimer | None = None,
+                 collective: str = "all_gather"):
         self.forward_s, self.backward_s = forward_s, backward_s
         self.buckets = list(buckets)
         self.world, self.link = world, link
         self.timer = timer or CodecTimer()
+        self.collective = collective
         self._costs: dict[tuple[int, str], BucketCost] = {}
 
     def cost(self, b: BucketTraffic, spec: str) -> BucketCost:
         key = (b.index, spec)
         if key not in self._costs:
-            self._costs[key] = _bucket_cost(b, spec, self.world, self.timer)
+            collective = self.collective
+            if collective == "auto":
+                numel = sum(math.prod(s) for s in b.shapes)
+                collective = choose_collective(spec, numel, b.dtype, self.world, self.link)
+            self._costs[key] = _bucket_cost(b, spec, self.world, self.timer, collective)
         return self._costs[key]
 
     def predict(self, choice: Mapping[int, str]) -> DataParallelPrediction:
@@ -73,20 +88,27 @@ class DataParallelModel:
             work += c.codec_s
             codec_done = ready + c.codec_s
             start = max(codec_done, link_free)
-            link_free = start + self.link.seconds(c.link_bytes * share)
+            link_free = (start + self.link.seconds(c.link_bytes * share)
+                         + (c.hops - 1) * self.link.latency_ms * 1e-3)
         backward_end = self.forward_s + self.backward_s + work
         end = max(backward_end, link_free, codec_done)
         return DataParallelPrediction(end, backward_end, link_free)
 
 
-def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer) -> BucketCost:
+def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer,
+                 collective: str = "all_gather") -> BucketCost:
     from ..runtime.bucket_exchange import BucketLayout, LocalComm, exchange_for
+    from ..runtime.ring import ring_wire_bytes
 
     layout = BucketLayout(b.shapes, b.dtype)
-    ex = exchange_for(layout, spec)
+    ex = exchange_for(layout, spec, collective)
     payload = ex.wire_bytes()
+    hops = 1
     if ex.collective == "all_gather":
         per_rank = (world - 1) * payload
+    elif ex.collective == "ring":
+        per_rank = ring_wire_bytes(layout.numel, spec, b.dtype, world)
+        hops = max(2 * (world - 1), 1)
     else:  # all_reduce, powersgd: ring all-reduces
         per_rank = 2 * (world - 1) / world * payload
     if spec == "none":
@@ -101,13 +123,56 @@ def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer) -> 
             if i:  # the first call warms up
                 times.append(time.perf_counter() - t0)
         decode = (timer.cost(spec, (layout.numel,), b.dtype).decode_s
-                  if ex.collective == "all_gather" else 0.0)
+                  if ex.collective in ("all_gather", "ring") else 0.0)
         return {"local_s": statistics.median(times), "decode_s": decode}
 
     key = f"bucket:{spec}|{';'.join('x'.join(map(str, s)) for s in b.shapes)}|{b.dtype}"
     hit = timer.cached(key, measure)
-    # every rank decodes every other rank's payload after an all-gather
-    return BucketCost(hit["local_s"] + (world - 1) * hit["decode_s"], per_rank, payload)
+    # On top of the local round trip (one encode, one decode): after an all-gather every rank
+    # decodes the W-1 other payloads; on the ring a rank encodes W chunks (one payload's worth)
+    # and decodes 2W-1 (its reduce-scatter receipts, its own mean, the all-gather's), (W-1)/W
+    # of a payload more.
+    extra = (world - 1) if ex.collective == "all_gather" else (world - 1) / world
+    return BucketCost(hit["local_s"] + extra * hit["decode_s"], per_rank, payload, hops)
+
+
+def choose_collective(spec: str, numel: int, dtype: torch.dtype, world: int,
+                      link: Link | None = None, *, decode_s: float = 0.0) -> str:
+    """"ring" or "all_gather" for averaging a ``numel``-element payload of codec ``spec``
+    over ``world`` ranks: the one predicted faster.
+
+    * all-gather: ``W-1`` payloads in per rank, one collective (one latency, as this model
+      prices every collective), then ``W-1`` more decodes than the local round trip;
+    * ring (:mod:`ccfx.runtime.ring`): ``2 (W-1)/W`` of a payload in ``2 (W-1)`` sequential
+      hops, each paying the latency, ``(W-1)/W`` of a decode more; and a payload re-encoded at
+      every hop (more error: the ring is chosen only where it is cheaper).
+
+    ``decode_s``: seconds to decode the whole payload once (0: codec time left out; it only
+    ever favours the ring). Without a ``link`` the decision is by bytes: the ring for
+    ``W ≥ 3``. ``W ≤ 2`` is always the all-gather (same bytes, one quantisation fewer).
+    Summable codecs (none, fp16, bf16, randomk, PowerSGD) all-reduce whatever this says, and
+    codecs the ring refuses get "all_gather". Deterministic in its arguments: ranks that
+    call it with the same ones agree."""
+    from .. import codecs
+    from ..errors import ConfigError
+    from ..runtime.ring import gather_wire_bytes, ring_codec, ring_wire_bytes
+
+    if world <= 2 or codecs.prototype(spec).reduction == "sum":
+        return "all_gather"
+    try:
+        ring_codec(spec)
+    except ConfigError:
+        return "all_gather"
+    ring_bytes = ring_wire_bytes(numel, spec, dtype, world)
+    gather_bytes = gather_wire_bytes(numel, spec, dtype, world)
+    if link is None:
+        return "ring" if ring_bytes < gather_bytes else "all_gather"
+    share = world if link.shared else 1
+    hops = 2 * (world - 1)
+    ring_s = (hops * link.latency_ms * 1e-3 + ring_bytes * share * 8 / (link.gbps * 1e9)
+              + (world - 1) / world * decode_s)
+    gather_s = link.seconds(gather_bytes * share) + (world - 1) * decode_s
+    return "ring" if ring_s < gather_s else "all_gather"
 
 
 def choose_bucket_codecs(model: DataParallelModel, pool: Mapping[int, Sequence[str]], *,

@@ -44,7 +44,7 @@ def plan_bucket_codecs(gm: torch.fx.GraphModule, buckets: Sequence, config: Conf
     traffic = [BucketTraffic(b.index, tuple(s.shape for s in b.slots), b.slots[0].dtype,
                              done_at[min(b.ready, len(done_at) - 1)]) for b in buckets]
     model = DataParallelModel(backward_s / 2, backward_s, traffic, max(world, 2),
-                              link_of(config))
+                              link_of(config), collective=config.gradient_collective)
     pool = {b.index: candidates("gradient", config) for b in buckets if b.spec != "none"}
     choice, decisions = choose_bucket_codecs(model, pool, min_gain=config.auto_min_gain)
     prediction = Prediction(

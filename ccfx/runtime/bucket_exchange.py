@@ -27,6 +27,11 @@ Kinds of exchange, chosen from the codec's ``reduction``:
 * :class:`GatherExchange` (``int8``, ``sign``, ``topk``, ...): each rank's payload is
   all-gathered, every rank decodes every payload and sums them in rank order, so all ranks end
   with the same bits. Error feedback, if asked, is local (EF-SGD).
+* :class:`RingExchange` (the same codecs, ``collective="ring"``): :mod:`ccfx.runtime.ring`'s
+  re-encoding ring, ``2 (W-1) / W`` of a payload per rank instead of ``W-1``, still the same
+  bits on every rank. Point to point is not a functional collective: each ``Comm`` has a
+  ``ring`` method (the ``ccfx::ring_all_reduce`` op when traced, the eager function on a
+  process group, the codec's round trip at world size 1).
 * :class:`PowerSGDExchange`: P = M Q all-reduced, orthogonalised, Q = Mᵀ P all-reduced,
   M ≈ P Qᵀ / world; the averaged Q is kept as the next step's warm start (the same on every
   rank) and error feedback keeps ``compensated − result``, as ``powerSGD_hook`` does.
@@ -44,6 +49,8 @@ import torch
 from .. import codecs
 from ..codecs import ops as _ops  # noqa: F401  (registers torch.ops.ccfx_codecs)
 from ..codecs.powersgd import PowerSGD
+from ..errors import ConfigError
+from . import ring as _ring
 
 Tensors = list[torch.Tensor]
 
@@ -67,6 +74,12 @@ class FunctionalComm:
     def wait(self, t: torch.Tensor) -> torch.Tensor:
         return torch.ops._c10d_functional.wait_tensor(t)
 
+    def ring(self, flat: torch.Tensor, spec: str, state: Tensors) -> tuple[torch.Tensor, Tensors]:
+        """The ring all-reduce's mean and the updated state (``ccfx::ring_all_reduce``: it
+        traces into the graph and blocks when it runs)."""
+        out, new = torch.ops.ccfx.ring_all_reduce(flat, spec, self.group_name, list(state))
+        return out, list(new)
+
 
 class LocalComm:
     """World size 1 without a process group: every collective is the identity."""
@@ -81,6 +94,10 @@ class LocalComm:
 
     def wait(self, t):
         return t
+
+    def ring(self, flat, spec, state):
+        new = [t.clone() for t in state]
+        return _ring.ring_round_trip(flat, spec, new), new
 
 
 @dataclass(frozen=True)
@@ -214,6 +231,35 @@ class GatherExchange(_FlatExchange):
         return self.layout.unflat((total / comm.world).to(self.layout.dtype))
 
 
+class RingExchange(_FlatExchange):
+    """A non-summable codec averaged on :mod:`ccfx.runtime.ring`'s re-encoding ring: every
+    hop of the reduce-scatter re-encodes a partial sum (accumulated in fp32), the owners' final
+    payloads go round unchanged, every rank decodes the same bytes.
+
+    Two phases, as the other exchanges: the first runs the whole ring (it blocks: point to point
+    has no handle to wait on later), right after the bucket's last gradient, so buckets whose
+    all-reduces were issued earlier travel meanwhile; the second hands the result out.
+    ``wire_bytes`` is one payload of the bucket, as for the all-gather (the chunks' payloads add
+    up to it for blockwise codecs); the ring sends ``2 (W-1) / W`` of that per rank
+    (:func:`ccfx.runtime.ring.ring_wire_bytes`). Error feedback keeps each rank's local
+    quantisation error (see :mod:`ccfx.runtime.ring`)."""
+
+    collective = "ring"
+
+    def __init__(self, layout, spec):
+        super().__init__(layout, spec)
+        _ring.ring_codec(spec)  # ConfigError now, not at the first backward
+
+    def _issue(self, grads, state, carry, comm):
+        out, new = comm.ring(self.layout.flat(grads), self.spec, state)
+        for s, n in zip(state, new):
+            s.copy_(n)
+        return [out]
+
+    def _finish(self, grads, state, carry, comm):
+        return self.layout.unflat(carry[0])
+
+
 class PowerSGDExchange(Exchange):
     """PowerSGD over a bucket: each matrix compressed on its own (as ``powerSGD_hook``),
     P's and Q's each concatenated into one all-reduce; tensors where low rank does not pay
@@ -330,12 +376,25 @@ class PowerSGDExchange(Exchange):
         return result
 
 
-def exchange_for(layout: BucketLayout, spec: str) -> Exchange:
-    """The exchange a codec spec calls for (its ``reduction``; PowerSGD its own)."""
+#: What ``collective`` may be in :func:`exchange_for` (``"auto"`` is resolved before, by
+#: :func:`ccfx.planner.dp_model.choose_collective`: it needs the world size and the link).
+COLLECTIVES = ("all_gather", "ring")
+
+
+def exchange_for(layout: BucketLayout, spec: str, collective: str = "all_gather") -> Exchange:
+    """The exchange a codec spec calls for (its ``reduction``; PowerSGD its own).
+    ``collective`` says how non-summable payloads are averaged: ``"all_gather"`` or
+    ``"ring"``; summable codecs all-reduce and PowerSGD keeps its own, whichever is asked."""
+    if collective not in COLLECTIVES:
+        raise ConfigError(
+            f"collective={collective!r}: choose one of {', '.join(COLLECTIVES)} (resolve 'auto' "
+            "with ccfx.planner.dp_model.choose_collective, which knows the world and the link)")
     codec = codecs.prototype(spec)
     inner = getattr(codec, "inner", codec)
     if isinstance(inner, PowerSGD):
         return PowerSGDExchange(layout, spec)
     if codec.reduction == "sum":
         return AllReduceExchange(layout, spec)
+    if collective == "ring":
+        return RingExchange(layout, spec)
     return GatherExchange(layout, spec)

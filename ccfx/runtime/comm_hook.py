@@ -81,6 +81,15 @@ class ProcessGroupComm:
         handle.work.wait()
         return handle.result
 
+    def ring(self, flat: torch.Tensor, spec: str,
+             state: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:func:`~ccfx.runtime.ring.ring_all_reduce` on ``group``, eager and blocking; the
+        mean and the updated state (the inputs are left untouched)."""
+        from .ring import ring_all_reduce
+
+        new = [t.detach().clone() for t in state]
+        return ring_all_reduce(flat.detach(), spec, self.group, new), new
+
 
 @dataclass
 class _BucketState:

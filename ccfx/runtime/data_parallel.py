@@ -11,7 +11,9 @@ for one compiled model:
   call's broadcast use the default group and its timeout: ranks reach them at moments that
   differ by however long each takes to start and compile); without a process group, world
   size 1 (codecs as local round trips), and the plan says so;
-* per graph, the buckets (recorded in the plan) and their codec state, which lives in
+* per graph, the buckets (recorded in the plan, each with its collective: ``gradient_collective``
+  "ring" or "all_gather" for non-summable codecs, "auto" resolved per bucket by
+  :func:`ccfx.planner.dp_model.choose_collective`) and their codec state, which lives in
   :attr:`state` (an ``nn.Module`` of buffers, ``ccfx.codec_state(compiled)``) so a checkpoint
   resumes with identical numerics;
 * the first call's broadcast of parameters and buffers from rank 0 (as DDP does; afterwards
@@ -24,6 +26,7 @@ for one compiled model:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -143,7 +146,8 @@ class DataParallel:
         with unset_fake_temporarily():
             if auto:
                 buckets = self._choose(index, gm, buckets)
-            exchanges = [exchange_for(b.layout, b.spec) for b in buckets]
+            buckets = self._collectives(buckets)
+            exchanges = [exchange_for(b.layout, b.spec, b.collective) for b in buckets]
             self._check_fingerprint(index, buckets)
             states = []
             for b, ex in zip(buckets, exchanges):
@@ -201,6 +205,30 @@ class DataParallel:
         return [type(b)(b.index, b.slots, choice.get(b.index, b.spec), b.reason)
                 if b.spec != "none" else b for b in buckets]
 
+    def _collectives(self, buckets):
+        """Each bucket's collective from ``gradient_collective`` ("auto": the cheaper for
+        this world and ``link_gbps``, a deterministic function of both, so every rank picks the
+        same; the fingerprint check confirms it). Only non-summable codecs have a choice."""
+        from .. import codecs
+
+        chosen, link = self.config.gradient_collective, None
+        if chosen == AUTO:
+            from ..planner.dp_model import choose_collective
+            from ..planner.schedule import Link
+
+            cfg = self.config
+            link = (Link(cfg.link_gbps, cfg.link_latency_ms, cfg.link_shared)
+                    if cfg.link_gbps is not None else None)
+        out = []
+        for b in buckets:
+            if codecs.prototype(b.spec).reduction == "sum":
+                out.append(b)
+                continue
+            c = chosen if chosen != AUTO else choose_collective(
+                b.spec, b.layout.numel, b.layout.dtype, self.world, link)
+            out.append(dataclasses.replace(b, collective=c))
+        return out
+
     def _agree(self, index: int, value):
         """Rank 0's ``value`` on every rank."""
         if _dist() is None or self.world == 1:
@@ -237,10 +265,11 @@ class DataParallel:
                       wire_bytes=ex.wire_bytes(), reason=b.reason)
 
     def _fingerprint(self, index: int, buckets) -> str:
-        keys = ("gradient_codec", "bucket_mb", "compress_min_numel", "min_compression_rate",
-                "warmup_steps")
+        keys = ("gradient_codec", "gradient_collective", "bucket_mb", "compress_min_numel",
+                "min_compression_rate", "warmup_steps")
         desc = {"graph": index, "options": {k: getattr(self.config, k) for k in keys},
-                "buckets": [[b.spec, [[s.name, list(s.shape), str(s.dtype)] for s in b.slots]]
+                "buckets": [[b.spec, b.collective,
+                             [[s.name, list(s.shape), str(s.dtype)] for s in b.slots]]
                             for b in buckets]}
         text = json.dumps(desc, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16] + " " + text
