@@ -116,8 +116,9 @@ class Config:
         "topk:ratio=0.01,ef", "powersgd:rank=8", ...).
     outer_lr, outer_momentum, outer_nesterov: the outer SGD (DiLoCo: 0.7, 0.9, Nesterov).
     outer_collective: as ``gradient_collective``, for the pseudo-gradient.
-    fragments: split the parameters into this many fragments (strided across the model's
-        depth) synced in turn, one every H / fragments steps (Streaming DiLoCo).
+    fragments: split the parameters into this many fragments (of about equal size, each
+        spanning the model's depth) synced in turn, one every H / fragments steps (Streaming
+        DiLoCo).
     fragment_delay: τ, inner steps a fragment's sync runs in the background, overlapped with
         compute, before its result is merged (0: merged at once, the inner loop waits).
     fragment_alpha: α, on merge a fragment's parameters become (1 - α)·global + α·local

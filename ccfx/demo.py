@@ -317,6 +317,11 @@ def add_arguments(parser) -> None:
                              "codec beside uncompressed; --stages and --codec do not apply)")
     parser.add_argument("--gradient-codec", default=None,
                         help="with --dp: the gradient codec (default powersgd:rank=4,ef)")
+    parser.add_argument("--sync-every", type=int, default=None, metavar="H",
+                        help="with --dp: local steps instead of a gradient codec (H optimizer "
+                             "steps per replica between syncs, DiLoCo), beside per-step DP")
+    parser.add_argument("--outer-codec", default="int8",
+                        help="with --sync-every: the pseudo-gradient codec (default int8)")
 
 
 def _main_dp(args) -> int:
@@ -325,9 +330,17 @@ def _main_dp(args) -> int:
     if args.dp < 1:
         raise SystemExit("--dp takes the number of ranks, at least 1")
     steps = args.steps if args.steps is not None else DP_DEMO_STEPS
-    result = run_dp_demo(world=args.dp, steps=steps, codec=args.gradient_codec or DP_CODEC,
+    codec = args.gradient_codec or DP_CODEC
+    if args.sync_every is not None:
+        if args.gradient_codec:
+            raise SystemExit("--sync-every and --gradient-codec are two ways to sync: pick one")
+        codec = {"name": f"local steps H={args.sync_every} {args.outer_codec}",
+                 "sync_every": args.sync_every, "outer_codec": args.outer_codec,
+                 "outer_lr": 1.0, "outer_momentum": 0.0}
+    result = run_dp_demo(world=args.dp, steps=steps, codec=codec,
                          batch_per_rank=max(args.batch_size // args.dp, 1),
-                         lowering=args.lowering, seed=args.seed, lr=args.lr)
+                         lowering=args.lowering, seed=args.seed, lr=args.lr,
+                         eval_batches=4 if args.sync_every is not None else 0)
     print(format_dp_demo(result))
     if args.report:
         path = write_dp_report(result, args.report)

@@ -137,15 +137,21 @@ def format_dp_demo(result: DPDemoResult, last: int = 10) -> str:
            (f"loss (mean over ranks; mean of the last {last} steps) and time per step "
            "(slowest rank, median after the first step):")]
     width = max(len(r.name) for r in result.runs)
+    # Over every step: a local-steps run sends only at its syncs.
+    base_wire = sum(result.runs[0].wire_bytes) / max(len(result.runs[0].wire_bytes), 1)
     for r in result.runs:
-        raw = sum(r.raw_bytes[1:]) / max(len(r.raw_bytes) - 1, 1)
-        wire = sum(r.wire_bytes[1:]) / max(len(r.wire_bytes) - 1, 1)
+        wire = sum(r.wire_bytes) / max(len(r.wire_bytes), 1)
         out.append(f"  {r.name.ljust(width)}  loss {r.final_loss(last):.4f}   "
                    f"{r.steady_step_s * 1000:5.0f} ms/step (first {r.first_step_s:.1f} s)   "
-                   f"gradients {human_bytes(raw)} -> {human_bytes(wire)} per rank per step"
-                   + (f" ({raw / wire:.0f}x less)" if wire and raw / wire > 1.01 else ""))
+                   f"{human_bytes(wire)} per rank per step"
+                   + (f" ({base_wire / wire:.0f}x less than uncompressed)"
+                      if wire and base_wire / wire > 1.01 else ""))
     base, comp = result.runs[0], result.runs[-1]
     gap = comp.final_loss(last) - base.final_loss(last)
+    if comp.eval_loss is not None and base.eval_loss is not None:
+        egap = comp.eval_loss - base.eval_loss
+        out.append(f"  held-out loss after the last step: {base.eval_loss:.4f} uncompressed, "
+                   f"{comp.eval_loss:.4f} {comp.name} ({egap / base.eval_loss:+.1%})")
     out.append(f"  difference (compressed - uncompressed): {gap:+.4f} "
                f"({gap / base.final_loss(last):+.1%}); one seed's difference is not the codec's "
                "effect: compare with the spread over seeds (README)")

@@ -56,7 +56,20 @@ def h1_against_data_parallel(rank, world, steps):
         opt.zero_grad()
     out["local"] = _params(model)
     out["syncs"] = outer.syncs
+    out["warning"] = _compile_without_local_steps()
     return out
+
+
+def _compile_without_local_steps() -> str:
+    """The CcfxWarnings of compiling with sync_every and no ccfx.local_steps."""
+    import warnings
+
+    model = nn.Linear(4, 2)
+    compiled = _compiled(model, sync_every=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(2, 4))
+    return " ".join(str(c.message) for c in caught if issubclass(c.category, ccfx.CcfxWarning))
 
 
 def replicas_after_sync(rank, world, codecs, steps, options):
@@ -76,7 +89,7 @@ def replicas_after_sync(rank, world, codecs, steps, options):
         out[spec] = {"local": _params(model),
                      "global": [g.clone() for g in outer.global_parameters().values()],
                      "syncs": outer.syncs, "wire": outer.wire_bytes, "raw": outer.raw_bytes,
-                     "collective": outer.collective,
+                     "collectives": outer.collectives,
                      "ledger": ccfx.ledger_of(compiled).totals("outer")}
         outer.close()
     return out
@@ -87,6 +100,11 @@ def _run(model, opt, rank, start, stop):
         loss_of(model, rank, i).backward()
         opt.step()
         opt.zero_grad()
+
+
+def checkpoint_resumes(rank, world, options, stops, steps):
+    """:func:`checkpoint_resume` for each of ``stops``, in one process."""
+    return {stop: checkpoint_resume(rank, world, options, stop, steps) for stop in stops}
 
 
 def checkpoint_resume(rank, world, options, stop_at, steps):
@@ -129,24 +147,27 @@ def streaming_overlap(rank, world, options, steps):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     outer = ccfx.local_steps(model, opt, **options)
     events = []
-    original = ls.LocalSteps._exchange
+    start, exchange, merge = ls.LocalSteps._start, ls.LocalSteps._exchange, ls.LocalSteps._merge
 
-    def traced(self, frag, delta):
-        events.append(("exchange", frag.index, self.step, threading.current_thread().name))
-        return original(self, frag, delta)
+    def traced_start(self, frag):
+        events.append(("start", frag.index, self.step))
+        return start(self, frag)
 
-    ls.LocalSteps._exchange = traced
-    merge = ls.LocalSteps._merge
+    def traced_exchange(self, frag, delta):
+        events.append(("exchange", frag.index, threading.current_thread().name))
+        return exchange(self, frag, delta)
 
     def traced_merge(self, frag):
         events.append(("merge", frag.index, self.step, frag.in_flight.started))
         return merge(self, frag)
 
+    ls.LocalSteps._start, ls.LocalSteps._exchange = traced_start, traced_exchange
     ls.LocalSteps._merge = traced_merge
     try:
         _run(model, opt, rank, 0, steps)
     finally:
-        ls.LocalSteps._exchange, ls.LocalSteps._merge = original, merge
+        ls.LocalSteps._start, ls.LocalSteps._exchange, ls.LocalSteps._merge = (
+            start, exchange, merge)
     outer.finish()
     return {"events": events, "global": [g.clone() for g in outer.global_parameters().values()],
             "local": _params(model), "sizes": [f.numel for f in outer.fragments]}

@@ -16,9 +16,8 @@ an outer SGD (DiLoCo: lr 0.7, momentum 0.9, Nesterov) steps the fp32 global para
 and every replica takes the result. The averaged bytes are identical on every rank, so the
 global parameters are too, bit for bit.
 
-Streaming (``fragments`` = P > 1): the parameters are split into P fragments, strided across
-the model's depth (parameter k goes to fragment k mod P, so each fragment holds early and late
-layers), and fragment f syncs every H steps at offset (f + 1)·H/P: the link carries a fragment
+Streaming (``fragments`` = P > 1): the parameters are split into P fragments of about equal
+size, each spanning the model's depth (:func:`balanced`), and fragment f syncs every H steps at offset (f + 1)·H/P: the link carries a fragment
 every H/P steps instead of the whole model every H. With ``fragment_delay`` = τ > 0 a
 fragment's exchange runs on a background thread while the replica takes τ more inner steps; its
 result is merged at the τ-th: ``local ← (1 - α)·global + α·local`` (``fragment_alpha``).
@@ -45,6 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import logging
+import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -98,12 +98,32 @@ class Fragment:
         return sum(p.numel() for p in self.local)
 
 
-def _fragments_of(named: Sequence[tuple[str, torch.nn.Parameter]], count: int) -> list[list[int]]:
-    """Parameter k into fragment k mod count: each fragment spans the model's depth."""
-    if count > len(named):
-        raise ConfigError(f"fragments={count} but the model has {len(named)} parameters: use at "
-                          f"most {len(named)} fragments")
-    return [list(range(f, len(named), count)) for f in range(count)]
+def balanced(numels: Sequence[int], fragments: int) -> list[list[int]]:
+    """Parameters into ``fragments`` fragments of about equal size: in the model's order, each
+    parameter joins the fragment with the fewest elements so far (the lowest index on a tie),
+    so every fragment holds parameters from the whole depth and the link carries about the
+    same bytes at each fragment's sync. (Taking every P-th tensor does not balance: weights
+    and biases alternate.)"""
+    if fragments > len(numels):
+        raise ConfigError(f"fragments={fragments} but the model has {len(numels)} parameters: "
+                          f"use at most {len(numels)} fragments")
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    sizes = [0] * fragments
+    for k, n in enumerate(numels):
+        f = min(range(fragments), key=lambda i: (sizes[i], i))
+        out[f].append(k)
+        sizes[f] += n
+    return out
+
+
+def split_fragment(shapes: Sequence[tuple[int, ...]], codec: str,
+                   min_numel: int) -> list[tuple[list[int], str]]:
+    """A fragment's exchanges: (member indices, codec). The codec takes the matrices; vectors
+    and tensors under ``min_numel`` elements (biases, norms) travel in an uncompressed part of
+    their own, as the gradient buckets' policy does."""
+    small = [i for i, s in enumerate(shapes) if len(s) < 2 or math.prod(s) < min_numel]
+    big = [i for i in range(len(shapes)) if i not in small]
+    return [(members, spec) for members, spec in ((big, codec), (small, "none")) if members]
 
 
 class LocalSteps:
@@ -127,11 +147,11 @@ class LocalSteps:
         self.group = self._own_group(group) if self._started else None
         self.world = dist.get_world_size(self.group) if self._started else 1
         self.rank = dist.get_rank() if self._started else 0
-        self.collective = self._collective()
         self._broadcast_from_first([p for _, p in named_params])
         h, count = config.sync_every, config.fragments
+        self._shapes = [tuple(p.shape) for _, p in named_params]
         self.fragments: list[Fragment] = []
-        for f, members in enumerate(_fragments_of(named_params, count)):
+        for f, members in enumerate(balanced([p.numel() for _, p in named_params], count)):
             local = [named_params[k][1] for k in members]
             global_ = [p.detach().float().clone() for p in local]
             nesterov = config.outer_nesterov and config.outer_momentum > 0
@@ -158,17 +178,13 @@ class LocalSteps:
             return dist.new_group(ranks, timeout=timeout)
         return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
 
-    def _collective(self) -> str:
+    def _collective(self, spec: str, numel: int) -> str:
         chosen = self.config.outer_collective
         if chosen != AUTO:
             return chosen
-        try:
-            from ..planner.dp_model import choose_collective
-        except ImportError:  # TEMP until the ring lands
-            return "all_gather"
+        from ..planner.dp_model import choose_collective
 
-        numel = 1 << 20  # a fragment's size only matters through latency against bytes
-        return choose_collective(self.config.outer_codec, numel, torch.float32, self.world)
+        return choose_collective(spec, numel, torch.float32, self.world)
 
     def _broadcast_from_first(self, params: list[torch.nn.Parameter]) -> None:
         """Replicas start from the first replica's parameters (as DDP does at construction)."""
@@ -180,19 +196,12 @@ class LocalSteps:
                 dist.broadcast(p.data, src=src, group=self.group)
 
     def _parts_of(self, frag: Fragment) -> list[_Part]:
-        """The codec on the fragment's matrices; vectors and small tensors (biases, norms)
-        travel in an uncompressed part of their own, as the gradient buckets' policy does."""
-        cfg = self.config
-        small = [i for i, p in enumerate(frag.local)
-                 if p.dim() < 2 or p.numel() < cfg.compress_min_numel]
-        big = [i for i in range(len(frag.local)) if i not in small]
         parts = []
-        for members, spec in ((big, cfg.outer_codec), (small, "none")):
-            if not members:
-                continue
-            layout = BucketLayout(tuple(tuple(frag.local[i].shape) for i in members),
-                                  torch.float32)
-            exchange = _exchange_for(layout, spec, self.collective)
+        shapes = [tuple(p.shape) for p in frag.local]
+        for members, spec in split_fragment(shapes, self.config.outer_codec,
+                                            self.config.compress_min_numel):
+            layout = BucketLayout(tuple(shapes[i] for i in members), torch.float32)
+            exchange = exchange_for(layout, spec, self._collective(spec, layout.numel))
             parts.append(_Part(members, exchange, exchange.init_state(frag.local[0].device)))
         return parts
 
@@ -291,9 +300,24 @@ class LocalSteps:
         """Wire bytes of pseudo-gradient this rank contributed per inner step so far."""
         return self.wire_bytes / max(self.step, 1)
 
+    @property
+    def collectives(self) -> list[str]:
+        """How each fragment's compressed part is averaged ("all_reduce", "all_gather", "ring",
+        "powersgd"), fragment by fragment."""
+        return [f.parts[0].exchange.collective for f in self.fragments]
+
+    def predict(self, link, compute_s: float, world: int | None = None, timer=None):
+        """The predicted mean step of this outer loop on ``link`` (a ``ccfx.planner.Link``)
+        with ``compute_s`` per inner step, over ``world`` replicas (default: this group's):
+        :func:`ccfx.planner.local_model.predict_local_steps`."""
+        from ..planner.local_model import predict_local_steps
+
+        return predict_local_steps(compute_s, self._shapes, world or self.world, link,
+                                   self.config, timer)
+
     def __repr__(self) -> str:
         return (f"LocalSteps(sync_every={self.sync_every}, codec={self.config.outer_codec!r}, "
-                f"collective={self.collective!r}, fragments={len(self.fragments)}, "
+                f"collectives={self.collectives!r}, fragments={len(self.fragments)}, "
                 f"delay={self.config.fragment_delay}, world={self.world}, step={self.step})")
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -355,13 +379,6 @@ def _outer_options(config: Config) -> dict:
     keys = ("sync_every", "outer_codec", "outer_lr", "outer_momentum", "outer_nesterov",
             "fragments", "fragment_delay", "fragment_alpha")
     return {k: getattr(config, k) for k in keys}
-
-
-def _exchange_for(layout, spec, collective):
-    try:
-        return exchange_for(layout, spec, collective=collective)
-    except TypeError:  # TEMP until the ring lands
-        return exchange_for(layout, spec)
 
 
 def _comm(group):

@@ -10,7 +10,8 @@
    the other replicas) in buckets, through ``gradient_codec``, by the same bucket exchanges the
    compiled data-parallel path and the DDP comm hook run (:mod:`.bucket_exchange`): the same
    bucket policy (``bucket_mb``, ``compress_min_numel``, ``min_compression_rate``), PowerSGD
-   with its warm start and error feedback. Tied parameters travel uncompressed, so their
+   with its warm start and error feedback, ``gradient_collective`` (all-gather or ring).
+   Tied parameters travel uncompressed, so their
    copies on two ranks stay equal. The exchanges run after the step, eagerly: they do not
    overlap the last microbatch's backward (torch's schedules give no hook between a stage's
    last backward and the end of the step that every schedule calls).
@@ -72,13 +73,26 @@ class StageGradSync:
         device = next(iter(self.params.values())).device
         for i, b in enumerate(plan):
             layout = BucketLayout(tuple(s.shape for s in b.slots), b.slots[0].dtype)
-            exchange = exchange_for(layout, b.spec)
+            exchange = exchange_for(layout, b.spec, self._collective(config, b.spec, layout))
             tensors = exchange.init_state(device)
             for key, t in tensors.items():
                 self.state.register_buffer(f"bucket{i}_{key}", t)
             self.buckets.append((i, [s.name for s in b.slots], exchange, tensors))
         if len(list(self.state.buffers())):
             self.stages[0].submod.add_module("ccfx_grad_state", self.state)
+
+    def _collective(self, config, spec: str, layout: BucketLayout) -> str:
+        """``gradient_collective``, "auto" resolved by cost over this data-parallel group (the
+        same arguments on every replica, so the same answer)."""
+        if config.gradient_collective != "auto":
+            return config.gradient_collective
+        from ..planner.dp_model import choose_collective
+        from ..planner.schedule import Link
+
+        link = (Link(config.link_gbps, config.link_latency_ms, config.link_shared)
+                if config.link_gbps else None)
+        return choose_collective(spec, layout.numel, layout.dtype,
+                                 dist.get_world_size(self.dp_group), link)
 
     def __call__(self) -> None:
         for name in sorted(self.shared):
