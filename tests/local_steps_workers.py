@@ -208,3 +208,24 @@ def pipeline_dp_local_steps(rank, world, steps, sync_every):
     return {"replica": replica, "stage": stage_rank, "params": [p.detach().clone() for p in params],
             "buckets": len(stages[0].grad_sync.buckets), "syncs": outer.syncs,
             "global": [g.clone() for g in outer.global_parameters().values()]}
+
+
+def one_replica_stops(rank, world, delays):
+    """Per delay: rank 1 stops stepping after one step; rank 0 reaches the sync at step 2 and
+    must fail with a CollectiveError within collective_timeout_s, not hang."""
+    out = {}
+    for delay in delays:
+        dist.barrier()  # rank 1 waits here for rank 0's failure (group creation times out too)
+        model = mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        options = {"sync_every": 2, "collective_timeout_s": 3.0, "outer_codec": "int8"}
+        if delay:
+            options.update(fragments=2, fragment_delay=delay, sync_every=4)
+        ccfx.local_steps(model, opt, **options)
+        steps = 1 if rank == 1 else 6
+        try:
+            _run(model, opt, rank, 0, steps)
+            out[delay] = "finished"
+        except ccfx.CcfxError as e:
+            out[delay] = f"{type(e).__name__}: {e}"
+    return out

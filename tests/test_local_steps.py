@@ -207,6 +207,16 @@ def test_checkpoint_resumes_with_identical_numerics():
                 assert torch.equal(a, b), stop_at
 
 
+def test_a_stalled_replica_is_an_error_naming_the_fragment_not_a_hang():
+    """Merged at once (τ = 0) and from the sync thread (τ = 1)."""
+    out = spawn(w.one_replica_stops, 2, ([0, 1],), timeout_s=120)
+    for delay in (0, 1):
+        assert out[1][delay] == "finished"
+        message = out[0][delay]
+        assert message.startswith("CollectiveError: rank 0: the outer sync of fragment"), message
+        assert "started at inner step 2" in message and "collective_timeout_s=3" in message
+
+
 def test_streaming_overlaps_each_fragment_with_inner_steps():
     options = {"sync_every": 4, "fragments": 2, "fragment_delay": 1, "outer_codec": "int8",
                "compress_min_numel": 0}

@@ -28,7 +28,8 @@ stepping that optimizer works as before (the inner optimizer's state stays per r
 DiLoCo). The sync uses a process group of its own (created here, over the replicas, with
 ``collective_timeout_s``), so the background exchange never interleaves with the user's own
 collectives; a sync that does not finish in time is a :class:`CollectiveError` naming the rank,
-the fragment and the step it started at.
+the fragment and the step it started at. Making that group is itself bounded by the timeout:
+every replica calls :func:`local_steps` within ``collective_timeout_s`` of the others.
 
 State (:meth:`LocalSteps.state_dict`): the inner step count, per fragment the global parameters,
 the outer optimizer's momentum and the codec state (error-feedback residuals, PowerSGD's Q),
@@ -222,7 +223,10 @@ class LocalSteps:
             delta = [g - p.detach().float() for g, p in zip(frag.global_, frag.local)]
         flight = _InFlight(self.step, self.step + self.config.fragment_delay)
         if self._pool is None:
-            flight.averaged = self._exchange(frag, delta)
+            try:
+                flight.averaged = self._exchange(frag, delta)
+            except Exception as e:  # a peer died, hung past the timeout, or diverged
+                raise self._failed(frag, flight, e) from e
             frag.in_flight = flight
             self._merge(frag)
         else:
@@ -272,9 +276,17 @@ class LocalSteps:
                 "s: a replica died, hangs, or took a different number of optimizer steps"
             ) from None
         except Exception as e:
-            raise CollectiveError(
-                f"rank {self.rank}: the outer sync of fragment {frag.index} (started at inner "
-                f"step {flight.started}) failed: {type(e).__name__}: {e}") from e
+            raise self._failed(frag, flight, e) from e
+
+    def _failed(self, frag: Fragment, flight: _InFlight, e: BaseException) -> CollectiveError:
+        if isinstance(e, CollectiveError):
+            return e
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return CollectiveError(
+            f"rank {self.rank}: the outer sync of fragment {frag.index} (started at inner step "
+            f"{flight.started}) failed: {text}. A replica died, hung past "
+            f"collective_timeout_s={self.config.collective_timeout_s:g} s, or took a different "
+            "number of optimizer steps")
 
     def finish(self) -> None:
         """Merge every exchange still in flight (before evaluating or saving the final model)."""
