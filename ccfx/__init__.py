@@ -36,13 +36,14 @@ def explain(compiled) -> str:
     return explain_plan(compiled if isinstance(compiled, Plan) else plan_of(compiled))
 
 
-def ddp_comm_hook(spec: str, process_group=None):
+def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather"):
     """``(state, hook)`` that average eager DDP's gradient buckets through a codec:
-    ``ddp_model.register_comm_hook(*ccfx.ddp_comm_hook("powersgd:rank=4,ef"))``; see
+    ``ddp_model.register_comm_hook(*ccfx.ddp_comm_hook("powersgd:rank=4,ef"))``;
+    ``collective="ring"`` averages non-summable payloads on ccfx's re-encoding ring. See
     :mod:`ccfx.runtime.comm_hook`."""
     from ccfx.runtime.comm_hook import ddp_comm_hook as _ddp_comm_hook
 
-    return _ddp_comm_hook(spec, process_group)
+    return _ddp_comm_hook(spec, process_group, collective)
 
 
 def ledger_of(compiled):

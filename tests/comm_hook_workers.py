@@ -93,9 +93,9 @@ def one_step_per_codec(rank, world, specs):
     return results
 
 
-def _hooked(rank, spec, **ddp_options):
+def _hooked(rank, spec, collective="all_gather", **ddp_options):
     model = _ddp(rank, **ddp_options)
-    state, hook = ccfx.ddp_comm_hook(spec)
+    state, hook = ccfx.ddp_comm_hook(spec, collective=collective)
     model.register_comm_hook(state, hook)
     return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -108,13 +108,14 @@ def _step(model, opt, rank, i) -> float:
     return loss.item()
 
 
-def train_steps(rank, world, spec, steps):
+def train_steps(rank, world, spec, steps, collective="all_gather"):
     """A few SGD steps under plain DDP options (DDP rebuilds its buckets after the first):
     losses, the parameters' digest, the steps the hook counted and its buckets at the end."""
-    model, state, opt = _hooked(rank, spec)
+    model, state, opt = _hooked(rank, spec, collective)
     losses = [_step(model, opt, rank, i) for i in range(steps)]
     return {"losses": losses, "params": digest(model.parameters()), "steps": state.steps,
-            "buckets": {i: b.layout.shapes for i, b in state.buckets.items()}}
+            "buckets": {i: b.layout.shapes for i, b in state.buckets.items()},
+            "collectives": sorted({b.exchange.collective for b in state.buckets.values()})}
 
 
 def checkpoint_resume(rank, world, spec, path, ddp_options):

@@ -37,6 +37,13 @@ def test_training_keeps_ranks_identical_through_ddps_bucket_rebuild():
     assert len(results[0]["buckets"]) >= 2
 
 
+def test_ring_collective_keeps_three_ranks_identical():
+    results = spawn(workers.train_steps, 3, ("int8", 3, "ring"), timeout_s=180)
+    assert results[0]["params"] == results[1]["params"] == results[2]["params"]
+    assert "ring" in results[0]["collectives"]  # biases' small buckets may all-reduce raw
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
 def test_checkpoint_resume_is_bit_exact_with_fixed_buckets(tmp_path):
     results = spawn(workers.checkpoint_resume, 2,
                     ("powersgd:rank=4,ef", str(tmp_path / "c"), {"find_unused_parameters": True}),

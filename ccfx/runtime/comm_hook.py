@@ -113,9 +113,14 @@ class CommHookState:
     the same Q's and residuals (see the module docstring on DDP's bucket rebuild).
     """
 
-    def __init__(self, spec: str, process_group=None):
+    def __init__(self, spec: str, process_group=None, collective: str = "all_gather"):
+        from ..config import COLLECTIVES
+
+        if collective not in COLLECTIVES:
+            raise ConfigError(f"collective={collective!r}: choose one of {', '.join(COLLECTIVES)}")
         self.spec = codecs.canonical(spec)
         self.process_group = process_group
+        self.collective = collective
         self.steps = 0
         self.buckets: dict[int, _BucketState] = {}
         #: loaded entries whose bucket has not been seen yet with the layout they were saved for
@@ -135,7 +140,13 @@ class CommHookState:
         return live
 
     def _new_bucket_state(self, index: int, layout: BucketLayout, device) -> _BucketState:
-        exchange = exchange_for(layout, self.spec)
+        collective = self.collective
+        if collective == "auto":  # by bytes: the same answer on every rank
+            from ..planner.dp_model import choose_collective
+
+            collective = choose_collective(self.spec, layout.numel, layout.dtype,
+                                           dist.get_world_size(self.process_group))
+        exchange = exchange_for(layout, self.spec, collective)
         tensors = exchange.init_state(device)
         saved = self._pending.get(index)
         if saved is not None and _saved_layout(saved) == layout:
@@ -211,10 +222,13 @@ def codec_hook(state: CommHookState,
     return fut
 
 
-def ddp_comm_hook(spec: str, process_group=None) -> tuple[CommHookState, Hook]:
+def ddp_comm_hook(spec: str, process_group=None,
+                  collective: str = "all_gather") -> tuple[CommHookState, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's buckets are
     averaged through the codec ``spec`` (``"none"``, ``"fp16"``, ``"int8"``,
     ``"topk:ratio=0.01,ef"``, ``"powersgd:rank=4,ef"``, ...) over ``process_group`` (default:
     WORLD). The spec is checked here (:class:`~ccfx.ConfigError` lists the codecs), not at the
-    first backward. Every rank ends with the same averaged gradients, bit for bit."""
-    return CommHookState(spec, process_group), codec_hook
+    first backward. Every rank ends with the same averaged gradients, bit for bit.
+    ``collective``: how non-summable payloads are averaged, ``"all_gather"``, ``"ring"``
+    (:mod:`ccfx.runtime.ring`) or ``"auto"`` (the ring from 3 ranks, by bytes)."""
+    return CommHookState(spec, process_group, collective), codec_hook
