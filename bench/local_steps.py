@@ -245,7 +245,7 @@ class _Run:
     loss; ``payload()`` the bytes this rank has handed to its collectives so far."""
 
     def __init__(self, variant: dict, gpt: dict, seed: int, lowering: str, collective: str,
-                 vocab: int, lr: float):
+                 vocab: int, lr: float, sync_timeout: float | None = None):
         import torch
 
         from ccfx.models import GPTConfig, TinyGPT
@@ -268,7 +268,9 @@ class _Run:
         if v.kind == "local":
             import ccfx
 
-            self.outer = ccfx.local_steps(self.model, self.opt, **v.options(collective))
+            extra = {} if sync_timeout is None else {"collective_timeout_s": sync_timeout}
+            self.outer = ccfx.local_steps(self.model, self.opt, **v.options(collective),
+                                          **extra)
         self.steps = 0
 
     def step(self, x, y) -> float:
@@ -323,10 +325,11 @@ def _progress(rank: int, i: int, total: int, loss: float, last: list[float], wha
 
 
 def loss_rank(rank: int, world: int, *, variant: dict, gpt: dict, steps: int, batch: int,
-              lr: float, seed: int, lowering: str, collective: str) -> dict:
+              lr: float, seed: int, lowering: str, collective: str,
+              sync_timeout: float | None = None) -> dict:
     """Train ``steps`` steps; every step's loss on this rank, the held-out losses, the payload."""
     stream, held_out, vocab = _data(gpt["block_size"], seed, rank, batch)
-    run = _Run(variant, gpt, seed, lowering, collective, vocab, lr)
+    run = _Run(variant, gpt, seed, lowering, collective, vocab, lr, sync_timeout)
     _log(rank, f"{run.v.name} ready ({run.numel} parameters)"
          + (f": {run.outer!r}" if run.outer is not None else ""))
     losses, last = [], [time.monotonic()]
@@ -398,13 +401,13 @@ def _shape_link(netns: str, rate_mbit: float) -> None:
 
 def time_rank(rank: int, world: int, *, variant: dict, gpt: dict, warmup: int, steps: int,
               rate_mbit: float | None, netns: str | None, batch: int, lr: float, seed: int,
-              lowering: str, collective: str) -> dict:
+              lowering: str, collective: str, sync_timeout: float | None = None) -> dict:
     """Warm up unshaped, shape the link, time ``steps`` steps; the wall time, the payload and
     (rank 0) the loopback's bytes over the timed steps."""
     import torch.distributed as dist
 
     stream, _, vocab = _data(gpt["block_size"], seed, rank, batch)
-    run = _Run(variant, gpt, seed, lowering, collective, vocab, lr)
+    run = _Run(variant, gpt, seed, lowering, collective, vocab, lr, sync_timeout)
     _log(rank, f"{run.v.name} ready; warm-up {warmup} steps (unshaped)")
     last = [time.monotonic()]
     for i in range(warmup):
@@ -518,7 +521,8 @@ def _loss_batch(batch: list[Variant], a) -> tuple[dict[str, list[dict]], str | N
             run_ranks("bench.local_steps", "loss_ranks", a.world,
                       {"variants": [asdict(v) for v in batch], "results": results,
                        "gpt": gpt, "steps": a.steps, "batch": a.batch, "lr": a.lr,
-                       "seed": a.seed, "lowering": a.lowering, "collective": a.collective},
+                       "seed": a.seed, "lowering": a.lowering, "collective": a.collective,
+                       "sync_timeout": a.collective_timeout},
                       netns=None, timeout_s=timeout, threads_per_rank=a.threads, env=env,
                       stall_s=stall)
         except (RankFailed, RankTimeout) as e:
@@ -588,6 +592,16 @@ def _timed_steps(v: Variant, a, rate: float | None, numel: int) -> tuple[int, in
     return 2, a.dp_steps or max(1, min(10, int(30 / max(link, 1e-9))))
 
 
+def _save_partial(a, results: list[dict]) -> None:
+    """The time part's rows so far, to ``--json`` (a run killed half-way keeps them)."""
+    if a.json:
+        import json
+
+        with open(a.json, "w") as f:
+            json.dump({"bench": "local_steps", "partial": True, "machine": common.machine(),
+                       "command": a.argv, "time": {"results": results}}, f, indent=2)
+
+
 def run_time(variants: list[Variant], a) -> list[dict]:
     gpt = MODELS[a.model]["gpt"]
     step_s = MODELS[a.model]["step_s"]
@@ -600,13 +614,17 @@ def run_time(variants: list[Variant], a) -> list[dict]:
             warmup, steps = _timed_steps(v, a, r_rate, numel)
             syncs = (warmup + steps) // v.h * v.fragments + 1 if v.kind == "local" else 0
             timeout, stall = _deadlines(v, numel, a.world, r_rate, warmup + steps, step_s, syncs)
+            if a.collective_timeout and v.kind == "local":  # a sync may be silent that long
+                stall = max(stall, a.collective_timeout + 60)
+                timeout = max(timeout, stall * (syncs + 1))
             _say(f"[time, {_rate_label(r_rate)}, {a.world} ranks] {v.name}: {warmup} warm-up + "
                  f"{steps} timed steps ...")
             with shaped_namespace(None) as ns:  # shaped by rank 0 after the warm-up
                 r = _launch("time_rank", v, a.world,
                             {"gpt": gpt, "warmup": warmup, "steps": steps, "rate_mbit": r_rate,
                              "netns": ns, "batch": a.batch, "lr": a.lr, "seed": a.seed,
-                             "lowering": a.lowering, "collective": a.collective},
+                             "lowering": a.lowering, "collective": a.collective,
+                             "sync_timeout": a.collective_timeout},
                             netns=ns, timeout=a.timeout or timeout, stall=stall,
                             threads=a.threads)
             row = {**r, **_describe(v), "rate_mbit": r_rate, "warmup": warmup}
@@ -628,6 +646,7 @@ def run_time(variants: list[Variant], a) -> list[dict]:
             else:
                 _say(f"    {r['status']}: {r['reason']}")
             rows.append(row)
+            _save_partial(a, results + [{"rate_mbit": rate, "rows": rows}])
         results.append({"rate_mbit": rate, "rows": rows})
     return results
 
@@ -792,6 +811,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="loss part: every variant in one launch of the ranks, in turn "
                          "(default; a failure reruns the rest one launch each), or one each")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
+    ap.add_argument("--collective-timeout", type=float, default=None,
+                    help="local steps' collective_timeout_s (default ccfx's, 300 s): a sync "
+                         "slower than this fails")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per variant run (default: estimated)")
     ap.add_argument("--quick", action="store_true",
@@ -799,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(explicit options win)")
     args = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(args)
+    a.argv = args
     if a.quick:
         given = {s.split("=")[0].lstrip("-").replace("-", "_") for s in args if s.startswith("--")}
         for k, val in QUICK.items():
