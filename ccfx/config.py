@@ -326,7 +326,9 @@ class Config:
         if self.fragment_alpha > 1 or self.outer_momentum >= 1:
             raise ConfigError("fragment_alpha is in [0, 1] and outer_momentum in [0, 1), got "
                               f"{self.fragment_alpha} and {self.outer_momentum}")
-        object.__setattr__(self, "outer_codec", codecs_canonical(self.outer_codec))
+        from . import codecs
+
+        object.__setattr__(self, "outer_codec", codecs.canonical(self.outer_codec))
         h = self.sync_every
         if h is None:
             return
@@ -417,12 +419,6 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-
-
-def codecs_canonical(spec: str) -> str:
-    from . import codecs
-
-    return codecs.canonical(spec)
 
 
 def _spec(spec: str) -> str:

@@ -102,9 +102,9 @@ class Fragment:
 def balanced(numels: Sequence[int], fragments: int) -> list[list[int]]:
     """Parameters into ``fragments`` fragments of about equal size: in the model's order, each
     parameter joins the fragment with the fewest elements so far (the lowest index on a tie),
-    so every fragment holds parameters from the whole depth and the link carries about the
-    same bytes at each fragment's sync. (Taking every P-th tensor does not balance: weights
-    and biases alternate.)"""
+    so the link carries about the same bytes at each fragment's sync (fragments differ by at
+    most the largest tensor) and fragments tend to mix early and late layers. (Taking every
+    P-th tensor does not balance: weights and biases alternate.)"""
     if fragments > len(numels):
         raise ConfigError(f"fragments={fragments} but the model has {len(numels)} parameters: "
                           f"use at most {len(numels)} fragments")
@@ -144,10 +144,10 @@ class LocalSteps:
         self.syncs = 0  # fragment exchanges merged
         self.raw_bytes = 0  # pseudo-gradient bytes averaged, raw (fp32) and on the wire
         self.wire_bytes = 0
-        self._started = dist.is_available() and dist.is_initialized()
-        self.group = self._own_group(group) if self._started else None
-        self.world = dist.get_world_size(self.group) if self._started else 1
-        self.rank = dist.get_rank() if self._started else 0
+        started = dist.is_available() and dist.is_initialized()
+        self.group = self._own_group(group) if started else None
+        self.world = dist.get_world_size(self.group) if started else 1
+        self.rank = dist.get_rank() if started else 0
         self._broadcast_from_first([p for _, p in named_params])
         h, count = config.sync_every, config.fragments
         self._shapes = [tuple(p.shape) for _, p in named_params]
@@ -359,10 +359,9 @@ class LocalSteps:
                 "fragments": frags}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state["config"]
-        if saved != _outer_options(self.config):
-            diff = {k: (v, _outer_options(self.config)[k]) for k, v in saved.items()
-                    if _outer_options(self.config).get(k) != v}
+        saved, now = state["config"], _outer_options(self.config)
+        if saved != now:
+            diff = {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
             raise ConfigError(f"this local-steps state was saved with other options "
                               f"(saved, now): {diff}; resume with the saved options")
         if len(state["fragments"]) != len(self.fragments) or any(
