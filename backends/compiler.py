@@ -36,7 +36,8 @@ from ccfx import codecs
 from ccfx.config import Config
 from ccfx.errors import CcfxError, CcfxWarning, ConfigError
 from ccfx.passes import annotate, cut_edges, partition, run_passes
-from ccfx.passes.graph_utils import facts, val
+from ccfx.passes.facts import CutFacts, NodeFacts, kind_of, need, stage_of
+from ccfx.passes.graph_utils import val
 from ccfx.plan import GraphPlan, Plan
 from ccfx.runtime.cut_op import Hop, hop_of, register_hop
 from ccfx.runtime.data_parallel import DataParallel, inside_ddp
@@ -72,7 +73,7 @@ class CompiledGraph:
             ref = self.state_inputs.get(k)
             tensor = ref() if ref is not None else None
             if ref is not None and tensor is None:
-                raise ConfigError(f"the model's {facts(node).get('name', node.name)} is gone: "
+                raise ConfigError(f"the model's {need(node, NodeFacts).name or node.name} is gone: "
                                   "build pipeline stages while the compiled model is alive")
             inputs.append(tensor)
         return split_stages(self.partitioned, inputs)
@@ -151,7 +152,7 @@ class CcfxBackend:
         for node in gm.graph.nodes:
             if node.target is not torch.ops.ccfx.cut.default:
                 continue
-            uid, value, f = node.args[3], val(node), facts(node)
+            uid, value, f = node.args[3], val(node), need(node, CutFacts)
             hop = hop_of(uid)
             for direction, codec in (("fwd", hop.codec), ("bwd", hop.grad_codec)):
                 if not codec.stateful or not codec.applies_to(value.dtype):
@@ -159,7 +160,7 @@ class CcfxBackend:
                 if not all(isinstance(d, int) for d in value.shape):
                     continue  # dynamic shapes: allocated at the first step
                 state = codec.reset_state(tuple(value.shape), value.dtype, value.device)
-                prefix = f"graph{hop.graph}_edge{f['edge']}_hop{hop.hop[0]}to{hop.hop[1]}_{direction}"
+                prefix = f"graph{hop.graph}_edge{f.edge}_hop{hop.hop[0]}to{hop.hop[1]}_{direction}"
                 for name, tensor in state.items():
                     self.codec_state.register_buffer(f"{prefix}_{name}", tensor)
 
@@ -175,7 +176,7 @@ class CcfxBackend:
         from ccfx.planner.plan_edges import plan_edge_codecs
         from ccfx.runtime.store_exchange import from_rank0
 
-        num_stages = 1 + max((facts(n).get("stage", 0) for n in gm.graph.nodes), default=0)
+        num_stages = 1 + max((stage_of(n) or 0 for n in gm.graph.nodes), default=0)
         decided = plan_edge_codecs(gm, cfg, num_stages) if _rank() == 0 else None
         # every rank compiles the same torch.compile calls in the same order: the serial and
         # the graph index name this compile on all of them
@@ -246,7 +247,7 @@ class CcfxBackend:
         compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode),
                                   rewrite_backward=rewrite)
         state_inputs = {k: weakref.ref(example_inputs[k]) for k, n in enumerate(placeholders)
-                        if facts(n).get("kind") in ("param", "buffer")}
+                        if kind_of(n) in ("param", "buffer")}
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs))
         if dp is not None and dp.buckets(index):  # the backward compiled with the forward
             with_buckets = Plan(cfg.to_dict(), [graph_plan], data_parallel=dp.info())
@@ -306,9 +307,9 @@ def _parameter_inputs(gm: torch.fx.GraphModule) -> tuple[dict[int, str], list[in
     params, synced = {}, []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for k, node in enumerate(placeholders):
-        kind = facts(node).get("kind")
+        kind = kind_of(node)
         if kind == "param":
-            params[k] = facts(node).get("name", node.name)
+            params[k] = need(node, NodeFacts).name or node.name
         if kind in ("param", "buffer"):
             synced.append(k)
     return params, synced

@@ -1,12 +1,10 @@
 """annotate: shapes, dtypes, the role of every placeholder, and per-node cost.
 
-Facts written to ``node.meta["ccfx"]``:
-  kind      placeholders: "param", "buffer", "input" or "symint"; other nodes: "op"
-  name      for params and buffers: the qualified name in the user's module ("blocks.0.weight")
-  shape     list of ints or symbolic strings; dtype: "torch.float32"
-  flops, bytes        sympy expressions (symbolic under dynamic shapes)
-  flops_hint, bytes_hint   their values at the example shapes
-and ``gm.meta["ccfx"]["hints"]``: symbol → example value, for evaluating symbolic costs.
+Facts: a :class:`~ccfx.passes.facts.NodeFacts` on every node (kind: placeholders "param",
+"buffer", "input" or "symint", other nodes "op"; a parameter's or buffer's qualified name in
+the user's module; shape and dtype; FLOPs and bytes as sympy expressions, symbolic under
+dynamic shapes, and their values at the example shapes), and ``gm.meta["ccfx"]["hints"]``:
+symbol → example value, for evaluating symbolic costs.
 
 Every node gets ``meta["val"]`` (Dynamo's graphs carry ``example_value``; if a node has
 neither, the graph is run through FakeTensorProp).
@@ -22,7 +20,8 @@ import torch.fx
 
 from ccfx import cost
 
-from .graph_utils import facts, is_stage_marker, val
+from .facts import NodeFacts, fact, put
+from .graph_utils import is_stage_marker, val
 
 
 def _state_name(source_name: str) -> str:
@@ -62,10 +61,10 @@ def _ensure_vals(gm: torch.fx.GraphModule, example_inputs) -> None:
     FakeTensorProp(gm, mode).propagate(*example_inputs)
 
 
-def _describe(value) -> tuple[list, str]:
+def _describe(value) -> tuple[tuple, str]:
     if isinstance(value, torch.Tensor):
-        return [d if isinstance(d, int) else str(d) for d in value.shape], str(value.dtype)
-    return [], type(value).__name__
+        return tuple(d if isinstance(d, int) else str(d) for d in value.shape), str(value.dtype)
+    return (), type(value).__name__
 
 
 def annotate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -> torch.fx.GraphModule:
@@ -73,25 +72,26 @@ def annotate(gm: torch.fx.GraphModule, example_inputs: Sequence | None = None) -
         _ensure_vals(gm, list(example_inputs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = list(example_inputs) if example_inputs is not None else [None] * len(placeholders)
-    for node, example in zip(placeholders, examples):
-        kind, name = _placeholder_kind(node, example)
-        facts(node).update(kind=kind)
-        if name:
-            facts(node)["name"] = name
+    roles = {node: _placeholder_kind(node, example) for node, example in zip(placeholders, examples)}
     hints = cost.hints_of(gm)
     gm.meta.setdefault("ccfx", {})["hints"] = hints
     for node in gm.graph.nodes:
         value = val(node)
         if node.op != "output" and value is not None and "val" not in node.meta:
             node.meta["val"] = value
-        f = facts(node)
-        f.setdefault("kind", "op" if node.op not in ("placeholder", "output") else node.op)
-        if node.op == "get_attr":
-            f["kind"] = "param" if isinstance(getattr(gm, str(node.target), None),
-                                               torch.nn.Parameter) else "buffer"
-            f["name"] = str(node.target)
-        f["shape"], f["dtype"] = _describe(value)
+        before = fact(node, NodeFacts)  # a node annotated before keeps its role
+        if node in roles:
+            kind, name = roles[node]
+        elif node.op == "get_attr":
+            kind = "param" if isinstance(getattr(gm, str(node.target), None),
+                                         torch.nn.Parameter) else "buffer"
+            name = str(node.target)
+        elif before is not None:
+            kind, name = before.kind, before.name
+        else:
+            kind, name = ("op" if node.op not in ("placeholder", "output") else node.op), None
+        shape, dtype = _describe(value)
         flops, nbytes = cost.node_flops(node), cost.node_bytes(node)
-        f.update(flops=flops, bytes=nbytes,
-                 flops_hint=cost.evaluate(flops, hints), bytes_hint=cost.evaluate(nbytes, hints))
+        put(node, NodeFacts(kind, name or None, shape, dtype, flops, nbytes,
+                            cost.evaluate(flops, hints), cost.evaluate(nbytes, hints)))
     return gm

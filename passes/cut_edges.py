@@ -11,8 +11,9 @@ Tensors the codec does not apply to (integer ids, masks) cross with codec "none"
 counted raw. Parameters, buffers, SymInts and pinned (mutated) inputs never cross: they are
 where they are used.
 
-Facts: cut nodes get ``{"kind": "cut", "stage", "edge", "hop", "codec", "grad_codec",
-"source"}``; ``gm.meta["ccfx"]["edges"]`` lists the edges.
+Facts: each cut node gets a :class:`~ccfx.passes.facts.CutFacts` (edge, hop, codecs, source)
+and a :class:`~ccfx.passes.facts.StageFacts` (its destination stage);
+``gm.meta["ccfx"]["edges"]`` lists the edges as :class:`~ccfx.passes.facts.EdgeFacts`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch.fx
 from ccfx import codecs
 from ccfx.runtime import cut_op  # noqa: F401  (registers torch.ops.ccfx.cut)
 
-from .graph_utils import facts, insert_call, val
+from .facts import CutFacts, EdgeFacts, StageFacts, kind_of, need
+from .graph_utils import insert_call, val
 
 #: (edge index, hop, codec spec, gradient codec spec) → the uid the op reports under.
 UidFor = Callable[[int, tuple[int, int], str, str], int]
@@ -57,17 +59,18 @@ def crossings(gm: torch.fx.GraphModule) -> list[Crossing]:
     """Every tensor that crosses a stage boundary, in graph order (the edges' order)."""
     out = []
     for node in gm.graph.nodes:
-        f = facts(node)
-        if node.op == "output" or f.get("kind") in ("cut", "param", "buffer", "symint"):
+        if node.op == "output" or kind_of(node) in ("cut", "param", "buffer", "symint"):
             continue
-        if f.get("pinned") or not isinstance(val(node), torch.Tensor):
+        where = need(node, StageFacts)
+        if where.pinned or not isinstance(val(node), torch.Tensor):
             continue
         by_stage: dict[int, list[torch.fx.Node]] = defaultdict(list)
         for u in node.users:
-            if facts(u)["stage"] > f["stage"]:
-                by_stage[facts(u)["stage"]].append(u)
+            s = need(u, StageFacts).stage
+            if s > where.stage:
+                by_stage[s].append(u)
         if by_stage:
-            out.append(Crossing(len(out), node, f["stage"], dict(by_stage)))
+            out.append(Crossing(len(out), node, where.stage, dict(by_stage)))
     return out
 
 
@@ -90,7 +93,7 @@ def cut_edges(
     first_of_stage: dict[int, torch.fx.Node] = {}
     for n in graph.nodes:
         if n.op not in ("placeholder", "output"):
-            first_of_stage.setdefault(facts(n)["stage"], n)
+            first_of_stage.setdefault(need(n, StageFacts).stage, n)
     output = next(n for n in graph.nodes if n.op == "output")
 
     edges = []
@@ -109,8 +112,7 @@ def cut_edges(
             link = insert_call(
                 graph, torch.ops.ccfx.cut.default, (prev, spec, gspec, uid, False),
                 before=first_of_stage.get(s, output), like=node, value=value,
-                ccfx_facts={"kind": "cut", "stage": s, "edge": edge, "hop": hop,
-                            "codec": spec, "grad_codec": gspec, "source": node.name},
+                facts=(CutFacts(edge, hop, spec, gspec, node.name), StageFacts(s)),
                 name=f"{node.name}_to_stage{s}",
             )
             for user in by_stage.get(s, []):
@@ -118,12 +120,11 @@ def cut_edges(
             prev = link
             uids.append(uid)
             hops.append(hop)
-        edges.append({
-            "index": edge, "source": node.name, "source_stage": src_stage, "dest_stages": far,
-            "hops": hops, "uids": uids, "codec": spec, "grad_codec": gspec,
-            "requires_grad": bool(value.requires_grad),
-            "users": [u.name for s in far for u in by_stage[s]],
-        })
-        facts(node)["edge"] = edge
+        edges.append(EdgeFacts(
+            index=edge, source=node.name, source_stage=src_stage, dest_stages=tuple(far),
+            hops=tuple(hops), uids=tuple(uids), codec=spec, grad_codec=gspec,
+            requires_grad=bool(value.requires_grad),
+            users=tuple(u.name for s in far for u in by_stage[s]),
+        ))
     gm.meta.setdefault("ccfx", {})["edges"] = edges
     return gm

@@ -1,15 +1,23 @@
-"""Helpers every pass uses: the one way to insert a node, and access to ccfx facts."""
+"""Helpers every pass uses: the one way to insert a node, and the node's fake value.
+
+The typed facts passes leave on nodes (``NodeFacts``, ``StageFacts``, ``CutFacts``) and
+their accessors are in :mod:`ccfx.passes.facts`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
+from .facts import CutFacts, NodeFacts, StageFacts, put
+
 
 def facts(node: torch.fx.Node) -> dict[str, Any]:
-    """``node.meta["ccfx"]``, created on first use."""
+    """``node.meta["ccfx"]``, created on first use: the box holding the node's typed facts by
+    key (read them with ``facts.fact``). grad_buckets, on the backward graph, still writes
+    plain keys (``bucket``, ``phase``, ``kind``, ``state``) here."""
     return node.meta.setdefault("ccfx", {})
 
 
@@ -26,18 +34,20 @@ def insert_call(
     before: torch.fx.Node,
     like: torch.fx.Node,
     value: Any,
-    ccfx_facts: dict[str, Any] | None = None,
+    facts: Sequence[NodeFacts | StageFacts | CutFacts] = (),
     name: str | None = None,
 ) -> torch.fx.Node:
     """Insert ``target(*args)`` before ``before``; its meta copies ``like``'s (module stack,
-    stack trace) with ``val``/``example_value`` set to ``value`` and ``ccfx`` facts replaced."""
+    stack trace) with ``val``/``example_value`` set to ``value``, and its ccfx facts are
+    ``facts`` (none of ``like``'s)."""
     with graph.inserting_before(before):
         node = graph.create_node("call_function", target, args, {}, name=name)
     node.meta = {k: v for k, v in like.meta.items() if k != "ccfx"}
     node.meta["val"] = value
     if "example_value" in like.meta:
         node.meta["example_value"] = value
-    node.meta["ccfx"] = dict(ccfx_facts or {})
+    node.meta["ccfx"] = {}
+    put(node, *facts)
     return node
 
 

@@ -23,8 +23,9 @@ If the graph has fewer cost-bearing nodes than stages, ccfx uses fewer stages an
 (``ccfx.stage_boundary()``, which is ``torch.distributed.pipelining.pipe_split()``) is cut
 exactly at them, one stage more than markers; the markers are then removed from the graph.
 
-Facts: ``node.meta["ccfx"]["stage"]`` on every node, ``["stages"]`` (all user stages) on
-placeholders, and ``gm.meta["ccfx"]["partition"]``.
+Facts: a :class:`~ccfx.passes.facts.StageFacts` on every node (with ``stages``, all user
+stages, on placeholders and ``get_attr`` nodes), and a
+:class:`~ccfx.passes.facts.PartitionFacts` in ``gm.meta["ccfx"]["partition"]``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch.fx
 from ccfx import cost as costs
 from ccfx.errors import CcfxWarning, PartitionError
 
-from .graph_utils import facts, is_stage_marker, module_paths, val
+from .facts import NodeFacts, PartitionFacts, StageFacts, need, put, stage_of
+from .graph_utils import is_stage_marker, module_paths, val
 
 WINDOW = 0.05
 STATE_KINDS = ("param", "buffer")
@@ -56,24 +58,25 @@ def _mutated_inputs(ops: list[torch.fx.Node]) -> set[torch.fx.Node]:
     for n in ops:
         if _is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node):
             target = n.args[0]
-            if target.op == "placeholder" and facts(target).get("kind") == "input":
+            if target.op == "placeholder" and need(target, NodeFacts).kind == "input":
                 out.add(target)
     return out
 
 
 def _node_costs(ops: list[torch.fx.Node], balance: str) -> list[sympy.Expr]:
     if balance == "flops":
-        return [facts(n)["flops"] for n in ops]
+        return [need(n, NodeFacts).flops for n in ops]
     if balance == "memory":
-        return [facts(n)["bytes"] for n in ops]
+        return [need(n, NodeFacts).bytes for n in ops]
     seen: set[torch.fx.Node] = set()
     out = []
     for n in ops:
         c = sympy.Integer(0)
         for a in n.all_input_nodes:
-            if facts(a).get("kind") in STATE_KINDS and a not in seen:
+            f = need(a, NodeFacts)
+            if f.kind in STATE_KINDS and a not in seen:
                 seen.add(a)
-                c += facts(a)["bytes"]
+                c += f.bytes
         out.append(c)
     return out
 
@@ -87,7 +90,7 @@ def _crossing(gm, ops, index, skip) -> tuple[list[int], list[int]]:
     for node in gm.graph.nodes:
         if node.op == "output" or node in skip or not node.users:
             continue
-        if node.op == "placeholder" and facts(node).get("kind") != "input":
+        if node.op == "placeholder" and need(node, NodeFacts).kind != "input":
             continue
         start = index.get(node, -1) + 1
         last = max(index.get(u, n) for u in node.users)
@@ -95,7 +98,7 @@ def _crossing(gm, ops, index, skip) -> tuple[list[int], list[int]]:
             continue
         value = val(node)
         if isinstance(value, torch.Tensor):
-            b = facts(node).get("bytes_hint", 0)
+            b = need(node, NodeFacts).bytes_hint
             nbytes[start] += b
             nbytes[min(last + 1, n)] -= b
         elif not isinstance(value, (torch.SymInt, int, float, bool)):
@@ -230,19 +233,17 @@ def partition(
     num_stages = len(cuts) + 1
 
     for i, n in enumerate(ops):
-        facts(n)["stage"] = bisect.bisect_right(cuts, i)
+        put(n, StageFacts(bisect.bisect_right(cuts, i)))
     for n in gm.graph.nodes:
         if n.op == "output":
-            facts(n)["stage"] = num_stages - 1
+            put(n, StageFacts(num_stages - 1))
         elif n.op == "placeholder" or n.op == "get_attr":
-            user_stages = sorted({facts(u)["stage"] for u in n.users if "stage" in facts(u)})
-            kind = facts(n).get("kind")
-            if kind in STATE_KINDS or n.op == "get_attr" or n in mutated:
-                facts(n)["stage"] = user_stages[0] if user_stages else 0
-                facts(n)["pinned"] = True  # replicated where used, never sent
+            user_stages = tuple(sorted({stage_of(u) for u in n.users} - {None}))
+            if need(n, NodeFacts).kind in STATE_KINDS or n.op == "get_attr" or n in mutated:
+                # replicated where used, never sent
+                put(n, StageFacts(user_stages[0] if user_stages else 0, user_stages, pinned=True))
             else:
-                facts(n)["stage"] = 0
-            facts(n)["stages"] = user_stages
+                put(n, StageFacts(0, user_stages))
 
     for i in markers:
         gm.graph.erase_node(ops[i])
@@ -252,14 +253,14 @@ def partition(
     bounds = [0, *cuts, len(ops)]
     stage_costs = [sum(node_costs[bounds[s]:bounds[s + 1]], sympy.Integer(0))
                    for s in range(num_stages)]
-    gm.meta.setdefault("ccfx", {})["partition"] = {
-        "requested": requested,
-        "num_stages": num_stages,
-        "balance": balance,
-        "cuts": [ops[c].name for c in cuts],
-        "crossing_bytes": [crossing[c] for c in cuts],
-        "stage_costs": stage_costs,
-        "stage_cost_values": [costs.evaluate(c, hints) for c in stage_costs],
-        "notes": notes,
-    }
+    gm.meta.setdefault("ccfx", {})["partition"] = PartitionFacts(
+        requested=requested,
+        num_stages=num_stages,
+        balance=balance,
+        cuts=tuple(ops[c].name for c in cuts),
+        crossing_bytes=tuple(crossing[c] for c in cuts),
+        stage_costs=tuple(stage_costs),
+        stage_cost_values=tuple(costs.evaluate(c, hints) for c in stage_costs),
+        notes=tuple(notes),
+    )
     return gm

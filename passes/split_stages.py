@@ -34,7 +34,8 @@ import torch.fx
 
 from ccfx.errors import PartitionError
 
-from .graph_utils import facts, val
+from .facts import CutFacts, NodeFacts, StageFacts, fact, kind_of, need, put, stage_of
+from .graph_utils import val
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def _static_shape(node: torch.fx.Node) -> tuple[int, ...]:
 def _requires_grad(node: torch.fx.Node) -> bool:
     """Whether autograd tracks the value: Dynamo's ``example_value`` of the node the cut chain
     starts from says it (a ``val`` FakeTensorProp filled in may have lost it)."""
-    while facts(node).get("kind") == "cut":
+    while fact(node, CutFacts) is not None:
         node = node.args[0]
     value = node.meta.get("example_value", val(node))
     return bool(getattr(value, "requires_grad", False)) and value.dtype.is_floating_point
@@ -91,16 +92,20 @@ def _port(node: torch.fx.Node, name: str, edge: int, hop: tuple[int, int], codec
 def _cuts_by_hop(gm: torch.fx.GraphModule) -> dict[tuple[int, int], list[torch.fx.Node]]:
     cuts: dict[tuple[int, int], list[torch.fx.Node]] = {}
     for n in gm.graph.nodes:
-        f = facts(n)
-        if f.get("kind") == "cut":
-            cuts.setdefault(tuple(f["hop"]), []).append(n)
+        f = fact(n, CutFacts)
+        if f is not None:
+            cuts.setdefault(tuple(f.hop), []).append(n)
     for nodes in cuts.values():
-        nodes.sort(key=lambda n: facts(n)["edge"])
+        nodes.sort(key=lambda n: need(n, CutFacts).edge)
     return cuts
 
 
 def _copy_meta(new: torch.fx.Node, old: torch.fx.Node) -> torch.fx.Node:
+    """``old``'s meta on ``new``, with a box of facts of its own (the facts are shared: they
+    are frozen)."""
     new.meta = dict(old.meta)
+    if "ccfx" in old.meta:
+        new.meta["ccfx"] = dict(old.meta["ccfx"])
     return new
 
 
@@ -113,12 +118,13 @@ def split_stages(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphM
                              "placeholders")
     example = dict(zip(placeholders, inputs))
     for n in placeholders:
-        if facts(n).get("kind") == "symint":
+        if kind_of(n) == "symint":
             raise PartitionError(
                 f"{n.name} is a symbolic size: a pipeline needs static microbatch shapes. "
                 "Compile with torch.compile(..., dynamic=False) and one microbatch shape.")
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    stages = [facts(n)["stage"] for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    stages = [need(n, StageFacts).stage for n in gm.graph.nodes
+              if n.op not in ("placeholder", "output")]
     num_stages = max(stages, default=0) + 1
     cuts = _cuts_by_hop(gm)
 
@@ -133,43 +139,44 @@ def split_stages(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphM
         in_ports: list[Port] = []
         if s == 0:
             for n in placeholders:
-                if facts(n).get("kind") == "input":
+                if kind_of(n) == "input":
                     env[n] = _copy_meta(graph.placeholder(n.name), n)
                     in_ports.append(_port(n, n.name, -1, (-1, 0), "none", "none"))
         else:
             for c in cuts.get((s - 1, s), []):
-                f = facts(c)
-                name = f"{f['source']}_from_stage{s - 1}"
+                f = need(c, CutFacts)
+                name = f"{f.source}_from_stage{s - 1}"
                 env[c] = _copy_meta(graph.placeholder(name), c)
-                env[c].meta["ccfx"] = {"kind": "input", "stage": s, "edge": f["edge"]}
-                in_ports.append(_port(c, name, f["edge"], (s - 1, s), f["codec"], f["grad_codec"]))
+                env[c].meta["ccfx"] = {}
+                put(env[c], NodeFacts("input"), StageFacts(s))  # its port names the edge
+                in_ports.append(_port(c, name, f.edge, (s - 1, s), f.codec, f.grad_codec))
 
         def lookup(a: torch.fx.Node, s=s, env=env, root=root, graph=graph, params=params,
                    buffers=buffers) -> torch.fx.Node:
             if a in env:
                 return env[a]
-            f = facts(a)
-            if a.op == "placeholder" and f.get("kind") in ("param", "buffer"):
-                qualname = f.get("name", a.name)
+            f = fact(a, NodeFacts)
+            if a.op == "placeholder" and f is not None and f.kind in ("param", "buffer"):
+                qualname = f.name or a.name
                 tensor = example[a]
-                _register(root, qualname, tensor, f["kind"] == "param")
-                (params if f["kind"] == "param" else buffers).append(qualname)
+                _register(root, qualname, tensor, f.kind == "param")
+                (params if f.kind == "param" else buffers).append(qualname)
             elif a.op == "get_attr":
                 qualname = str(a.target)
                 tensor = _get_attr(gm, qualname)
                 _register(root, qualname, tensor, isinstance(tensor, torch.nn.Parameter))
             else:
                 raise PartitionError(
-                    f"stage {s} reads {a.name} (stage {f.get('stage')}) without a cut: the graph "
+                    f"stage {s} reads {a.name} (stage {stage_of(a)}) without a cut: the graph "
                     "does not satisfy cut_edges' invariant (run cut_edges before split_stages)")
             env[a] = _copy_meta(graph.get_attr(qualname), a)
             return env[a]
 
         for n in gm.graph.nodes:
-            f = facts(n)
-            if n.op in ("placeholder", "output", "get_attr") or f.get("stage") != s:
+            if n.op in ("placeholder", "output", "get_attr") or stage_of(n) != s:
                 continue
-            if f.get("kind") == "cut" and tuple(f["hop"]) == (s - 1, s):
+            cut = fact(n, CutFacts)
+            if cut is not None and tuple(cut.hop) == (s - 1, s):
                 continue  # arrives as an input of this stage
             env[n] = _copy_meta(graph.node_copy(n, lookup), n)
 
@@ -178,10 +185,10 @@ def split_stages(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphM
         if s < num_stages - 1:
             values = []
             for c in cuts.get((s, s + 1), []):
-                f = facts(c)
+                f = need(c, CutFacts)
                 values.append(lookup(c.args[0]))
-                out_ports.append(_port(c, f"{f['source']}_to_stage{s + 1}", f["edge"], (s, s + 1),
-                                       f["codec"], f["grad_codec"]))
+                out_ports.append(_port(c, f"{f.source}_to_stage{s + 1}", f.edge, (s, s + 1),
+                                       f.codec, f.grad_codec))
             graph.output(tuple(values))
         else:
             result = torch.fx.map_arg(output.args[0], lookup)
@@ -210,17 +217,18 @@ def _sequence(gm, placeholders, output, children, cuts, num_stages, interfaces):
     """The parent: the stages called in order, the cut ops between them (the simulation)."""
     graph = torch.fx.Graph()
     env = {n: _copy_meta(graph.placeholder(n.name), n) for n in placeholders}
-    inputs = [env[n] for n in placeholders if facts(n).get("kind") == "input"]
+    inputs = [env[n] for n in placeholders if kind_of(n) == "input"]
     for s in range(num_stages):
         call = graph.call_module(f"stage_{s}", tuple(inputs))
-        call.meta["ccfx"] = {"kind": "stage", "stage": s}
+        put(call, NodeFacts("stage"), StageFacts(s))
         if s == num_stages - 1:
             graph.output(call if len(output.args[0]) != 1 else (call,))
             break
         inputs = []
         for k, c in enumerate(cuts.get((s, s + 1), [])):
             item = graph.call_function(operator.getitem, (call, k))
-            item.meta = {"val": val(c), "ccfx": {"kind": "op", "stage": s}}
+            item.meta = {"val": val(c)}
+            put(item, NodeFacts("op"), StageFacts(s))
             link = graph.call_function(c.target, (item, *c.args[1:]))
             _copy_meta(link, c)
             inputs.append(link)

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import ccfx
-from ccfx.passes.graph_utils import facts
+from ccfx.passes.facts import CutFacts, fact, kind_of, stage_of
 
 from . import toy_models as models
 from .util import assert_same, compile_ccfx, run_both
 
 
 def _stages_in_order(gm):
-    order = [facts(n)["stage"] for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    order = [stage_of(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     return order
 
 
@@ -35,7 +35,7 @@ def test_cuts_prefer_few_crossing_bytes():
     compiled, be = compile_ccfx(models.TiedLM(depth=6), stages=2)
     compiled(torch.randint(0, 64, (2, 8)))
     part = be.graphs[0].partitioned.meta["ccfx"]["partition"]
-    assert all(b == 2 * 8 * 32 * 4 for b in part["crossing_bytes"]), part["crossing_bytes"]
+    assert all(b == 2 * 8 * 32 * 4 for b in part.crossing_bytes), part.crossing_bytes
 
 
 def test_skip_connection_crossing_two_cuts_is_sent_per_hop():
@@ -46,11 +46,11 @@ def test_skip_connection_crossing_two_cuts_is_sent_per_hop():
     assert len(skip) == 1
     assert skip[0].hops == [(0, 1), (1, 2), (2, 3)]
     gm = be.graphs[0].partitioned
-    cuts = [n for n in gm.graph.nodes if facts(n).get("kind") == "cut"]
+    cuts = [n for n in gm.graph.nodes if kind_of(n) == "cut"]
     assert len(cuts) == sum(len(e.hops) for e in plan.edges)
     # Every link of the chain reads the one before, and sits in its destination stage.
-    chain = [n for n in cuts if facts(n)["source"] == skip[0].source]
-    assert [facts(n)["stage"] for n in chain] == [1, 2, 3]
+    chain = [n for n in cuts if fact(n, CutFacts).source == skip[0].source]
+    assert [stage_of(n) for n in chain] == [1, 2, 3]
     assert chain[1].args[0] is chain[0] and chain[2].args[0] is chain[1]
 
 
@@ -79,7 +79,7 @@ def test_multi_output_ops_stay_with_their_getitems():
     gm = be.graphs[0].partitioned
     for n in gm.graph.nodes:
         if n.target is __import__("operator").getitem:
-            assert facts(n)["stage"] == facts(n.args[0])["stage"], n.name
+            assert stage_of(n) == stage_of(n.args[0]), n.name
     eager, mine, _ = run_both(models.MultiOut(depth=6), torch.randn(4, 32), stages=4)
     assert_same(eager, mine)
 
@@ -115,8 +115,8 @@ def test_split_points_are_honoured():
 
     first = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and facts(n).get("kind") == "op":
-            first.setdefault(facts(n)["stage"], module_path(n))
+        if n.op == "call_function" and kind_of(n) == "op":
+            first.setdefault(stage_of(n), module_path(n))
     assert first == {0: "layers.0", 1: "layers.3", 2: "layers.6"}
 
 
@@ -156,8 +156,8 @@ def test_stage_boundary_markers_are_the_cuts_and_leave_the_graph():
 
     first = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and facts(n).get("kind") == "op":
-            first.setdefault(facts(n)["stage"], module_path(n))
+        if n.op == "call_function" and kind_of(n) == "op":
+            first.setdefault(stage_of(n), module_path(n))
     assert first == {0: "layers.0", 1: "layers.1", 2: "layers.2"}
     # The backward is compressed too: the markers do not lose the activations' requires_grad.
     assert all(e.wire_bytes_bwd > 0 for e in plan.edges)

@@ -22,6 +22,7 @@ import torch.fx
 
 from ccfx import cost
 from ccfx.errors import ConfigError
+from ccfx.passes.facts import CutFacts, NodeFacts, StageFacts, fact, kind_of, stage_of
 from ccfx.passes.graph_utils import facts, module_paths, normalize_fqn
 from ccfx.plan import GraphPlan
 
@@ -91,18 +92,20 @@ def _stack_paths(stack) -> tuple[str, ...]:
 def partitioned_view(gm: torch.fx.GraphModule, plan: GraphPlan, index: int) -> GraphView:
     nodes = []
     for n in gm.graph.nodes:
-        f = facts(n)
-        kind = "output" if n.op == "output" else f.get("kind", "op")
-        shape = tuple(f.get("shape", ()))
-        dtype = str(f.get("dtype", "")).replace("torch.", "")
+        f = fact(n, NodeFacts) or NodeFacts("op")  # cut nodes have none: no shape, no cost
+        where, cut = fact(n, StageFacts), fact(n, CutFacts)
+        kind = "output" if n.op == "output" else kind_of(n) or "op"
+        shape = tuple(f.shape)
+        dtype = f.dtype.replace("torch.", "")
         nodes.append(VNode(
-            name=n.name, kind=kind, stage=f.get("stage"), paths=tuple(module_paths(n)),
+            name=n.name, kind=kind, stage=stage_of(n), paths=tuple(module_paths(n)),
             op=n.op if n.op in ("placeholder", "output") else cost.op_name(n),
             shape=shape, dtype=dtype if shape or kind != "output" else "",
-            flops=_int(f.get("flops_hint", 0)), nbytes=_int(f.get("bytes_hint", 0)),
-            inputs=[a.name for a in n.all_input_nodes], qualname=f.get("name"),
-            stages=tuple(f.get("stages", ())), edge=f.get("edge") if kind == "cut" else None,
-            hop=tuple(f["hop"]) if kind == "cut" else None,
+            flops=_int(f.flops_hint), nbytes=_int(f.bytes_hint),
+            inputs=[a.name for a in n.all_input_nodes], qualname=f.name,
+            stages=where.stages if where is not None else (),
+            edge=cut.edge if cut is not None else None,
+            hop=tuple(cut.hop) if cut is not None else None,
         ))
     return GraphView(index, "partitioned", nodes, plan, plan.balance)
 
@@ -111,9 +114,9 @@ def _uid_map(gm: torch.fx.GraphModule) -> dict[int, tuple[int, tuple[int, int]]]
     """hop uid → (edge, hop), from the partitioned graph's codec ops."""
     out = {}
     for n in gm.graph.nodes:
-        if _is_cut(n):
-            f = facts(n)
-            out[int(n.args[3])] = (f["edge"], tuple(f["hop"]))
+        cut = fact(n, CutFacts)
+        if _is_cut(n) and cut is not None:
+            out[int(n.args[3])] = (cut.edge, tuple(cut.hop))
     return out
 
 
@@ -166,9 +169,10 @@ def _aot_view(gm: torch.fx.GraphModule, part: torch.fx.GraphModule, plan: GraphP
             desc = type(n.meta.get("desc")).__name__
             if k is not None and k < len(part_placeholders):
                 src = part_placeholders[k]
-                f = facts(src)
-                v.kind, v.stage = f.get("kind", "input"), f.get("stage")
-                v.qualname, v.stages = f.get("name"), tuple(f.get("stages", ()))
+                f, where = fact(src, NodeFacts), fact(src, StageFacts)
+                v.kind, v.stage = (f.kind if f is not None else "input"), stage_of(src)
+                v.qualname = f.name if f is not None else None
+                v.stages = where.stages if where is not None else ()
                 v.paths = tuple(module_paths(src))
             elif desc == "TangentAOTInput":
                 v.kind, v.stage = "tangent", last_stage
@@ -200,12 +204,12 @@ def _aot_view(gm: torch.fx.GraphModule, part: torch.fx.GraphModule, plan: GraphP
                 for s in _sources(n.meta.get("from_node")):
                     src = part_nodes.get(s.name)
                     if src is not None and s.graph_id in (id(part.graph), -1):
-                        v.stage = facts(src).get("stage")
+                        v.stage = stage_of(src)
                         break
                 else:
                     for s in _sources(n.meta.get("from_node")):
                         if s.name in part_nodes:
-                            v.stage = facts(part_nodes[s.name]).get("stage")
+                            v.stage = stage_of(part_nodes[s.name])
                             break
             try:
                 v.flops = cost.evaluate(cost.node_flops(n), hints)

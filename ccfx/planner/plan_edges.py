@@ -15,7 +15,8 @@ import torch.fx
 
 from ..config import AUTO, Config
 from ..passes.cut_edges import crossings
-from ..passes.graph_utils import facts, val
+from ..passes.facts import NodeFacts, fact, stage_of
+from ..passes.graph_utils import val
 from ..plan import Prediction
 from .auto import PipelineDecisions, choose_pipeline_codecs
 from .candidates import candidates
@@ -41,10 +42,10 @@ def stage_work(gm: torch.fx.GraphModule, num_stages: int) -> tuple[list[float], 
     """Per stage: FLOPs at the example shapes and the number of ops."""
     flops, ops = [0.0] * num_stages, [0] * num_stages
     for n in gm.graph.nodes:
-        f = facts(n)
-        if n.op in ("call_function", "call_method", "call_module") and "stage" in f:
-            flops[f["stage"]] += float(f.get("flops_hint", 0) or 0)
-            ops[f["stage"]] += 1
+        stage, f = stage_of(n), fact(n, NodeFacts)
+        if n.op in ("call_function", "call_method", "call_module") and stage is not None:
+            flops[stage] += float(f.flops_hint if f is not None else 0)
+            ops[stage] += 1
     return flops, ops
 
 
