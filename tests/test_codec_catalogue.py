@@ -134,6 +134,21 @@ def test_specs_parse_and_print():
         codecs.get("qsgd:levels=0")
 
 
+
+@pytest.mark.parametrize("name", ["int8", "int4", "sign", "fp8", "qsgd", "terngrad"])
+def test_block_scaled_codecs_share_the_base_and_its_block_check(name):
+    """One family: codes plus one fp32 scale per block, one block check (ccfx.codecs.blockwise),
+    and the spec keeps each codec's own parameter order."""
+    from ccfx.codecs.blockwise import BlockScaled
+
+    assert isinstance(codecs.get(name), BlockScaled)
+    _codes, scales = codecs.get(name).payload_layout((1000,), torch.float32)
+    assert scales == ((4,), torch.float32)
+    with pytest.raises(ConfigError, match="block must be a positive integer, got 0"):
+        codecs.get(f"{name}:block=0")
+    assert codecs.canonical("qsgd:block=16,levels=15") == "qsgd:levels=15,block=16"
+    assert codecs.canonical("fp8:block=16,fmt=e5m2") == "fp8:fmt=e5m2,block=16"
+
 def test_integer_tensors_are_refused():
     with pytest.raises(CodecError, match="Use codec 'none'"):
         codecs.get("int8").encode(torch.arange(4))

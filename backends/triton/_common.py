@@ -53,14 +53,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def flat_contiguous(x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
 def launch_block_encode(kernel, x, block: int, code_dtype, **constexprs):
     """Flatten ``x``, allocate one code per element and one fp32 scale per block, and run a
     fused per-block encode kernel over ``(ROWS, WIDTH)`` tiles, called as
     ``kernel(flat, codes, scales, n, nblocks, block, WIDTH=..., ROWS=..., **constexprs)``.
     Returns ``(codes [n], scales [ceil(n / block)])``."""
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = flat_contiguous(x)
     n = flat.numel()
     nblocks = cdiv(n, block)
     codes = torch.empty(n, dtype=code_dtype, device=x.device)
@@ -70,6 +73,20 @@ def launch_block_encode(kernel, x, block: int, code_dtype, **constexprs):
         kernel[(cdiv(nblocks, rows),)](flat, codes, scales, n, nblocks, block,
                                        WIDTH=width, ROWS=rows, **constexprs)
     return codes, scales
+
+
+def launch_block_reduce(kernel, flat: torch.Tensor, block: int, *extra, **constexprs):
+    """One fp32 per block of the flat contiguous ``flat``, from a kernel that reduces ``ROWS``
+    blocks per program over ``(ROWS, WIDTH)`` tiles, called as
+    ``kernel(flat, out, n, nblocks, block, *extra, WIDTH=..., ROWS=..., **constexprs)``."""
+    n = flat.numel()
+    nblocks = cdiv(n, block)
+    out = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
+    if nblocks:
+        width, rows = block_tile(block)
+        kernel[(cdiv(nblocks, rows),)](flat, out, n, nblocks, block, *extra,
+                                       WIDTH=width, ROWS=rows, **constexprs)
+    return out
 
 
 #: Elements per program of the elementwise decode kernels.

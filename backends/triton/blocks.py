@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block_tile, cdiv, load_block_tile, row_absmax
+from ._common import launch_block_reduce, load_block_tile, row_absmax
 
 
 @triton.jit
@@ -39,18 +39,5 @@ def _block_scale_kernel(
 
 
 def block_scales(flat: torch.Tensor, block: int, kind: str = "absmax", divisor: float = 1.0):
-    n = flat.numel()
-    nblocks = cdiv(n, block)
-    scales = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
-    if nblocks:
-        width, rows = block_tile(block)
-        _block_scale_kernel[(cdiv(nblocks, rows),)](
-            flat, scales, n, nblocks, block, divisor,
-            MEAN=kind == "meanabs", WIDTH=width, ROWS=rows,
-        )
-    return scales
-
-
-def flat_contiguous(x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1)
-    return flat if flat.is_contiguous() else flat.contiguous()
+    return launch_block_reduce(_block_scale_kernel, flat, block, divisor,
+                               MEAN=kind == "meanabs")

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, launch_decode, rint, store_float
-from .blocks import block_scales, flat_contiguous
+from ._common import cdiv, flat_contiguous, launch_decode, rint, store_float
+from .blocks import block_scales
 
 
 @triton.jit

@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    block_tile,
     cdiv,
+    flat_contiguous,
+    launch_block_reduce,
     launch_decode,
     load_block_tile,
     row_absmax,
@@ -86,14 +87,7 @@ def _qsgd_decode_kernel(q_ptr, norm_ptr, out_ptr, n, block, levels,
 
 # %% launchers
 def qsgd_norms(flat: torch.Tensor, block: int) -> torch.Tensor:
-    n = flat.numel()
-    nblocks = cdiv(n, block)
-    norms = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
-    if nblocks:
-        width, rows = block_tile(block)
-        _qsgd_norm_kernel[(cdiv(nblocks, rows),)](flat, norms, n, nblocks, block,
-                                                 WIDTH=width, ROWS=rows)
-    return norms
+    return launch_block_reduce(_qsgd_norm_kernel, flat, block)
 
 
 def qsgd_levels(flat, norms, key, block: int, levels: int, qdtype) -> torch.Tensor:
@@ -110,9 +104,7 @@ def qsgd_levels(flat, norms, key, block: int, levels: int, qdtype) -> torch.Tens
 
 def qsgd_encode(x: torch.Tensor, key: torch.Tensor, block: int, levels: int, qdtype):
     """``x``, 0-d int64 ``key`` → ``(levels qdtype [n], norms fp32 [ceil(n / block)])``."""
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = flat_contiguous(x)
     norms = qsgd_norms(flat, block)
     return qsgd_levels(flat, norms, key, block, levels, qdtype), norms
 

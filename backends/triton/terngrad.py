@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, launch_decode, store_float, uniform
-from .blocks import block_scales, flat_contiguous
+from ._common import cdiv, flat_contiguous, launch_decode, store_float, uniform
+from .blocks import block_scales
 
 
 # %% kernels

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ._fast import fast
-from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
-from .dispatch import pick
+from .blockwise import BlockScaled, absmax_scaled, rescaled
 from .registry import register
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -70,52 +69,34 @@ def fp8_values(codes: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
 def fp8_encode_reference(x: torch.Tensor, block: int, fmt: torch.dtype):
     """``x`` → ``(codes uint8 [n], scales fp32 [ceil(n/block)])``."""
     fmax = torch.finfo(fmt).max
-    flat = x.reshape(-1).float()
-    n = flat.numel()
-    rows = blocked(flat, block)
-    absmax = rows.abs().amax(dim=1, keepdim=True)
-    scales = torch.where(nonfinite_rows(rows), float("nan"), absmax / fmax)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = torch.where(scales > 0, rows / safe, torch.zeros_like(rows)).clamp_(-fmax, fmax)
-    codes = fp8_bits(scaled, fmt).to(torch.uint8).view(-1)[:n]
+    scaled, scales = absmax_scaled(x, block, fmax)
+    codes = fp8_bits(scaled.clamp_(-fmax, fmax), fmt).to(torch.uint8).view(-1)[:x.numel()]
     return codes, scales.view(-1)
 
 
 @fast
 def fp8_decode_reference(codes, scales, block: int, fmt: torch.dtype, shape, dtype):
-    n = codes.numel()
-    rows = blocked(fp8_values(codes, fmt), block)
-    return (rows * scales.view(-1, 1)).view(-1)[:n].view(shape).to(dtype)
+    return rescaled(fp8_values(codes, fmt), scales, block, shape, dtype)
 
 
 @register
 @dataclass(frozen=True)
-class Fp8(Codec):
+class Fp8(BlockScaled):
     name = "fp8"
     summary = "float8 (e4m3 or e5m2) with one fp32 scale per block"
+    bits = 8
+    encode_reference = staticmethod(fp8_encode_reference)
+    decode_reference = staticmethod(fp8_decode_reference)
     fmt: str = "e4m3"
     block: int = 256
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {self.fmt!r}")
-        if self.block < 1:
-            raise ValueError(f"block must be a positive integer, got {self.block}")
+        super().__post_init__()
 
-    def payload_layout(self, shape, dtype):
-        n = numel_of(shape)
-        return (((n,), torch.uint8), ((ceil_div(n, self.block),), torch.float32))
+    def encode_args(self, x, state):
+        return (self.block, FORMATS[self.fmt])
 
-    @staticmethod
-    def _impl(t: torch.Tensor, which: str):
-        return pick(t, "fp8", which, fp8_encode_reference if which == "encode"
-                    else fp8_decode_reference)
-
-    def encode_with(self, x, state):
-        payload = self._impl(x, "encode")(x, self.block, FORMATS[self.fmt])
-        return Encoded(payload, Context(tuple(x.shape), x.dtype))
-
-    def decode_with(self, enc, state):
-        codes, scales = enc.payload
-        fmt, shape, dtype = FORMATS[self.fmt], enc.ctx.shape, enc.ctx.dtype
-        return self._impl(codes, "decode")(codes, scales, self.block, fmt, shape, dtype)
+    def decode_args(self):
+        return (self.block, FORMATS[self.fmt])

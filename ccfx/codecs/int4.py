@@ -16,31 +16,23 @@ import torch
 
 from . import _bits
 from ._fast import fast
-from .base import blocked, nonfinite_rows, numel_of
-from .blockwise import BlockScaled
+from .base import numel_of
+from .blockwise import BlockScaled, absmax_scaled, rescaled
 from .registry import register
 
 
 @fast
 def int4_encode_reference(x: torch.Tensor, block: int):
     """``x`` → ``(packed uint8 [ceil(n/2)], scales fp32 [ceil(n/block)])``."""
-    flat = x.reshape(-1).float()
-    n = flat.numel()
-    rows = blocked(flat, block)
-    absmax = rows.abs().amax(dim=1, keepdim=True)
-    scales = torch.where(nonfinite_rows(rows), float("nan"), absmax / 7.0)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.where(scales > 0, torch.round(rows / safe), torch.zeros_like(rows)).clamp_(-7, 7)
-    codes = (q + 8).to(torch.uint8).view(-1)[:n]
+    scaled, scales = absmax_scaled(x, block, 7.0)
+    codes = (torch.round(scaled).clamp_(-7, 7) + 8).to(torch.uint8).view(-1)[:x.numel()]
     return _bits.pack(codes, 4), scales.view(-1)
 
 
 @fast
 def int4_decode_reference(packed, scales, block: int, shape, dtype):
-    n = numel_of(shape)
-    q = _bits.unpack(packed, n, 4).float() - 8
-    rows = blocked(q, block)
-    return (rows * scales.view(-1, 1)).view(-1)[:n].view(shape).to(dtype)
+    q = _bits.unpack(packed, numel_of(shape), 4).float() - 8
+    return rescaled(q, scales, block, shape, dtype)
 
 
 @register
@@ -51,3 +43,4 @@ class Int4(BlockScaled):
     bits = 4
     encode_reference = staticmethod(int4_encode_reference)
     decode_reference = staticmethod(int4_decode_reference)
+    block: int = 256

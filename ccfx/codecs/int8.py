@@ -17,23 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from ._fast import fast
-from .base import blocked, nonfinite_rows
-from .blockwise import BlockScaled
+from .blockwise import BlockScaled, absmax_scaled, rescaled
 from .registry import register
 
 
 @fast
 def int8_encode_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: ``x`` (any shape) → ``(q int8 [n], scales fp32 [ceil(n/block)])``."""
-    flat = x.reshape(-1).float()
-    n = flat.numel()
-    padded = blocked(flat, block)
-    absmax = padded.abs().amax(dim=1, keepdim=True)
-    # amax drops NaN on some backends: make non-finite blocks explicit.
-    scales = torch.where(nonfinite_rows(padded), float("nan"), absmax / 127.0)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.where(scales > 0, torch.round(padded / safe), torch.zeros_like(padded))
-    q = q.clamp_(-127, 127).to(torch.int8).view(-1)[:n]
+    scaled, scales = absmax_scaled(x, block, 127.0)
+    q = torch.round(scaled).clamp_(-127, 127).to(torch.int8).view(-1)[:x.numel()]
     return q, scales.view(-1)
 
 
@@ -41,14 +33,8 @@ def int8_encode_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, to
 def int8_decode_reference(
     q: torch.Tensor, scales: torch.Tensor, block: int, shape, dtype: torch.dtype
 ) -> torch.Tensor:
-    n = q.numel()
-    padded = blocked(q.float(), block)
-    y = padded * scales.view(-1, 1)
-    # 127 * (absmax / 127) can round one ulp past FLT_MAX (a mask holding finfo.min): keep it
-    # finite. NaN (a non-finite block) is left alone: the comparisons are false for NaN.
-    big = torch.finfo(torch.float32).max
-    y = torch.where(y > big, big, torch.where(y < -big, -big, y))
-    return y.view(-1)[:n].view(shape).to(dtype)
+    # 127 * (absmax / 127) can round one ulp past FLT_MAX (a mask holding finfo.min): saturate.
+    return rescaled(q.float(), scales, block, shape, dtype, limit=torch.finfo(torch.float32).max)
 
 
 @register
@@ -60,3 +46,4 @@ class Int8(BlockScaled):
     code_dtype = torch.int8
     encode_reference = staticmethod(int8_encode_reference)
     decode_reference = staticmethod(int8_decode_reference)
+    block: int = 256

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from ._fast import fast
-from ._random import StepCounter, uniform
-from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
-from .dispatch import pick
+from ._random import uniform
+from .base import blocked, nonfinite_rows
+from .blockwise import StochasticBlockScaled, rescaled, safe_divisor
 from .registry import register
 
 
@@ -40,8 +40,7 @@ def _block_norms(rows: torch.Tensor) -> torch.Tensor:
     """``(nblocks, 1)`` fp32 L2 norms, finite for every finite block (see the module docstring);
     NaN for a block holding NaN or ±inf."""
     absmax = rows.abs().amax(dim=1, keepdim=True)
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    norms = absmax * torch.linalg.vector_norm(rows / safe, dim=1, keepdim=True)
+    norms = absmax * torch.linalg.vector_norm(rows / safe_divisor(absmax), dim=1, keepdim=True)
     norms = torch.clamp(norms, max=torch.finfo(torch.float32).max)
     return torch.where(nonfinite_rows(rows), float("nan"), norms)
 
@@ -52,7 +51,7 @@ def qsgd_encode_reference(x, key, block: int, levels: int, qdtype: torch.dtype):
     n = x.numel()
     rows = blocked(x.reshape(-1).float(), block)
     norms = _block_norms(rows).view(-1)
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    safe = safe_divisor(norms)
     # Element-wise over the flat index, each element reading its block's norm: so inductor
     # hashes the noise inside the quantization loop. Over (nblocks, block) rows it stored the
     # noise in a 64 MB buffer first (1.8x slower encode). Over the padded length: with a
@@ -67,20 +66,17 @@ def qsgd_encode_reference(x, key, block: int, levels: int, qdtype: torch.dtype):
 
 @fast
 def qsgd_decode_reference(q, norms, block: int, levels: int, shape, dtype):
-    n = q.numel()
-    rows = blocked(q.float(), block)
-    y = rows * (norms.view(-1, 1) / levels)
-    # NaN (a non-finite block) is left alone: the comparisons are false for NaN.
     big = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-    y = torch.where(y > big, big, torch.where(y < -big, -big, y))
-    return y.view(-1)[:n].view(shape).to(dtype)
+    return rescaled(q.float(), norms / levels, block, shape, dtype, limit=big)
 
 
 @register
 @dataclass(frozen=True)
-class Qsgd(StepCounter, Codec):
+class Qsgd(StochasticBlockScaled):
     name = "qsgd"
     summary = "QSGD: L2 norm per block, unbiased stochastic levels"
+    encode_reference = staticmethod(qsgd_encode_reference)
+    decode_reference = staticmethod(qsgd_decode_reference)
     levels: int = 127
     block: int = 256
     seed: int = 0
@@ -88,28 +84,19 @@ class Qsgd(StepCounter, Codec):
     def __post_init__(self):
         if not 1 <= self.levels <= 32767:
             raise ValueError(f"levels must be in [1, 32767], got {self.levels}")
-        if self.block < 1:
-            raise ValueError(f"block must be a positive integer, got {self.block}")
+        super().__post_init__()
 
     @property
-    def qdtype(self) -> torch.dtype:
+    def code_dtype(self) -> torch.dtype:
+        """Levels travel as int8 up to 127, else int16."""
         return torch.int8 if self.levels <= 127 else torch.int16
 
-    def payload_layout(self, shape, dtype):
-        n = numel_of(shape)
-        return (((n,), self.qdtype), ((ceil_div(n, self.block),), torch.float32))
+    @property
+    def bits(self) -> int:
+        return 8 * self.code_dtype.itemsize
 
-    @staticmethod
-    def _impl(t: torch.Tensor, which: str):
-        return pick(t, "qsgd", which, qsgd_encode_reference if which == "encode"
-                    else qsgd_decode_reference)
+    def encode_args(self, x, state):
+        return (*super().encode_args(x, state), self.levels, self.code_dtype)
 
-    def encode_with(self, x, state):
-        key = self.noise_key(state, x)
-        payload = self._impl(x, "encode")(x, key, self.block, self.levels, self.qdtype)
-        return Encoded(payload, Context(tuple(x.shape), x.dtype))
-
-    def decode_with(self, enc, state):
-        q, norms = enc.payload
-        shape, dtype = enc.ctx.shape, enc.ctx.dtype
-        return self._impl(q, "decode")(q, norms, self.block, self.levels, shape, dtype)
+    def decode_args(self):
+        return (*super().decode_args(), self.levels)

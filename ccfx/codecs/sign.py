@@ -58,3 +58,4 @@ class Sign(BlockScaled):
     bits = 1
     encode_reference = staticmethod(sign_encode_reference)
     decode_reference = staticmethod(sign_decode_reference)
+    block: int = 256

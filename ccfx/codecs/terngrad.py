@@ -25,9 +25,9 @@ import torch
 
 from . import _bits
 from ._fast import fast
-from ._random import StepCounter, uniform
-from .base import Codec, Context, Encoded, blocked, ceil_div, nonfinite_rows, numel_of
-from .dispatch import pick
+from ._random import uniform
+from .base import blocked, numel_of
+from .blockwise import StochasticBlockScaled, absmax_scales, rescaled, safe_divisor
 from .registry import register
 
 
@@ -45,10 +45,8 @@ def terngrad_encode_reference(x, key, block: int):
     """``x``, 0-d int64 ``key`` → ``(codes uint8 [ceil(n/4)], scales [nblocks])``."""
     flat = x.reshape(-1).float()
     n = flat.numel()
-    rows = blocked(flat, block)
-    scales = rows.abs().amax(dim=1, keepdim=True)
-    scales = torch.where(nonfinite_rows(rows), float("nan"), scales).view(-1)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    scales = absmax_scales(blocked(flat, block)).view(-1)
+    safe = safe_divisor(scales)
     # Bytes straight in _bits.pack's layout: byte i holds elements 4i + r in bits 2r. One
     # strided field at a time, so inductor fuses the whole encode into one vectorized loop over
     # bytes (a (bytes, 4) reduction hashed in scalar code and stored a bool per element: the
@@ -65,39 +63,17 @@ def terngrad_encode_reference(x, key, block: int):
 
 @fast
 def terngrad_decode_reference(codes, scales, block: int, shape, dtype):
-    n = numel_of(shape)
-    t = _bits.unpack(codes, n, 2).float() - 1
-    rows = blocked(t, block)
-    return (rows * scales.view(-1, 1)).view(-1)[:n].view(shape).to(dtype)
+    t = _bits.unpack(codes, numel_of(shape), 2).float() - 1
+    return rescaled(t, scales, block, shape, dtype)
 
 
 @register
 @dataclass(frozen=True)
-class TernGrad(StepCounter, Codec):
+class TernGrad(StochasticBlockScaled):
     name = "terngrad"
     summary = "TernGrad: {-s, 0, +s} per block, stochastic and unbiased, 2 bits per element"
+    bits = 2
+    encode_reference = staticmethod(terngrad_encode_reference)
+    decode_reference = staticmethod(terngrad_decode_reference)
     block: int = 256
     seed: int = 0
-
-    def __post_init__(self):
-        if self.block < 1:
-            raise ValueError(f"block must be a positive integer, got {self.block}")
-
-    def payload_layout(self, shape, dtype):
-        n = numel_of(shape)
-        return (((ceil_div(n, 4),), torch.uint8), ((ceil_div(n, self.block),), torch.float32))
-
-    @staticmethod
-    def _impl(t: torch.Tensor, which: str):
-        return pick(t, "terngrad", which, terngrad_encode_reference if which == "encode"
-                    else terngrad_decode_reference)
-
-    def encode_with(self, x, state):
-        key = self.noise_key(state, x)
-        payload = self._impl(x, "encode")(x, key, self.block)
-        return Encoded(payload, Context(tuple(x.shape), x.dtype))
-
-    def decode_with(self, enc, state):
-        codes, scales = enc.payload
-        shape, dtype = enc.ctx.shape, enc.ctx.dtype
-        return self._impl(codes, "decode")(codes, scales, self.block, shape, dtype)
