@@ -11,11 +11,13 @@ limits every byte the ranks exchange on 127.0.0.1 (both directions share it). DE
 201 Mbit/s at ``rate 200mbit``. ``rate_mbit=None`` still makes a fresh namespace, unshaped, so
 every variant of a benchmark runs the same way.
 
-Why OS processes launched with ``ip netns exec`` (not multiprocessing): a process joins a
-namespace at exec time; each rank is ``python -m bench.shaped --worker ...``, which initialises
-the gloo group, calls ``func(rank, world_size, **args)`` of an importable module and writes its
-JSON result to a file of its own (stdout stays free for logs). The parent enforces a deadline,
-kills every rank on failure, timeout or Ctrl-C, and raises with the failing rank's traceback.
+How ranks start: through ccfx's own launcher (``ccfx.runtime.launch.spawn``, the one the tests
+and ``ccfx demo --dp`` use), each rank's Python started under ``ip netns exec`` (a process joins
+a namespace only when it starts). Each rank calls ``func(rank, world_size, **args)`` of an
+importable module, writes its stdout and stderr to a log of its own (the parent treats a log
+that stops growing as a hang, ``stall_s``) and returns a JSON-able result. The parent enforces
+a deadline, kills every rank on failure, timeout or Ctrl-C, and raises with the failing rank's
+traceback (or its log's tail when it died in C++).
 
 ``python -m bench.shaped --selftest`` measures socket throughput between two ranks, shaped and
 unshaped.
@@ -25,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import faulthandler
 import itertools
 import json
 import os
@@ -38,11 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from ccfx.runtime.launch import RankFailed as LaunchFailed
+from ccfx.runtime.launch import RankTimeout as LaunchTimeout
+from ccfx.runtime.launch import spawn
+
 NS_PREFIX = "ccfx-"
 _ns_counter = itertools.count()
 
@@ -158,26 +161,6 @@ def exit_cleanly_on_sigterm() -> None:
 # Launching ranks.
 
 
-def free_port() -> int:
-    """A TCP port free on this host. Inside a fresh namespace every port is free; this one is
-    also free outside it, so ``netns=None`` runs work the same way."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_env(rank: int, world_size: int, port: int, threads: int,
-              extra: dict[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(extra or {})
-    env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               CCFX_RANK_THREADS=str(threads))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -203,179 +186,82 @@ def short_reason(text: str) -> str | None:
     return found[:200]
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL each rank's process group (the rank and anything it started), then reap."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=5)
+def _rank(rank: int, world_size: int, module: str, func: str, args_json: dict,
+          logs: list[str]) -> Any:
+    """One rank, under ccfx's ``spawn``: stdout and stderr (a C++ abort's message included) go
+    to the rank's log, which the parent watches for progress; the result travels as JSON."""
+    import importlib
+
+    fd = os.open(logs[rank], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    result = getattr(importlib.import_module(module), func)(rank, world_size, **args_json)
+    sys.stdout.flush()
+    return json.loads(json.dumps(result))
 
 
-def _failure(rank: int, code: int, out: Path, log: Path) -> RankFailed:
-    """The RankFailed of a rank that exited with ``code``: its own traceback when it wrote one,
-    else the tail of its log (gloo aborts the process from C++ without a Python traceback)."""
-    details = ""
-    with contextlib.suppress(OSError, ValueError):
-        details = json.loads(out.read_text()).get("error", "")
-    if details:
-        return RankFailed(rank, short_reason(details) or "raised", details)
-    how = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
-    details = f"({how}, no Python traceback; log tail:)\n{_tail(log)}"
-    reason = short_reason(details)
-    return RankFailed(rank, f"{reason} ({how})" if reason else how, details)
+class _Progress:
+    """``spawn``'s watch: the reason to stop once no rank's log has grown for ``stall_s``."""
 
+    def __init__(self, logs: list[Path], stall_s: float | None):
+        self.logs, self.stall_s = logs, stall_s
+        self.start = self.grew = time.monotonic()
+        self.sizes = [0] * len(logs)
 
-_PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|peer.*(closed|gone)",
-                        re.IGNORECASE)
-
-
-def _root_cause(failures: list[RankFailed]) -> RankFailed:
-    """The failure to report when several ranks failed: a rank whose own error is "my peer went
-    away" is a consequence, so prefer one that failed for another reason, then the lowest rank;
-    the others are appended to its details."""
-    first = min(failures, key=lambda f: (bool(_PEER_GONE.search(f.reason)), f.rank))
-    others = "".join(f"\n(rank {f.rank} also failed: {f.reason})" for f in failures
-                     if f is not first)
-    return RankFailed(first.rank, first.reason, first.details + others) if others else first
-
-
-def _log_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _hung_report(procs, logs, missing: list[int]) -> tuple[str, str]:
-    """(the log tails of the ranks that did not finish, where they are stuck in one line),
-    after asking each for the Python stack of every thread (the worker registers faulthandler
-    on SIGUSR1)."""
-    for r in missing:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(procs[r].pid, signal.SIGUSR1)
-    time.sleep(1.0)
-    tails = {r: _tail(logs[r], 200) for r in missing}  # stacks are printed innermost first
-    frames: list[str] = []
-    for text in tails.values():
-        # The innermost frame of each thread: the first "File" line after a thread header.
-        for m in re.finditer(r"[Tt]hread 0x[0-9a-f]+ \(most recent call first\):\n"
-                             r"\s*File \"([^\"]+)\", line (\d+) in (\S+)", text):
-            frame = f"{Path(m.group(1)).name}:{m.group(2)} {m.group(3)}"
-            if frame not in frames:
-                frames.append(frame)
-    report = "\n".join(f"--- rank {r} log tail ---\n{t}" for r, t in tails.items())
-    return report, ", ".join(frames)
-
-
-def _wait_all(procs, outs, logs, timeout_s: float, grace_s: float,
-              stall_s: float | None) -> None:
-    """Wait until every rank exited 0. After the first failure, give the others ``grace_s``
-    (they are usually blocked in a collective with the dead rank and fail or finish soon), then
-    raise the root cause. With no failure, raise RankTimeout past ``timeout_s``, or as soon as
-    no rank's log has grown for ``stall_s`` (ranks that print progress: a hang shows early)."""
-    start = time.monotonic()
-    deadline = start + timeout_s
-    failing = False
-    sizes, grew = [0] * len(procs), start
-    stalled = False
-    while True:
-        codes = [p.poll() for p in procs]
-        if not failing and any(c not in (None, 0) for c in codes):
-            failing = True
-            deadline = min(deadline, time.monotonic() + grace_s)
-        if all(c is not None for c in codes) or time.monotonic() > deadline:
-            break
-        now_sizes = [_log_size(lg) for lg in logs]
-        if now_sizes != sizes:
-            sizes, grew = now_sizes, time.monotonic()
-        elif not failing and stall_s is not None and time.monotonic() - grew > stall_s:
-            stalled = True
-            break
-        time.sleep(0.05)
-    failures = [_failure(r, c, outs[r], logs[r]) for r, c in enumerate(codes) if c not in (None, 0)]
-    if failures:
-        raise _root_cause(failures)
-    missing = [r for r, c in enumerate(codes) if c is None]
-    if missing:
-        why = (f"hung: no output for {stall_s:.0f} s" if stalled else
-               f"did not finish within {timeout_s:.0f} s (stuck in a collective or a compile? "
-               "raise the timeout if the link is just slow)")
-        elapsed = time.monotonic() - start
-        report, where = _hung_report(procs, logs, missing)
-        last = [ln for ln in _tail(logs[missing[0]], 200).splitlines()
-                if ln.startswith("[rank ")]  # the progress lines of bench workers
-        reason = (f"ranks {missing} of {len(procs)} {why}, {elapsed:.0f} s in"
-                  + (f", after {last[-1].split('] ', 1)[-1]!r}" if last else "")
-                  + (f"; stuck in {where}" if where else ""))
-        raise RankTimeout(reason, report)
+    def __call__(self) -> str | None:
+        sizes = [lg.stat().st_size if lg.exists() else 0 for lg in self.logs]
+        now = time.monotonic()
+        if sizes != self.sizes:
+            self.sizes, self.grew = sizes, now
+        elif self.stall_s is not None and now - self.grew > self.stall_s:
+            last = [ln for lg in self.logs for ln in _tail(lg, 200).splitlines()
+                    if ln.startswith("[rank ")]  # the progress lines of bench workers
+            return (f"hung: no output for {self.stall_s:.0f} s, {now - self.start:.0f} s in"
+                    + (f", after {last[-1].split('] ', 1)[-1]!r}" if last else ""))
+        return None
 
 
 def run_ranks(module: str, func: str, world_size: int, args_json: dict, *, netns: str | None,
               timeout_s: float, threads_per_rank: int = 1, env: dict[str, str] | None = None,
               grace_s: float = 10.0, stall_s: float | None = None) -> list[dict]:
-    """Run ``module.func(rank, world_size, **args_json)`` on ``world_size`` gloo ranks, each an
-    OS process (inside ``netns`` when given), and return their JSON results in rank order.
+    """Run ``module.func(rank, world_size, **args_json)`` on ``world_size`` gloo ranks started by
+    ccfx's ``spawn`` (inside ``netns`` when given: each rank's Python is started under ``ip netns
+    exec``), and return their results in rank order, as JSON gives them back.
 
     Every rank gets RANK/WORLD_SIZE/MASTER_ADDR=127.0.0.1/MASTER_PORT, ``threads_per_rank``
-    torch threads, cwd = the repository root, and ``env`` on top of the parent's environment.
-    Raises RankFailed (the first failing rank's traceback) or RankTimeout (naming the ranks
-    that had not finished after ``timeout_s``, or, with ``stall_s``, as soon as no rank has
-    written to stdout/stderr for that long), with the stuck ranks' Python stacks; all ranks
-    are killed in every case."""
-    port = free_port()
-    prefix = ["ip", "netns", "exec", netns] if netns else []
-    procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="ccfx-ranks-") as tmp:
-        args_file = Path(tmp, "args.json")
-        args_file.write_text(json.dumps(args_json))
-        outs = [Path(tmp, f"rank{r}.json") for r in range(world_size)]
+    torch threads, ``env`` on top of the parent's environment, and every collective of the
+    default group bounded by ``timeout_s``. Raises RankFailed (the first failing rank's
+    traceback, or its log's tail when it died in C++) or RankTimeout (naming the ranks that had
+    not finished after ``timeout_s``, or, with ``stall_s``, as soon as no rank has written to
+    stdout/stderr for that long), with the stuck ranks' Python stacks; all ranks are killed in
+    every case."""
+    threads = str(threads_per_rank)
+    rank_env = {**(env or {}), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                "CCFX_RANK_THREADS": threads}
+    with tempfile.TemporaryDirectory(prefix="ccfx-bench-ranks-") as tmp:
         logs = [Path(tmp, f"rank{r}.log") for r in range(world_size)]
         try:
-            for r in range(world_size):
-                cmd = [*prefix, sys.executable, "-m", "bench.shaped", "--worker",
-                       "--module", module, "--func", func, "--args", str(args_file),
-                       "--out", str(outs[r]), "--pg-timeout", str(timeout_s)]
-                with open(logs[r], "wb") as log:
-                    procs.append(subprocess.Popen(
-                        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, start_new_session=True,
-                        env=_rank_env(r, world_size, port, threads_per_rank, env)))
-            _wait_all(procs, outs, logs, timeout_s, grace_s, stall_s)
-            return [json.loads(o.read_text())["result"] for o in outs]
-        finally:
-            _kill(procs)
-
-
-def _worker(module: str, func: str, args_path: str, out_path: str, pg_timeout_s: float) -> int:
-    """One rank: join the gloo group, call the function, write {"result": ...} or {"error":
-    traceback} to ``out_path`` (written whole, then renamed, so the parent never reads half)."""
-    import importlib
-
-    import torch
-    import torch.distributed as dist
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks where it hangs
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(int(os.environ.get("CCFX_RANK_THREADS", "1")))
-    tmp = out_path + ".tmp"
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
-        kwargs = json.loads(Path(args_path).read_text())
-        result = getattr(importlib.import_module(module), func)(rank, world, **kwargs)
-        payload, code = {"result": result}, 0
-    except BaseException:  # noqa: BLE001 (reported to the parent, which raises)
-        payload, code = {"error": traceback.format_exc()}, 1
-    Path(tmp).write_text(json.dumps(payload))
-    os.replace(tmp, out_path)
-    sys.stdout.flush()
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    return code
+            return spawn(_rank, world_size, (module, func, args_json, [str(lg) for lg in logs]),
+                         timeout_s=timeout_s, grace_s=grace_s, pg_timeout_s=timeout_s,
+                         env=rank_env, prefix=["ip", "netns", "exec", netns] if netns else (),
+                         watch=_Progress(logs, stall_s))
+        except LaunchFailed as e:
+            details = str(e)
+            died = re.search(r"exited with code (-?\d+) without reporting", details)
+            if died:  # no Python traceback (a C++ abort, a kill): the log has the rest
+                code = int(died.group(1))
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                details += f"\n({how}; log tail:)\n{_tail(logs[e.rank])}"
+                reason = short_reason(_tail(logs[e.rank]))
+                raise RankFailed(e.rank, f"{reason} ({how})" if reason else how, details) from None
+            raise RankFailed(e.rank, short_reason(details) or "raised", details) from None
+        except LaunchTimeout as e:
+            reason, _, stacks = str(e).partition("\n")
+            tails = "\n".join(f"--- rank {r} log tail ---\n{_tail(lg)}" for r, lg in enumerate(logs))
+            raise RankTimeout(reason, f"{stacks}\n{tails}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,15 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure socket throughput between two ranks, shaped and unshaped")
     ap.add_argument("--rates", nargs="+", default=["100", "none"],
                     help="selftest rates in Mbit/s; 'none' for unshaped (default: 100 none)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--module", help=argparse.SUPPRESS)
-    ap.add_argument("--func", help=argparse.SUPPRESS)
-    ap.add_argument("--args", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--pg-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.worker:
-        return _worker(a.module, a.func, a.args, a.out, a.pg_timeout)
     if a.selftest:
         exit_cleanly_on_sigterm()
         selftest([None if r.lower() == "none" else float(r) for r in a.rates])

@@ -8,7 +8,7 @@ import pytest
 
 from bench import local_steps
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # 2 ranks (bench.shaped)
 
 
 def test_local_steps_bench_loss_part_rows_json_and_bytes(tmp_path, capsys):

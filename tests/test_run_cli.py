@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # torchrun starts 2 ranks
+
 
 def test_ccfx_run_trains_the_tiny_gpt_on_two_stages_and_writes_a_trace_per_rank(tmp_path):
     trace = tmp_path / "trace.json"

@@ -18,6 +18,7 @@ import datetime
 import os
 import pickle
 import queue
+import shlex
 import signal
 import socket
 import tempfile
@@ -30,12 +31,15 @@ from ..errors import CcfxError
 
 
 class RankFailed(CcfxError):
-    """A rank raised or died; the message holds its traceback. ``results`` holds what the
-    other ranks returned before they stopped (rank → value)."""
+    """A rank raised or died; the message holds its traceback. ``rank`` is the rank that
+    failed first; ``results`` holds what the other ranks returned before they stopped
+    (rank → value)."""
 
-    def __init__(self, message: str, results: dict[int, Any] | None = None):
+    def __init__(self, message: str, results: dict[int, Any] | None = None,
+                 rank: int | None = None):
         super().__init__(message)
         self.results = dict(results or {})
+        self.rank = rank
 
 
 class RankTimeout(CcfxError):
@@ -89,12 +93,19 @@ def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results, stacks)
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
           timeout_s: float = 300.0, grace_s: float = 10.0, pg_timeout_s: float = 60.0,
-          env: dict[str, str] | None = None) -> list[Any]:
+          env: dict[str, str] | None = None, prefix: Sequence[str] = (),
+          watch: Callable[[], str | None] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their return values,
     in rank order. ``fn`` and ``args`` must be picklable (a module-level function).
     ``pg_timeout_s`` bounds every collective of the default group; ``env`` is added to each
-    rank's environment (``CCFX_RANK_THREADS``: torch threads per rank, default 1)."""
+    rank's environment (``CCFX_RANK_THREADS``: torch threads per rank, default 1).
+    ``prefix``: a command each rank's Python is started under (``["ip", "netns", "exec",
+    name]``: a process joins a network namespace only when it starts). ``watch``: called about
+    once a second while no rank has failed; a string it returns stops the ranks and raises
+    :class:`RankTimeout` with it (a benchmark's check that its ranks still make progress)."""
     import multiprocessing as mp
+    from multiprocessing import resource_tracker
+    from multiprocessing import spawn as mp_spawn
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -105,17 +116,34 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
                          args=(fn, r, world_size, port, tuple(args), dict(env or {}),
                                pg_timeout_s, results, stacks[r]))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    executable = mp_spawn.get_executable()
+    if prefix:  # multiprocessing starts its "executable": a script that execs Python under prefix
+        resource_tracker.ensure_running()  # started now, outside the prefix
+        python = os.path.join(tmp.name, "python")
+        with open(python, "w") as f:
+            f.write(f"#!/bin/sh\nexec {shlex.join([*prefix, os.fsdecode(executable)])} \"$@\"\n")
+        os.chmod(python, 0o755)
+        ctx.set_executable(python)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if prefix:
+            ctx.set_executable(executable)
     done: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     errors: dict[int, tuple[float, str]] = {}  # rank → (when it failed, why)
     exited: dict[int, float] = {}
+    watched, stopped = time.monotonic(), None
     try:
         while len(done) + len(errors) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            if watch is not None and not errors and time.monotonic() - watched >= 1.0:
+                watched, stopped = time.monotonic(), watch()
+                if stopped:
+                    break
             try:
                 rank, status, value, when = results.get(timeout=min(left, 1.0))
             except queue.Empty:
@@ -141,11 +169,13 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
         where = _stop(procs, stacks, errors, done, world_size)
         tmp.cleanup()
     if errors:
-        raise RankFailed(_failure_message(errors, done, world_size, where), done)
+        raise RankFailed(_failure_message(errors, done, world_size, where), done,
+                         rank=min(errors, key=lambda r: errors[r][0]))
     if len(done) < world_size:
         missing = sorted(set(range(world_size)) - set(done))
-        raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s "
-                          f"(finished: {sorted(done)}); a rank is stuck in a collective or compile"
+        why = stopped or (f"did not finish within {timeout_s:.0f} s (finished: {sorted(done)}); "
+                          "a rank is stuck in a collective or compile")
+        raise RankTimeout(f"ranks {missing} of {world_size} {why}"
                           + "".join(f"\n  rank {r} was at:\n{where[r]}" for r in sorted(where)))
     return [done[r] for r in range(world_size)]
 
