@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ccfx
 from ccfx.runtime.bucket_exchange import BucketLayout, LocalComm, exchange_for
 
-from .dp_workers import _gathered, _mean_over_ranks, batch, digest, loss_fn, mlp
+from .dp_workers import batch, loss_fn, mlp
+from .ranks import digest, gathered, mean_over_ranks, train
 
 #: 30 kB: the MLP's 104 kB of gradients make 2-3 DDP buckets.
 SMALL_BUCKETS_MB = 0.03
@@ -50,13 +51,13 @@ def _reference(spec: str, entry: dict) -> torch.Tensor:
     layout = BucketLayout(tuple(entry["shapes"]), entry["input"].dtype)
     ex = exchange_for(layout, spec)
     if ex.collective == "powersgd":
-        mean = _mean_over_ranks(entry["input"])
+        mean = mean_over_ranks(entry["input"])
         return layout.flat(ex.run(layout.unflat(mean), ex.init_state(), LocalComm()))
     if ex.collective == "all_gather":
         own = [layout.flat(ex.run(layout.unflat(x), ex.init_state(), LocalComm())).float()
-               for x in _gathered(entry["input"])]
+               for x in gathered(entry["input"])]
         return sum(own) / len(own)
-    return _mean_over_ranks(entry["input"])
+    return mean_over_ranks(entry["input"])
 
 
 def _max_err(a, b) -> float:
@@ -100,19 +101,15 @@ def _hooked(rank, spec, collective="all_gather", **ddp_options):
     return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _step(model, opt, rank, i) -> float:
-    loss = loss_fn(model(batch(rank, i)))
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
+def _steps(model, opt, rank, steps) -> list[float]:
+    return train(lambda i: loss_fn(model(batch(rank, i))), opt, steps)
 
 
 def train_steps(rank, world, spec, steps, collective="all_gather"):
     """A few SGD steps under plain DDP options (DDP rebuilds its buckets after the first):
     losses, the parameters' digest, the steps the hook counted and its buckets at the end."""
     model, state, opt = _hooked(rank, spec, collective)
-    losses = [_step(model, opt, rank, i) for i in range(steps)]
+    losses = _steps(model, opt, rank, range(steps))
     return {"losses": losses, "params": digest(model.parameters()), "steps": state.steps,
             "buckets": {i: b.layout.shapes for i, b in state.buckets.items()},
             "collectives": sorted({b.exchange.collective for b in state.buckets.values()})}
@@ -122,13 +119,11 @@ def checkpoint_resume(rank, world, spec, path, ddp_options):
     """5 steps straight, against 3 steps + checkpoint (model, optimizer, hook state) + a fresh
     DDP resumed from it for 2 steps; the CcfxWarnings the resumed run gave."""
     model, state, opt = _hooked(rank, spec, **ddp_options)
-    for i in range(5):
-        _step(model, opt, rank, i)
+    _steps(model, opt, rank, range(5))
     straight = digest(model.parameters())
 
     model, state, opt = _hooked(rank, spec, **ddp_options)
-    for i in range(3):
-        _step(model, opt, rank, i)
+    _steps(model, opt, rank, range(3))
     file = f"{path}.rank{rank}"
     torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
                 "hook": state.state_dict()}, file)
@@ -140,8 +135,7 @@ def checkpoint_resume(rank, world, spec, path, ddp_options):
     state.load_state_dict(ckpt["hook"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ccfx.CcfxWarning)
-        for i in range(3, 5):
-            _step(model, opt, rank, i)
+        _steps(model, opt, rank, range(3, 5))
     return {"straight": straight, "resumed": digest(model.parameters()),
             "saved_buckets": len(ckpt["hook"]["buckets"]), "steps": state.steps,
             "warnings": [str(w.message) for w in caught

@@ -8,6 +8,8 @@ from torch import nn
 
 import ccfx
 
+from . import ranks
+
 
 def mlp(seed: int) -> nn.Module:
     torch.manual_seed(seed)
@@ -16,7 +18,7 @@ def mlp(seed: int) -> nn.Module:
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)
+    g = ranks.rng(rank, step)
     return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
 
 
@@ -29,10 +31,6 @@ def _compiled(model, **options):
     return torch.compile(model, backend="ccfx", options={"lowering": "eager", **options})
 
 
-def _params(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def h1_against_data_parallel(rank, world, steps):
     """Local steps with H = 1, outer SGD lr 1 without momentum, codec none, against per-step
     data parallel (ccfx's own, gradients averaged in the compiled backward); inner SGD."""
@@ -40,21 +38,15 @@ def h1_against_data_parallel(rank, world, steps):
     ref = mlp(0)
     compiled = _compiled(ref, data_parallel=True)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for i in range(steps):
-        loss_of(compiled, rank, i).backward()
-        opt.step()
-        opt.zero_grad()
-    out["dp"] = _params(ref)
+    ranks.train(lambda i: loss_of(compiled, rank, i), opt, range(steps))
+    out["dp"] = ranks.params(ref)
     model = mlp(0)
     compiled = _compiled(model, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
                          outer_codec="none")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     outer = ccfx.local_steps(compiled, opt)
-    for i in range(steps):
-        loss_of(compiled, rank, i).backward()
-        opt.step()
-        opt.zero_grad()
-    out["local"] = _params(model)
+    ranks.train(lambda i: loss_of(compiled, rank, i), opt, range(steps))
+    out["local"] = ranks.params(model)
     out["syncs"] = outer.syncs
     out["warning"] = _compile_without_local_steps()
     return out
@@ -81,12 +73,9 @@ def replicas_after_sync(rank, world, codecs, steps, options):
         compiled = _compiled(model, outer_codec=spec, **options)
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         outer = ccfx.local_steps(compiled, opt, compress_min_numel=0)
-        for i in range(steps):
-            loss_of(compiled, rank, i).backward()
-            opt.step()
-            opt.zero_grad()
+        ranks.train(lambda i, m=compiled: loss_of(m, rank, i), opt, range(steps))
         outer.finish()
-        out[spec] = {"local": _params(model),
+        out[spec] = {"local": ranks.params(model),
                      "global": [g.clone() for g in outer.global_parameters().values()],
                      "syncs": outer.syncs, "wire": outer.wire_bytes, "raw": outer.raw_bytes,
                      "collectives": outer.collectives,
@@ -96,10 +85,7 @@ def replicas_after_sync(rank, world, codecs, steps, options):
 
 
 def _run(model, opt, rank, start, stop):
-    for i in range(start, stop):
-        loss_of(model, rank, i).backward()
-        opt.step()
-        opt.zero_grad()
+    ranks.train(lambda i: loss_of(model, rank, i), opt, range(start, stop))
 
 
 def checkpoint_resumes(rank, world, options, stops, steps):
@@ -121,7 +107,7 @@ def checkpoint_resume(rank, world, options, stop_at, steps):
     in_flight = any(f["pending"] is not None for f in saved["outer"]["fragments"])
     _run(model, opt, rank, stop_at, steps)
     outer.finish()
-    straight = _params(model)
+    straight = ranks.params(model)
     outer.close()
 
     model = mlp(1)
@@ -132,7 +118,7 @@ def checkpoint_resume(rank, world, options, stop_at, steps):
     outer.load_state_dict(saved["outer"])
     _run(model, opt, rank, stop_at, steps)
     outer.finish()
-    resumed = _params(model)
+    resumed = ranks.params(model)
     return {"straight": straight, "resumed": resumed, "in_flight": in_flight,
             "step": outer.step}
 
@@ -170,7 +156,7 @@ def streaming_overlap(rank, world, options, steps):
             start, exchange, merge)
     outer.finish()
     return {"events": events, "global": [g.clone() for g in outer.global_parameters().values()],
-            "local": _params(model), "sizes": [f.numel for f in outer.fragments]}
+            "local": ranks.params(model), "sizes": [f.numel for f in outer.fragments]}
 
 
 def pipeline_dp_local_steps(rank, world, steps, sync_every):

@@ -238,13 +238,6 @@ def broken(rank: int, world: int, case: str) -> dict:
     return {"error": None}
 
 
-def pipeline_many(rank: int, world: int, cases: list[tuple], n_micro: int, steps: int) -> list:
-    """:func:`pipeline` for several cases in one set of rank processes (start-up is paid once):
-    each case is ``(model, stages, codec, grad_codec, schedule)``."""
-    return [pipeline(rank, world, model, stages, codec, grad_codec, n_micro, steps, schedule)
-            for model, stages, codec, grad_codec, schedule in cases]
-
-
 def resume(rank: int, world: int, codec: str, grad_codec: str, n_micro: int) -> dict:
     """Train 4 steps; and, in the same ranks, stages built afresh from a checkpoint taken
     after step 2 (each rank's ``stage.submod.state_dict()``: parameters and codec state) that

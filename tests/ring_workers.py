@@ -8,7 +8,6 @@ from all ranks' inputs, gathered raw.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import time
 
 import torch
@@ -20,21 +19,16 @@ from ccfx.runtime.comm_hook import ProcessGroupComm
 from ccfx.runtime.data_parallel import CollectiveError
 from ccfx.runtime.ring import ring_all_reduce
 
-
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+from .ranks import digest, gathered, rng
 
 
 def sample(rank: int, case: int, numel: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7919 * case + rank)
-    return torch.randn(numel, generator=g) * scale
+    return torch.randn(numel, generator=rng(case, rank, stride=7919)) * scale
 
 
 def everyone(x: torch.Tensor, group=None) -> torch.Tensor:
     """``(world, numel)``: every rank's ``x`` (raw, for the reference mean)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.stack(parts)
+    return torch.stack(gathered(x, group))
 
 
 def _errors(out: torch.Tensor, xs: torch.Tensor) -> dict:
@@ -141,7 +135,7 @@ def compiled_ring_training(rank, world, steps):
             local = [p.grad.clone() for p in ref.parameters()]
         dp_workers.loss_fn(compiled(x)).backward()
         grads = [p.grad.clone() for p in model.parameters()]
-        digests.append(dp_workers.digest(grads))
+        digests.append(digest(grads))
         if step:
             means = [everyone(g.reshape(-1)).double().mean(0) for g in local]
             errors.append(max((g.reshape(-1).double() - m).abs().max().item()
@@ -151,7 +145,7 @@ def compiled_ring_training(rank, world, steps):
         opt.zero_grad()
     plan = ccfx.plan_of(compiled)
     return {"digests": digests, "errors": errors, "scales": scales,
-            "params": dp_workers.digest(model.parameters()),
+            "params": digest(model.parameters()),
             "buckets": [(b.codec, b.collective, b.wire_bytes) for b in plan.buckets]}
 
 

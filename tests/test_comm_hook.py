@@ -1,5 +1,6 @@
-"""ccfx.ddp_comm_hook on eager DDP, on real gloo ranks (127.0.0.1). The workers live in
-tests/comm_hook_workers.py; they return data, the assertions are here."""
+"""ccfx.ddp_comm_hook on eager DDP, on real gloo ranks (127.0.0.1). The 2-rank scenarios run
+in one spawn (the module-scoped fixture ``two``, tests/ranks.py), the 3-rank ring in another.
+The workers live in tests/comm_hook_workers.py; they return data, the assertions are here."""
 
 import pytest
 import torch
@@ -9,14 +10,30 @@ from ccfx.runtime.comm_hook import CommHookState
 from ccfx.runtime.launch import spawn
 
 from . import comm_hook_workers as workers
+from . import ranks
+from .ranks import scenario
 
 SPECS = ["none", "fp16", "int8", "topk:ratio=0.1,ef", "powersgd:rank=4"]
 #: against the reference (tests/comm_hook_workers.py:_reference): fp16 is a cast of the mean
 BOUND = {"none": 1e-6, "fp16": 2e-3}
 
 
-def test_every_codec_averages_like_the_reference_and_ranks_agree_bit_for_bit():
-    results = spawn(workers.one_step_per_codec, 2, (SPECS,), timeout_s=180)
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("comm-hook")
+    return ranks.run_scenarios(2, [
+        scenario("codecs", workers.one_step_per_codec, SPECS),
+        scenario("train", workers.train_steps, "powersgd:rank=4,ef", 4),
+        scenario("resume fixed", workers.checkpoint_resume, "powersgd:rank=4,ef",
+                 str(folder / "fixed"), {"find_unused_parameters": True}),
+        scenario("resume rebuilt", workers.checkpoint_resume, "powersgd:rank=4,ef",
+                 str(folder / "rebuilt"), {}),
+    ], timeout_s=400)
+
+
+@pytest.mark.slow
+def test_every_codec_averages_like_the_reference_and_ranks_agree_bit_for_bit(two):
+    results = two["codecs"]
     for spec in SPECS:
         per_rank = [r[spec] for r in results]
         assert len({r["digest"] for r in per_rank}) == 1, f"{spec}: ranks' gradients differ"
@@ -28,8 +45,9 @@ def test_every_codec_averages_like_the_reference_and_ranks_agree_bit_for_bit():
     assert results[0]["none"]["err_vs_ddp"] <= 1e-6  # the identity codec is plain DDP
 
 
-def test_training_keeps_ranks_identical_through_ddps_bucket_rebuild():
-    results = spawn(workers.train_steps, 2, ("powersgd:rank=4,ef", 4), timeout_s=180)
+@pytest.mark.slow
+def test_training_keeps_ranks_identical_through_ddps_bucket_rebuild(two):
+    results = two["train"]
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["steps"] == 4
     assert results[0]["losses"][-1] < results[0]["losses"][0]
@@ -37,6 +55,7 @@ def test_training_keeps_ranks_identical_through_ddps_bucket_rebuild():
     assert len(results[0]["buckets"]) >= 2
 
 
+@pytest.mark.slow
 def test_ring_collective_keeps_three_ranks_identical():
     results = spawn(workers.train_steps, 3, ("int8", 3, "ring"), timeout_s=180)
     assert results[0]["params"] == results[1]["params"] == results[2]["params"]
@@ -44,10 +63,9 @@ def test_ring_collective_keeps_three_ranks_identical():
     assert results[0]["losses"][-1] < results[0]["losses"][0]
 
 
-def test_checkpoint_resume_is_bit_exact_with_fixed_buckets(tmp_path):
-    results = spawn(workers.checkpoint_resume, 2,
-                    ("powersgd:rank=4,ef", str(tmp_path / "c"), {"find_unused_parameters": True}),
-                    timeout_s=180)
+@pytest.mark.slow
+def test_checkpoint_resume_is_bit_exact_with_fixed_buckets(two):
+    results = two["resume fixed"]
     for r in results:
         assert r["saved_buckets"] >= 2
         assert r["resumed"] == r["straight"]
@@ -55,9 +73,9 @@ def test_checkpoint_resume_is_bit_exact_with_fixed_buckets(tmp_path):
         assert r["warnings"] == []
 
 
-def test_resume_across_ddps_bucket_rebuild_warns_and_ranks_still_agree(tmp_path):
-    results = spawn(workers.checkpoint_resume, 2,
-                    ("powersgd:rank=4,ef", str(tmp_path / "c"), {}), timeout_s=180)
+@pytest.mark.slow
+def test_resume_across_ddps_bucket_rebuild_warns_and_ranks_still_agree(two):
+    results = two["resume rebuilt"]
     assert results[0]["resumed"] == results[1]["resumed"]
     for r in results:
         assert len(r["warnings"]) == 1 and "find_unused_parameters=True" in r["warnings"][0]

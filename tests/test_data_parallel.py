@@ -1,21 +1,53 @@
-"""Data parallel on real gloo ranks (127.0.0.1): each test spawns its ranks and bounds them in
-time. The workers live in tests/dp_workers.py; they return data, the assertions are here."""
+"""Data parallel on real gloo ranks (127.0.0.1), bounded in time.
+
+Starting ranks is what costs, so the scenarios run in one spawn per world size (module-scoped
+fixtures ``two``, ``four``: tests/ranks.py) and each test asserts on what one scenario
+returned; scenarios that break a rank on purpose run last. World size 1 (torch's PowerSGD
+hook), the inductor lowering and the tests of how a failure itself is reported (a rank that
+dies, a rank that raises first) spawn their own ranks. The workers live in tests/dp_workers.py;
+they return data, the assertions are here."""
 
 import pytest
-import torch
 
 import ccfx
 from ccfx.runtime.launch import RankFailed, spawn
 
-from . import dp_workers
+from . import dp_workers, ranks
+from .ranks import scenario
 
 GATHER_AND_SUM = ["none", "fp16", "int8", "sign", "topk:ratio=0.1,ef", "powersgd:rank=4"]
+CODECS_ON_FOUR = ["none", "int8", "powersgd:rank=4"]
+GOLDEN = {"int8": "dp_int8_buckets", "powersgd:rank=4": "dp_powersgd_buckets"}
 
 
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """Every 2-rank scenario in one spawn; those that break a rank on purpose last (the stalled
+    rank leaves the default group unusable)."""
+    checkpoint = tmp_path_factory.mktemp("dp-checkpoint") / "c"
+    return ranks.run_scenarios(2, [
+        scenario("codecs", dp_workers.grads_by_codec, GATHER_AND_SUM),
+        scenario("train", dp_workers.train_steps, "powersgd:rank=4,ef", 4),
+        scenario("warmup", dp_workers.train_steps, "int8", 4, warmup_steps=2),
+        scenario("resume", dp_workers.checkpoint_resume, "powersgd:rank=4,ef", str(checkpoint)),
+        *[scenario(f"golden {codec}", dp_workers.backward_graph, codec) for codec in GOLDEN],
+        scenario("mismatched models", dp_workers.mismatched_models),
+        scenario("inside ddp", dp_workers.inside_ddp),
+        scenario("stall", dp_workers.stalls_mid_step, 8.0),
+    ], timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return ranks.run_scenarios(4, [scenario("codecs", dp_workers.grads_by_codec, CODECS_ON_FOUR)],
+                               timeout_s=300)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_codec_averages_like_the_reference_and_ranks_agree_bit_for_bit(world):
-    codecs = GATHER_AND_SUM if world == 2 else ["none", "int8", "powersgd:rank=4"]
-    results = spawn(dp_workers.grads_by_codec, world, (codecs,), timeout_s=240)
+def test_every_codec_averages_like_the_reference_and_ranks_agree_bit_for_bit(world, request):
+    codecs = GATHER_AND_SUM if world == 2 else CODECS_ON_FOUR
+    results = request.getfixturevalue({2: "two", 4: "four"}[world])["codecs"]
     for codec in codecs:
         per_rank = [r[codec] for r in results]
         assert all(r["same_init"] for r in per_rank), f"{codec}: rank 0's parameters not broadcast"
@@ -35,6 +67,7 @@ def test_every_codec_averages_like_the_reference_and_ranks_agree_bit_for_bit(wor
         assert collectives["sign"] == {"all_gather"}
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_inductor_lowering_matches_ddp_and_agrees_across_ranks():
     codecs = ["none", "int8", "powersgd:rank=4"]
@@ -44,46 +77,47 @@ def test_inductor_lowering_matches_ddp_and_agrees_across_ranks():
         assert results[0][codec]["err"] <= (1e-6 if codec == "none" else 1e-5), codec
 
 
-def test_training_keeps_ranks_identical_and_counts_every_step():
-    results = spawn(dp_workers.train_steps, 2, ("powersgd:rank=4,ef", 4), timeout_s=240)
+@pytest.mark.slow
+def test_training_keeps_ranks_identical_and_counts_every_step(two):
+    results = two["train"]
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["ledger_steps"] == 4
     assert results[0]["losses"][-1] < results[0]["losses"][0]
 
 
-def test_warmup_steps_send_uncompressed_then_compress():
-    results = spawn(_train_with_warmup, 2, (), timeout_s=240)
+@pytest.mark.slow
+def test_warmup_steps_send_uncompressed_then_compress(two):
+    results = two["warmup"]
     raw, wire = results[0]["bucket_bytes"]
     # 2 of 4 steps raw, 2 compressed: the per-step average sits between the two
     assert results[0]["params"] == results[1]["params"]
     assert 0.25 * raw < wire < 0.75 * raw
 
 
-def _train_with_warmup(rank, world):
-    return dp_workers.train_steps(rank, world, "int8", 4, warmup_steps=2)
-
-
-def test_checkpoint_resume_is_bit_exact(tmp_path):
-    results = spawn(dp_workers.checkpoint_resume, 2, ("powersgd:rank=4,ef", str(tmp_path / "c")),
-                    timeout_s=300)
+@pytest.mark.slow
+def test_checkpoint_resume_is_bit_exact(two):
+    results = two["resume"]
     for r in results:
         assert r["state_tensors"] > 0
         assert r["resumed"] == r["straight"]
 
 
+@pytest.mark.slow
 def test_world_size_one_equals_torch_powersgd_hook():
     (result,) = spawn(dp_workers.powersgd_hook_world1, 1, (5,), timeout_s=180)
     # steps 0-1 uncompressed (start_powerSGD_iter=2), 2-4 PowerSGD with error feedback
     assert max(result["rel_errs"]) < 1e-5, result["rel_errs"]
 
 
-def test_ranks_with_different_models_fail_at_compile_with_a_clear_error():
-    results = spawn(dp_workers.mismatched_models, 2, (), timeout_s=180)
+@pytest.mark.slow
+def test_ranks_with_different_models_fail_at_compile_with_a_clear_error(two):
+    results = two["mismatched models"]
     for r in results:
         assert r["error"] == "ConfigError"
         assert "planned different gradient buckets" in r["message"]
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_an_error_within_the_timeout_not_a_hang():
     with pytest.raises(RankFailed) as e:
         spawn(dp_workers.dies_mid_step, 2, (20.0,), timeout_s=180, grace_s=60)
@@ -105,34 +139,21 @@ def test_without_a_process_group_data_parallel_is_world_size_one():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_compiled_model_inside_ddp_with_data_parallel_is_refused():
-    results = spawn(_inside_ddp, 2, (), timeout_s=120)
+@pytest.mark.slow
+def test_compiled_model_inside_ddp_with_data_parallel_is_refused(two):
+    results = two["inside ddp"]  # DDP(torch.compile(model)): ccfx compiles in DDP's forward
     for result in results:
         assert "DistributedDataParallel" in result and "ddp_comm_hook" in result
 
 
-def _inside_ddp(rank, world):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    # DDP(torch.compile(model)): ccfx compiles inside DDP's forward. (torch.compile(DDP(model))
-    # on torch 2.13 graph-breaks at DDP's forward and never calls the backend: nothing to refuse.)
-    compiled = DDP(torch.compile(dp_workers.mlp(0), backend="ccfx",
-                                 options={"data_parallel": True, "lowering": "eager"}))
-    try:
-        compiled(dp_workers.batch(0))
-    except ccfx.ConfigError as e:
-        return str(e)
-    return "no error"
-
-
-@pytest.mark.parametrize("codec, name", [("int8", "dp_int8_buckets"),
-                                         ("powersgd:rank=4", "dp_powersgd_buckets")])
-def test_golden_backward_issues_each_collective_early_and_waits_late(codec, name):
+@pytest.mark.slow
+@pytest.mark.parametrize("codec, name", list(GOLDEN.items()))
+def test_golden_backward_issues_each_collective_early_and_waits_late(codec, name, two):
     from pathlib import Path
 
     from ccfx.testing import assert_golden
 
-    result, _ = spawn(dp_workers.backward_graph, 2, (codec,), timeout_s=180)
+    result, _ = two[f"golden {codec}"]
     assert_golden(Path(__file__).parent / "golden" / f"{name}.txt", result["text"])
     targets = result["targets"]
     issued = [i for i, t in enumerate(targets) if "all_gather" in t or "all_reduce" in t]
@@ -144,13 +165,15 @@ def test_golden_backward_issues_each_collective_early_and_waits_late(codec, name
     assert any(m > issued[0] for m in matmuls) and waits[-1] > issued[-1]
 
 
-def test_a_stalled_rank_is_an_error_after_the_collective_timeout():
-    survivor, _ = spawn(dp_workers.stalls_mid_step, 2, (8.0,), timeout_s=120)
+@pytest.mark.slow
+def test_a_stalled_rank_is_an_error_after_the_collective_timeout(two):
+    survivor, _ = two["stall"]
     assert survivor["error"] == "CollectiveError", survivor
     assert "rank 0 of 2" in survivor["message"] and "timeout 8 s" in survivor["message"]
     assert 6 < survivor["elapsed"] < 40, survivor["elapsed"]
 
 
+@pytest.mark.slow
 def test_the_rank_that_failed_first_is_reported_as_the_cause():
     # Rank 0's collective fails *because* rank 1 raised and tore its group down; rank 0's
     # error may reach the parent first, but the report must lead with rank 1's.

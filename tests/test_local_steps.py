@@ -1,7 +1,9 @@
 """Local steps (DiLoCo) and their streamed, compressed sync (issue #11).
 
-Multi-rank tests run on gloo ranks on 127.0.0.1 (``ccfx.runtime.launch.spawn``, bounded in
-time); the rest run in this process (world size 1: each exchange is the codec's round trip)."""
+Multi-rank tests run on gloo ranks on 127.0.0.1, bounded in time: one spawn per world size (the
+module-scoped fixtures ``two``, ``three``, ``four``: tests/ranks.py) runs every scenario, and
+each test asserts on what one scenario returned. The rest run in this process (world size 1:
+each exchange is the codec's round trip)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import torch
 from torch import nn
 
 import ccfx
-from ccfx.runtime.launch import spawn
 
 from . import local_steps_workers as w
+from . import ranks
+from .ranks import scenario
 
 # -- one process --------------------------------------------------------------------------------
 
@@ -140,11 +143,45 @@ def test_resume_refuses_other_options():
 
 # -- several ranks --------------------------------------------------------------------------------
 
+CODECS = ["none", "bf16", "int8", "int4", "fp8", "topk:ratio=0.1,ef", "powersgd:rank=2"]
+RING_CODECS = ["int8", "int4", "fp8", "topk:ratio=0.1,ef"]
+#: saved between syncs (step 3) or with a fragment's exchange in flight (step 4)
+RESUME = {"sync_every": 4, "fragments": 2, "fragment_delay": 1, "fragment_alpha": 0.5,
+          "outer_codec": "topk:ratio=0.2,ef", "compress_min_numel": 0}
+STREAMING = {"sync_every": 4, "fragments": 2, "fragment_delay": 1, "outer_codec": "int8",
+             "compress_min_numel": 0}
 
-def test_h1_outer_sgd_lr1_equals_per_step_data_parallel():
+
+@pytest.fixture(scope="module")
+def two():
+    """Every 2-rank scenario in one spawn; the stalled replica last (it breaks the group)."""
+    return ranks.run_scenarios(2, [
+        scenario("h1", w.h1_against_data_parallel, 5),
+        scenario("codecs", w.replicas_after_sync, CODECS, 6, {"sync_every": 3}),
+        scenario("resume", w.checkpoint_resumes, RESUME, [3, 4], 11),
+        scenario("streaming", w.streaming_overlap, STREAMING, 8),
+        scenario("stall", w.one_replica_stops, [0, 1]),
+    ], timeout_s=500)
+
+
+@pytest.fixture(scope="module")
+def three():
+    return ranks.run_scenarios(3, [scenario("ring", w.replicas_after_sync, RING_CODECS, 4,
+                                            {"sync_every": 2, "outer_collective": "ring"})],
+                               timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return ranks.run_scenarios(4, [scenario("pp x dp", w.pipeline_dp_local_steps, 4, 2)],
+                               timeout_s=300)
+
+
+@pytest.mark.slow
+def test_h1_outer_sgd_lr1_equals_per_step_data_parallel(two):
     """... and, in the same ranks: compiling with sync_every but never calling local_steps
     warns that the replicas would train apart."""
-    out = spawn(w.h1_against_data_parallel, 2, (5,), timeout_s=180)
+    out = two["h1"]
     for rank in out:
         assert "no ccfx.local_steps" in rank["warning"]
         assert rank["syncs"] == 5
@@ -154,11 +191,9 @@ def test_h1_outer_sgd_lr1_equals_per_step_data_parallel():
         assert torch.equal(a, b)
 
 
-CODECS = ["none", "bf16", "int8", "int4", "fp8", "topk:ratio=0.1,ef", "powersgd:rank=2"]
-
-
-def test_replicas_bit_identical_after_every_sync_for_every_codec():
-    out = spawn(w.replicas_after_sync, 2, (CODECS, 6, {"sync_every": 3}), timeout_s=240)
+@pytest.mark.slow
+def test_replicas_bit_identical_after_every_sync_for_every_codec(two):
+    out = two["codecs"]
     for spec in CODECS:
         r0, r1 = out[0][spec], out[1][spec]
         assert r0["syncs"] == 2
@@ -171,15 +206,11 @@ def test_replicas_bit_identical_after_every_sync_for_every_codec():
     assert out[0]["int8"]["wire"] < raw / 3 and out[0]["int4"]["wire"] < raw / 5
 
 
-RING_CODECS = ["int8", "int4", "fp8", "topk:ratio=0.1,ef"]
-
-
-def test_ring_keeps_replicas_bit_identical_on_three_ranks():
+@pytest.mark.slow
+def test_ring_keeps_replicas_bit_identical_on_three_ranks(three):
     """outer_collective="ring": every hop re-encodes, the reduced chunks' bytes go round, every
     rank decodes the same bytes; "auto" picks the ring at 3 ranks (fewer bytes)."""
-    out = spawn(w.replicas_after_sync, 3, (RING_CODECS, 4, {"sync_every": 2,
-                                                          "outer_collective": "ring"}),
-                timeout_s=240)
+    out = three["ring"]
     for spec in RING_CODECS:
         assert out[0][spec]["collectives"] == ["ring"], spec
         for r in out[1:]:
@@ -193,13 +224,12 @@ def test_ring_keeps_replicas_bit_identical_on_three_ranks():
     assert auto.collectives == ["all_gather"]  # one replica: nothing to ring
 
 
-def test_checkpoint_resumes_with_identical_numerics():
+@pytest.mark.slow
+def test_checkpoint_resumes_with_identical_numerics(two):
     """Saved between syncs (step 3) or with a fragment's exchange in flight (step 4: fragment
     1's, started at step 4 with τ = 1), with error-feedback residuals and outer momentum: the
     resumed run equals the uninterrupted one bit for bit."""
-    options = {"sync_every": 4, "fragments": 2, "fragment_delay": 1, "fragment_alpha": 0.5,
-               "outer_codec": "topk:ratio=0.2,ef", "compress_min_numel": 0}
-    out = spawn(w.checkpoint_resumes, 2, (options, [3, 4], 11), timeout_s=240)
+    out = two["resume"]
     for rank in out:
         for stop_at, run in rank.items():
             assert run["in_flight"] == (stop_at == 4)
@@ -207,9 +237,10 @@ def test_checkpoint_resumes_with_identical_numerics():
                 assert torch.equal(a, b), stop_at
 
 
-def test_a_stalled_replica_is_an_error_naming_the_fragment_not_a_hang():
+@pytest.mark.slow
+def test_a_stalled_replica_is_an_error_naming_the_fragment_not_a_hang(two):
     """Merged at once (τ = 0) and from the sync thread (τ = 1)."""
-    out = spawn(w.one_replica_stops, 2, ([0, 1],), timeout_s=120)
+    out = two["stall"]
     for delay in (0, 1):
         assert out[1][delay] == "finished"
         message = out[0][delay]
@@ -217,10 +248,9 @@ def test_a_stalled_replica_is_an_error_naming_the_fragment_not_a_hang():
         assert "started at inner step 2" in message and "collective_timeout_s=3" in message
 
 
-def test_streaming_overlaps_each_fragment_with_inner_steps():
-    options = {"sync_every": 4, "fragments": 2, "fragment_delay": 1, "outer_codec": "int8",
-               "compress_min_numel": 0}
-    out = spawn(w.streaming_overlap, 2, (options, 8), timeout_s=180)
+@pytest.mark.slow
+def test_streaming_overlaps_each_fragment_with_inner_steps(two):
+    out = two["streaming"]
     for rank in out:
         starts = [e for e in rank["events"] if e[0] == "start"]
         exchanges = [e for e in rank["events"] if e[0] == "exchange"]
@@ -236,8 +266,9 @@ def test_streaming_overlaps_each_fragment_with_inner_steps():
         assert torch.equal(a, b)
 
 
-def test_pipeline_times_data_parallel_syncs_each_stage_over_its_replicas():
-    out = spawn(w.pipeline_dp_local_steps, 4, (4, 2), timeout_s=300)
+@pytest.mark.slow
+def test_pipeline_times_data_parallel_syncs_each_stage_over_its_replicas(four):
+    out = four["pp x dp"]
     by_stage = {}
     for r in out:
         assert r["buckets"] == 0  # no per-step gradient exchange under local steps

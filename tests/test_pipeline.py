@@ -6,15 +6,18 @@ the same losses, gradients and parameters after a few SGD steps: bit for bit whe
 kernels run in the same order (the identity codec, int8, PowerSGD all encode and decode the
 same tensors in the same order), to float rounding where a sum is split over ranks (a tied
 embedding's two partial gradients are all-reduced). The ledgers agree byte for byte.
+
+Starting ranks is what costs, so every scenario of one world size runs in one spawn (the
+module-scoped fixtures ``two``, ``three``, ``four``: tests/ranks.py) and each test asserts on what
+its scenario returned; the single-process simulations run here, in the test.
 Workers: tests/pipeline_workers.py.
 """
 
 import pytest
 import torch
 
-from ccfx.runtime.launch import RankFailed, spawn
-
 from . import pipeline_workers as pw
+from .ranks import raised, run_scenarios, scenario
 
 N_MICRO, STEPS = 4, 3
 
@@ -33,32 +36,63 @@ CASES = [
 ]
 
 
+IDS = ["-".join(str(v) for v in c if v) for c in CASES]
+#: the skip model on 3 ranks: the edges leaving stage 0 go int8 forward / PowerSGD backward,
+#: those leaving stage 1 int4 both ways; the default (none) is used nowhere
+OVERRIDES = {"stage 0": "int8/powersgd:rank=2", "stage 1": "int4"}
+EPILOGUE_SCHEDULES = ["Schedule1F1B", "ScheduleGPipe"]
+
+
+def _case_scenarios(world: int) -> list[tuple]:
+    return [scenario(name, pw.pipeline, m, s, c, g, N_MICRO, STEPS, sch)
+            for name, (m, w, s, c, g, sch) in zip(IDS, CASES) if w == world]
+
+
+@pytest.fixture(scope="module")
+def two():
+    """The 2-rank cases, the checkpoint, the evaluation; last, the zero-bubble schedule with
+    compiled stages, which must fail."""
+    return run_scenarios(2, [
+        *_case_scenarios(2),
+        scenario("resume", pw.resume, "int8:ef", "powersgd:rank=2", N_MICRO),
+        scenario("eval", pw.evaluate, "int8", N_MICRO),
+        scenario("zero bubble compiled", raised, pw.pipeline, "mlp", 4, "none", None,
+                 N_MICRO, 1, "ScheduleZBVZeroBubble", 0.05, "inductor"),
+    ], timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def three():
+    return run_scenarios(3, [
+        *_case_scenarios(3),
+        scenario("overrides", pw.pipeline, "skip", 3, "none", None, N_MICRO, STEPS,
+                 "Schedule1F1B", 0.05, "eager", OVERRIDES),
+        scenario("epilogue", pw.epilogue_pairs, N_MICRO, EPILOGUE_SCHEDULES),
+    ], timeout_s=700)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_scenarios(4, [
+        scenario("pp x dp mlp", pw.pipeline_dp, "mlp", "int8", "none", 2, STEPS),
+        scenario("pp x dp gpt", pw.pipeline_dp, "gpt", "int8", "powersgd:rank=2,ef", 2, STEPS),
+        scenario("selective", pw.selective_stages, 2, 2),
+    ], timeout_s=700)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     if exact:
         return torch.equal(a, b)
     return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def pipeline_runs():
-    """Every case's per-rank results, the cases of one world size run by one set of ranks."""
-    runs = {}
-    for world in sorted({c[1] for c in CASES}):
-        cases = [c for c in CASES if c[1] == world]
-        per_rank = spawn(pw.pipeline_many, world,
-                         ([(m, s, c, g, sch) for m, _, s, c, g, sch in cases], N_MICRO, STEPS),
-                         timeout_s=120 * len(cases))
-        for k, case in enumerate(cases):
-            runs[case] = [r[k] for r in per_rank]
-    return runs
-
-
-@pytest.mark.parametrize("model,world,stages,codec,grad_codec,schedule", CASES,
-                         ids=["-".join(str(v) for v in c if v) for c in CASES])
-def test_the_pipeline_on_real_ranks_equals_the_simulation(pipeline_runs, model, world, stages,
+@pytest.mark.slow
+@pytest.mark.parametrize("model,world,stages,codec,grad_codec,schedule", CASES, ids=IDS)
+def test_the_pipeline_on_real_ranks_equals_the_simulation(request, model, world, stages,
                                                           codec, grad_codec, schedule):
     ref = pw.simulate(model, stages, codec, grad_codec, N_MICRO, STEPS)
-    ranks = pipeline_runs[(model, world, stages, codec, grad_codec, schedule)]
+    case = IDS[CASES.index((model, world, stages, codec, grad_codec, schedule))]
+    ranks = request.getfixturevalue({2: "two", 3: "three"}[world])[case]
     exact = model != "gpt"  # the tied weight's gradient is summed over two ranks
     last = [r for r in ranks if r["losses"]]
     assert len(last) == 1 and len(last[0]["losses"]) == N_MICRO * STEPS
@@ -86,11 +120,10 @@ def test_the_pipeline_on_real_ranks_equals_the_simulation(pipeline_runs, model, 
         assert (wire == raw) if spec == "none" else (wire < 0.6 * raw), (d, spec, wire, raw)
 
 
-def test_zero_bubble_with_compiled_stages_is_a_clear_error():
-    with pytest.raises(RankFailed) as e:
-        spawn(pw.pipeline, 2, ("mlp", 4, "none", None, N_MICRO, 1, "ScheduleZBVZeroBubble",
-                               0.05, "inductor"), timeout_s=240)
-    assert "ConfigError" in str(e.value) and "lowering='eager'" in str(e.value)
+@pytest.mark.slow
+def test_zero_bubble_with_compiled_stages_is_a_clear_error(two):
+    errors = "\n".join(e for e in two["zero bubble compiled"] if e)  # per rank "Type: message"
+    assert "ConfigError" in errors and "lowering='eager'" in errors
 
 
 def _replica_losses(ranks) -> list[float]:
@@ -99,14 +132,14 @@ def _replica_losses(ranks) -> list[float]:
     return [v for step in range(STEPS) for r in last for v in r["losses"][2 * step:2 * step + 2]]
 
 
-def _pp_dp(model, codec, gradient_codec):
+def _pp_dp(four, model, codec):
     ref = pw.simulate(model, 2, codec, None, 2 * 2, STEPS)  # both replicas' microbatches
-    ranks = spawn(pw.pipeline_dp, 4, (model, codec, gradient_codec, 2, STEPS), timeout_s=300)
-    return ref, ranks
+    return ref, four[f"pp x dp {model}"]
 
 
-def test_pp_x_dp_uncompressed_gradients_equal_the_simulation_of_the_whole_batch():
-    ref, ranks = _pp_dp("mlp", "int8", "none")
+@pytest.mark.slow
+def test_pp_x_dp_uncompressed_gradients_equal_the_simulation_of_the_whole_batch(four):
+    ref, ranks = _pp_dp(four, "mlp", "int8")  # gradients uncompressed ("none")
     assert _replica_losses(ranks) == pytest.approx(ref["losses"], rel=1e-6)
     for r in ranks:
         assert r["buckets"][0] == r["buckets"][1] > 0  # gradient bytes, uncompressed
@@ -116,8 +149,9 @@ def test_pp_x_dp_uncompressed_gradients_equal_the_simulation_of_the_whole_batch(
             assert torch.allclose(p, ref["params"][name], rtol=1e-5, atol=1e-7), name
 
 
-def test_pp_x_dp_compressed_gradients_keep_replicas_and_tied_copies_identical():
-    ref, ranks = _pp_dp("gpt", "int8", "powersgd:rank=2,ef")
+@pytest.mark.slow
+def test_pp_x_dp_compressed_gradients_keep_replicas_and_tied_copies_identical(four):
+    ref, ranks = _pp_dp(four, "gpt", "int8")  # gradients "powersgd:rank=2,ef"
     by_rank = {r["rank"]: r for r in ranks}
     for a, b in ((0, 2), (1, 3)):  # the two replicas of each stage: the same bits
         assert by_rank[a]["params"].keys() == by_rank[b]["params"].keys()
@@ -140,10 +174,11 @@ def test_pp_x_dp_compressed_gradients_keep_replicas_and_tied_copies_identical():
     assert losses == pytest.approx(ref["losses"], rel=1e-2)
 
 
-def test_a_checkpoint_of_each_rank_resumes_with_identical_numerics():
+@pytest.mark.slow
+def test_a_checkpoint_of_each_rank_resumes_with_identical_numerics(two):
     # Stateful codecs both ways: int8 with error feedback forward (the residual on the
     # sender), PowerSGD backward (its warm-start Q on the sender of the gradients).
-    ranks = spawn(pw.resume, 2, ("int8:ef", "powersgd:rank=2", N_MICRO), timeout_s=240)
+    ranks = two["resume"]
     assert any(r["state_names"] for r in ranks)  # the codec state is in the checkpoint
     assert ranks[0]["state_names"] and ranks[1]["state_names"]
     for r in ranks:
@@ -152,19 +187,17 @@ def test_a_checkpoint_of_each_rank_resumes_with_identical_numerics():
     assert len(ranks[1]["straight"]) == 2 * N_MICRO
 
 
-def test_forward_only_eval_equals_the_simulation():
-    ranks = spawn(pw.evaluate, 2, ("int8", N_MICRO), timeout_s=180)
+@pytest.mark.slow
+def test_forward_only_eval_equals_the_simulation(two):
+    ranks = two["eval"]
     assert ranks[0]["out"] is None  # the output is on the last stage's rank
     assert torch.equal(ranks[1]["out"], pw.simulate_forward("int8", N_MICRO))
 
 
-def test_codec_overrides_reach_the_wire():
-    # The skip model on 3 ranks: the edges leaving stage 0 go int8 forward / PowerSGD backward,
-    # those leaving stage 1 int4 both ways; the default (none) is used nowhere.
-    overrides = {"stage 0": "int8/powersgd:rank=2", "stage 1": "int4"}
-    ref = pw.simulate("skip", 3, "none", None, N_MICRO, STEPS, overrides=overrides)
-    ranks = spawn(pw.pipeline, 3, ("skip", 3, "none", None, N_MICRO, STEPS, "Schedule1F1B",
-                                   0.05, "eager", overrides), timeout_s=240)
+@pytest.mark.slow
+def test_codec_overrides_reach_the_wire(three):
+    ref = pw.simulate("skip", 3, "none", None, N_MICRO, STEPS, overrides=OVERRIDES)
+    ranks = three["overrides"]
     assert ranks[2]["losses"] == ref["losses"]
     for r in ranks:
         for name, p in r["params"].items():
@@ -175,11 +208,12 @@ def test_codec_overrides_reach_the_wire():
         assert total[1] < 0.5 * total[0]  # compressed both ways
 
 
-def test_epilogue_only_compresses_the_cool_down_backward_sends_only():
+@pytest.mark.slow
+def test_epilogue_only_compresses_the_cool_down_backward_sends_only(three):
     from ccfx.planner.schedule import epilogue_backwards
 
-    schedules = ["Schedule1F1B", "ScheduleGPipe"]
-    ranks = spawn(pw.epilogue_pairs, 3, (N_MICRO, schedules), timeout_s=300)
+    schedules = EPILOGUE_SCHEDULES
+    ranks = three["epilogue"]
     for schedule in schedules:
         full, epi = zip(*(r[schedule] for r in ranks))
         assert full[2]["losses"] == pytest.approx(epi[2]["losses"], rel=1e-2)
@@ -196,8 +230,9 @@ def test_epilogue_only_compresses_the_cool_down_backward_sends_only():
                 assert 0 < k < N_MICRO, schedule
 
 
-def test_selective_stage_compression_given_and_chosen_by_auto():
-    given, auto = zip(*spawn(pw.selective_stages, 4, (2, 2), timeout_s=400))
+@pytest.mark.slow
+def test_selective_stage_compression_given_and_chosen_by_auto(four):
+    given, auto = zip(*four["selective"])
     for r in given:  # gradient_codec_stages=[0]: stage 0's replicas compress, stage 1's not
         raw, wire = r["buckets"]
         assert (wire < raw / 2) if r["pp"] == 0 else (wire == raw), (r["pp"], raw, wire)

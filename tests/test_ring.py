@@ -56,6 +56,7 @@ def ranks(request, spawned):
 # -- on ranks -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_rank_ends_with_the_same_bits(ranks):
     world, results = ranks
     for case in cases(world):
@@ -64,12 +65,14 @@ def test_every_rank_ends_with_the_same_bits(ranks):
         assert rows[0]["shape"] == (case[1],) and rows[0]["dtype"] == "torch.float32", case
 
 
+@pytest.mark.slow
 def test_none_is_the_fp32_mean(ranks):
     world, results = ranks
     for n in sizes(world):
         assert results[0]["cases"][("none", n)]["max_err"] <= 1e-6, (world, n)
 
 
+@pytest.mark.slow
 def test_lossy_codecs_stay_within_the_ring_bound(ranks):
     world, results = ranks
     for spec, e in HALF_STEP.items():
@@ -86,6 +89,7 @@ def test_lossy_codecs_stay_within_the_ring_bound(ranks):
     assert results[0]["cases"][("qsgd", 997)]["rel_l2"] < 0.2
 
 
+@pytest.mark.slow
 def test_a_single_element_passes_every_codec_exactly_enough(ranks):
     # one element is its block's absmax: int8/int4/fp8/sign/qsgd send it exactly, topk keeps it
     world, results = ranks
@@ -93,6 +97,7 @@ def test_a_single_element_passes_every_codec_exactly_enough(ranks):
         assert results[0]["cases"][(spec, 1)]["max_err"] <= 1e-6, (world, spec)
 
 
+@pytest.mark.slow
 def test_error_feedback_updates_the_residual_and_reduces_the_accumulated_error(spawned):
     results = spawned
     for r in results:
@@ -106,6 +111,7 @@ def test_error_feedback_updates_the_residual_and_reduces_the_accumulated_error(s
     assert len({tuple(r["ef"]["ef"]["digests"]) for r in results}) == 1
 
 
+@pytest.mark.slow
 def test_a_stalled_peer_is_an_error_naming_rank_hop_and_peer(spawned):
     for rank in (0, 1, 2):  # rank 3 never joins
         got = spawned[rank]["stall"]
@@ -117,10 +123,12 @@ def test_a_stalled_peer_is_an_error_naming_rank_hop_and_peer(spawned):
         assert 1.5 < got["elapsed"] < 30, got["elapsed"]
 
 
+@pytest.mark.slow
 def test_the_op_passes_opcheck_and_is_the_round_trip_on_one_rank(spawned):
     assert all(r["alone"]["single_residual_exact"] for r in spawned)
 
 
+@pytest.mark.slow
 def test_compiled_data_parallel_backward_on_the_ring_keeps_ranks_identical():
     world = 3
     results = spawn(ring_workers.compiled_ring_training, world, (2,), timeout_s=240)
