@@ -4,7 +4,11 @@ import os
 # interpreted. Other imports load triton early (transformers does), so the Triton kernel tests
 # can only interpret reliably if the whole session does. Without a GPU that changes nothing else:
 # ccfx runs Triton only for CUDA tensors, and inductor emits C++ on CPU.
-if not os.path.exists("/dev/nvidiactl"):
+#
+# CCFX_TEST_DEVICE=cuda (scripts/gpu_check.sh) runs the Triton kernel tests (tests/test_triton_*.py)
+# on CUDA tensors instead, their kernels compiled: see _test_device below and tests/_triton_interp.py.
+TEST_DEVICE = os.environ.get("CCFX_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu" and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The planner's measured timings: a cache of the test session's own, not the user's
@@ -36,12 +40,40 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-#: Modules whose every test starts rank processes but that cannot carry the marker themselves
-#: yet (tests/test_dp_training.py is being rewritten): marked ``slow`` here.
-SLOW_MODULES = {"test_dp_training.py"}
+def pytest_configure(config):
+    if TEST_DEVICE == "cpu":
+        return
+    if TEST_DEVICE != "cuda":
+        raise pytest.UsageError(f"CCFX_TEST_DEVICE={TEST_DEVICE!r}: use cpu (the default) or cuda")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise pytest.UsageError("CCFX_TEST_DEVICE=cuda compiles the Triton kernels: unset "
+                                "TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("CCFX_TEST_DEVICE=cuda but torch sees no CUDA device "
+                                f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+def pytest_report_header(config):
+    if TEST_DEVICE == "cpu":
+        how = "interpreted (TRITON_INTERPRET=1)" if os.environ.get("TRITON_INTERPRET") == "1" else (
+            "interpreted per module (tests/_triton_interp.py)")
+        return f"ccfx Triton kernel tests: cpu tensors, kernels {how}"
+    return (f"ccfx Triton kernel tests: {TEST_DEVICE} tensors ({torch.cuda.get_device_name()}), "
+            "kernels compiled")
+
+
+@pytest.fixture(autouse=True)
+def _test_device(request):
+    """CCFX_TEST_DEVICE=cuda: in tests/test_triton_*.py, CUDA is torch's default device, so the
+    tests' inputs (and the references run on them) are CUDA tensors and the kernels run
+    compiled. Every other test, and the default (cpu), is left as it is."""
+    if TEST_DEVICE == "cpu" or not request.path.name.startswith("test_triton_"):
+        yield
+        return
+    torch.set_default_device(TEST_DEVICE)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
