@@ -3,6 +3,7 @@
 import gc
 import json
 
+import pytest
 import torch
 
 import ccfx
@@ -37,6 +38,7 @@ def test_two_models_three_compiles_three_plans_and_ledgers():
     assert ledgers[2].totals() == ledgers[3].totals() and ledgers[2].totals()[0] > 0
 
 
+@pytest.mark.slow  # ~40 s on 2 busy cores: 50 compiles
 def test_compiling_and_dropping_50_models_leaves_the_registries_as_they_were():
     gc.collect()
     before = (live_backends(), registered_hops())
