@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from ccfx import codecs
-from ccfx.config import Config
+from ccfx.config import AUTO, Config
 from ccfx.errors import CcfxError, CcfxWarning, ConfigError
 from ccfx.passes import annotate, cut_edges, partition, run_passes
 from ccfx.passes.facts import CutFacts, NodeFacts, kind_of, need, stage_of
@@ -126,15 +126,9 @@ class CcfxBackend:
 
     @property
     def plan(self) -> Plan:
+        """Every graph's plan, as compiled (decisions were written in when they were made)."""
         graphs = [g.plan for g in self.graphs]
         dp = self.data_parallel
-        if dp is not None:
-            for g in graphs:
-                g.buckets = dp.buckets(g.index)
-                edge_decisions = [d for d in g.decisions if not d.what.startswith("bucket")]
-                g.decisions = edge_decisions + dp.decisions(g.index)
-                if g.prediction is None:
-                    g.prediction = dp.prediction(g.index)
         plan = Plan(config=self.config.to_dict(), graphs=graphs,
                     option_sources=self.option_sources,
                     data_parallel=dp.info() if dp is not None else None)
@@ -168,13 +162,11 @@ class CcfxBackend:
         """``auto`` activation codecs: the planner's choice for every cut edge of ``gm``
         (partitioned, not yet cut), the same on every rank (rank 0's, where a process group
         exists: measured timings differ between ranks, the payloads must not)."""
-        from ccfx.config import AUTO
-
         cfg = self.config
         if AUTO not in (cfg.activation_codec, cfg.activation_grad_codec):
             return None
         from ccfx.planner.plan_edges import plan_edge_codecs
-        from ccfx.runtime.store_exchange import from_rank0
+        from ccfx.wire.agree import from_rank0
 
         num_stages = 1 + max((stage_of(n) or 0 for n in gm.graph.nodes), default=0)
         decided = plan_edge_codecs(gm, cfg, num_stages) if _rank() == 0 else None
@@ -182,6 +174,39 @@ class CcfxBackend:
         # the graph index name this compile on all of them
         return from_rank0(f"ccfx/auto/backend{self.serial}/graph{len(self.graphs)}", decided,
                           cfg.collective_timeout_s, "rank 0's codec choice for the cut edges")
+
+    def stage_gradient_codecs(self, parent: torch.fx.GraphModule, dp_group=None,
+                              graph: int = 0) -> list[str]:
+        """Each pipeline stage's data-parallel gradient codec under PP × DP (``parent``: graph
+        ``graph`` split into its stages): ``gradient_codec`` for the stages
+        ``gradient_codec_stages`` selects (all by default), ``"none"`` for the others; with
+        ``"auto"`` the planner's choice per stage (rank 0's, taken by every rank of the default
+        group), its decisions written into the graph's plan."""
+        import torch.distributed as dist
+
+        cfg = self.config
+        count = len(parent.meta["ccfx"]["interfaces"])
+        if cfg.gradient_codec != AUTO:
+            selected = cfg.gradient_codec_stages
+            return [cfg.gradient_codec if selected is None or s in selected else "none"
+                    for s in range(count)]
+        if dp_group is None or dist.get_world_size(dp_group) < 2:
+            return ["none"] * count
+        from ccfx.planner.plan_stages import plan_stage_codecs
+        from ccfx.wire.policy import compressible
+
+        decided = None
+        if dist.get_rank() == 0:
+            shapes = [[tuple(p.shape) for p in getattr(parent, f"stage_{s}").parameters()
+                       if compressible(tuple(p.shape), cfg.compress_min_numel)]
+                      for s in range(count)]
+            decided = plan_stage_codecs(self.plan, cfg, dist.get_world_size(dp_group), shapes)
+        box = [decided]
+        dist.broadcast_object_list(box, src=0)
+        chosen, decisions = box[0]
+        g = self.graphs[graph].plan
+        g.decisions = [d for d in g.decisions if not d.what.startswith("stage ")] + decisions
+        return list(chosen)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         kwargs.pop("ccfx_owner", None)
@@ -201,7 +226,10 @@ class CcfxBackend:
                 "the gradients itself), or keep DDP, drop data_parallel and give DDP ccfx's codec "
                 "with model.register_comm_hook(*ccfx.ddp_comm_hook(spec))")
         if self.data_parallel is None:
-            self.data_parallel = DataParallel(self.config, self.ledger)
+            decide = None
+            if self.config.gradient_codec == AUTO:  # priced by the planner, per bucket
+                from ccfx.planner.plan_buckets import plan_bucket_codecs as decide
+            self.data_parallel = DataParallel(self.config, self.ledger, decide)
             self.codec_state.add_module("buckets", self.data_parallel.state)
         return self.data_parallel
 
@@ -249,9 +277,10 @@ class CcfxBackend:
         state_inputs = {k: weakref.ref(example_inputs[k]) for k, n in enumerate(placeholders)
                         if kind_of(n) in ("param", "buffer")}
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs))
-        if dp is not None and dp.buckets(index):  # the backward compiled with the forward
+        if dp is not None:  # the backward compiled with the forward: its buckets are decided
+            _record_buckets(graph_plan, dp)
+        if dp is not None and dp.buckets(index):
             with_buckets = Plan(cfg.to_dict(), [graph_plan], data_parallel=dp.info())
-            graph_plan.buckets = dp.buckets(index)
             log.info("ccfx: graph %d gradient buckets\n%s", index, with_buckets)
         # Dynamo keeps what a backend returns until torch._dynamo.reset(): refer to this
         # backend weakly, so its ledger, hops and state die with the compiled model.
@@ -266,6 +295,17 @@ class CcfxBackend:
             return compiled(*args)
 
         return run
+
+
+def _record_buckets(graph_plan: GraphPlan, dp: DataParallel) -> None:
+    """Write the data-parallel decisions of one graph into its plan, once: its buckets, what
+    ``gradient_codec="auto"`` chose for them and the step it predicted."""
+    index = graph_plan.index
+    graph_plan.buckets = dp.buckets(index)
+    edge_decisions = [d for d in graph_plan.decisions if not d.what.startswith("bucket")]
+    graph_plan.decisions = edge_decisions + dp.decisions(index)
+    if graph_plan.prediction is None:
+        graph_plan.prediction = dp.prediction(index)
 
 
 @functools.cache

@@ -4,7 +4,7 @@ fixed choice, on the shaped loopback (bench/shaped.py) at each rate.
 For each model, stage count and rate:
 
 1. **predict**: the model compiled at the microbatch shape, its stages timed one by one on this
-   process (``ccfx.planner.profile_stages``, inductor lowering, 1 thread), the link as given
+   process (``ccfx.backends.profile.profile_stages``, inductor lowering, 1 thread), the link as given
    (shaped: the tc rate; unshaped: measured by ``ccfx.planner.probe_link`` between two ranks),
    the codecs' encode/decode timed at each tensor's size; the 1F1B step simulated
    (``ccfx.planner.schedule``) for each fixed variant, then the tied-weight sum and the
@@ -60,7 +60,8 @@ def predictions(model: str, stages: int, gbps: float, latency_ms: float) -> dict
     import torch
 
     import ccfx
-    from ccfx.planner import Link, PipelineModel, StageCompute, edges_from_plan, profile_stages
+    from ccfx.backends.profile import profile_stages
+    from ccfx.planner import Link, PipelineModel, StageCompute, edges_from_plan
 
     torch.set_num_threads(1)
     spec = MODELS[model]
@@ -74,7 +75,7 @@ def predictions(model: str, stages: int, gbps: float, latency_ms: float) -> dict
     from ccfx.planner.pipeline_model import shared_from_plan
 
     plan = ccfx.plan_of(compiled)
-    from ccfx.planner.compute import optimizer_seconds
+    from ccfx.backends.profile import optimizer_seconds
 
     tail = optimizer_seconds(compiled, lambda ps: (torch.optim.AdamW(ps, lr=3e-3)
                                                    if model == "gpt" else

@@ -7,7 +7,14 @@
 
 from . import codecs
 from .config import Config
-from .errors import CcfxError, CcfxWarning, CodecError, ConfigError, PartitionError
+from .errors import (
+    CcfxError,
+    CcfxWarning,
+    CodecError,
+    CollectiveError,
+    ConfigError,
+    PartitionError,
+)
 from .plan import CutEdge, GraphPlan, Plan, SharedParam, Stage
 from .runtime import cut_op as _cut_op  # noqa: F401  (registers torch.ops.ccfx.cut)
 
@@ -82,8 +89,11 @@ def build_stages(compiled, rank: int | None = None, device="cpu", group=None, *,
     world = dist.get_world_size(group) if initialized else 1
     if rank is None:
         rank = dist.get_rank(group) if initialized else 0
-    return _build(backend_of(compiled), rank, world, device, group, style=style,
-                  dp_group=dp_group)
+    backend = backend_of(compiled)
+    # each stage's data-parallel gradient codec: the backend's decision (the planner's, for
+    # "auto"), written into the plan
+    return _build(backend, rank, world, device, group, style=style, dp_group=dp_group,
+                  gradient_codecs=lambda parent: backend.stage_gradient_codecs(parent, dp_group))
 
 
 def build_stage(compiled, rank: int | None = None, device="cpu", group=None):
@@ -114,10 +124,25 @@ def local_steps(target, optimizer, group=None, **options):
     with the options given here) or the stages ``build_stages(..., dp_group=...)`` returned.
     Returns the :class:`~ccfx.runtime.local_steps.LocalSteps` (its ``state_dict()`` belongs
     in the checkpoint); it hooks the optimizer, so the training loop is otherwise unchanged.
-    See :mod:`ccfx.runtime.local_steps`."""
+    See :mod:`ccfx.runtime.local_steps`; :func:`ccfx.planner.predict_outer` predicts its step.
+    """
+    import torch
+
+    from ccfx.backends.compiler import backend_of, config_of
     from ccfx.runtime.local_steps import local_steps as _local_steps
 
-    return _local_steps(target, optimizer, group, **options)
+    config = ledger = None
+    if isinstance(target, torch.nn.Module):
+        config = config_of(target)  # the options it was compiled with, if ccfx compiled it
+
+        def ledger():  # the backend's, made at the first call
+            try:
+                return backend_of(target).ledger
+            except ConfigError:
+                return None
+
+    return _local_steps(target, optimizer, group, compiled_config=config,
+                        compiled_ledger=ledger, **options)
 
 
 def stage_boundary() -> None:
@@ -143,6 +168,7 @@ __all__ = [
     "CcfxError",
     "CcfxWarning",
     "CodecError",
+    "CollectiveError",
     "Config",
     "ConfigError",
     "CutEdge",

@@ -17,5 +17,9 @@ class PartitionError(CcfxError):
     """The graph cannot be cut as asked."""
 
 
+class CollectiveError(CcfxError):
+    """A collective between ranks failed or timed out (a peer rank died, hung or diverged)."""
+
+
 class CcfxWarning(UserWarning):
     """Something ccfx changed on your behalf (e.g. fewer stages than asked)."""

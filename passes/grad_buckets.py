@@ -6,12 +6,12 @@ Three steps, each usable alone:
 1. :func:`find_param_grads`: which outputs of the backward are gradients of parameters (the
    output node's ``meta["desc"]``: ``GradAOTOutput(grad_of=PlainAOTInput(k))``, input ``k`` of
    the forward being an ``nn.Parameter``), in the order backward makes them.
-2. :func:`assign_buckets`: DDP's policy. Gradients fill buckets in that order up to
-   ``bucket_mb``; 0-d/1-D parameters and those under ``compress_min_numel`` go to buckets of
-   their own that travel uncompressed, and so does a bucket the codec would not shrink by
-   ``min_compression_rate``. One dtype per bucket.
+2. :func:`~ccfx.wire.policy.assign_buckets` (the wire layer's bucket policy, DDP's):
+   gradients fill buckets in that order up to ``bucket_mb``; 0-d/1-D parameters and those
+   under ``compress_min_numel`` go to buckets of their own that travel uncompressed, and so
+   does a bucket the codec would not shrink by ``min_compression_rate``. One dtype per bucket.
 3. :func:`grad_buckets` (the pass): per bucket, the phases of its
-   :class:`~ccfx.runtime.bucket_exchange.Exchange` traced with ``make_fx`` (functional
+   :class:`~ccfx.wire.exchange.Exchange` traced with ``make_fx`` (functional
    collectives and the codecs' own ops) and spliced in: the first phase right after the
    bucket's last gradient (the collective starts as soon as the bucket is ready), middle
    phases after the next buckets' gradients, the last phase (wait, decode, ÷ world) just
@@ -28,52 +28,16 @@ Facts: each spliced node gets ``meta["ccfx"] = {"bucket": i, "phase": k}``; the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from ccfx.errors import CcfxError
-from ccfx.runtime.bucket_exchange import BucketLayout, Exchange, exchange_for
+from ccfx.wire.exchange import Exchange, exchange_for
+from ccfx.wire.policy import BucketAssignment, GradSlot
 
 from .graph_utils import facts
-
-
-@dataclass(frozen=True)
-class GradSlot:
-    """One parameter gradient among the backward's outputs."""
-
-    output_index: int  # position in the backward's output tuple
-    input_index: int  # the forward input (example_inputs[k]) it is the gradient of
-    name: str  # the parameter's qualified name
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    ready: int  # position in the graph of the node that produces it
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class BucketAssignment:
-    index: int
-    slots: tuple[GradSlot, ...]
-    spec: str  # the codec applied ("none" when the policy skipped compression)
-    reason: str = ""  # why it travels uncompressed, when it does
-    #: how a non-summable payload is averaged: "all_gather" or "ring" (summable codecs
-    #: all-reduce whichever it says; see bucket_exchange.exchange_for)
-    collective: str = "all_gather"
-
-    @property
-    def layout(self) -> BucketLayout:
-        return BucketLayout(tuple(s.shape for s in self.slots), self.slots[0].dtype)
-
-    @property
-    def ready(self) -> int:
-        return max(s.ready for s in self.slots)
 
 
 def _output_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
@@ -104,42 +68,6 @@ def find_param_grads(gm: torch.fx.GraphModule, param_names: Mapping[int, str]) -
         slots.append(GradSlot(k, index, param_names[index], tuple(int(d) for d in value.shape),
                               value.dtype, pos[node]))
     return sorted(slots, key=lambda s: (s.ready, s.output_index))
-
-
-def _compressible(slot: GradSlot, compress_min_numel: int) -> str:
-    """'' when the gradient may be compressed, else the reason it travels raw."""
-    if len(slot.shape) < 2:
-        return "0-d/1-D parameters travel uncompressed"
-    if slot.numel < compress_min_numel:
-        return f"below compress_min_numel={compress_min_numel}"
-    return ""
-
-
-def assign_buckets(slots: Sequence[GradSlot], codec: str, bucket_mb: float,
-                   compress_min_numel: int, min_compression_rate: float) -> list[BucketAssignment]:
-    cap = bucket_mb * 2**20
-    open_buckets: dict[tuple, list[GradSlot]] = {}
-    closed: list[tuple[str, list[GradSlot]]] = []
-    for slot in slots:
-        reason = _compressible(slot, compress_min_numel) if codec != "none" else ""
-        key = (slot.dtype, reason)
-        members = open_buckets.setdefault(key, [])
-        members.append(slot)
-        if sum(s.numel * s.dtype.itemsize for s in members) >= cap:
-            closed.append((reason, open_buckets.pop(key)))
-    closed += [(reason, members) for (_, reason), members in open_buckets.items()]
-    closed.sort(key=lambda rm: max(s.ready for s in rm[1]))  # the order they become ready
-    buckets = []
-    for i, (reason, members) in enumerate(closed):
-        spec = "none" if reason else codec
-        if spec != "none":
-            ex = exchange_for(BucketLayout(tuple(s.shape for s in members), members[0].dtype), spec)
-            rate = ex.raw_bytes / max(ex.wire_bytes(), 1)
-            if rate < min_compression_rate:
-                spec, reason = "none", (f"{codec} would shrink it {rate:.2f}x only "
-                                        f"(< min_compression_rate={min_compression_rate:g})")
-        buckets.append(BucketAssignment(i, tuple(members), spec, reason))
-    return buckets
 
 
 def _trace(fn, args, decompositions) -> torch.fx.GraphModule:

@@ -13,7 +13,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ccfx
-from ccfx.runtime.bucket_exchange import BucketLayout, LocalComm, exchange_for
+from ccfx.wire.comm import LocalComm
+from ccfx.wire.exchange import BucketLayout, exchange_for
 
 from .dp_workers import batch, loss_fn, mlp
 from .ranks import digest, gathered, mean_over_ranks, train

@@ -77,7 +77,8 @@ def _codec_reference(model, plan, x, codec):
     """What the buckets should compute, from every rank's local gradients, eagerly: gather
     codecs average each rank's round trip; PowerSGD on the averaged gradient (with one shared
     Q, P Pᵀ M summed is P Pᵀ of the sum)."""
-    from ccfx.runtime.bucket_exchange import BucketLayout, LocalComm, exchange_for
+    from ccfx.wire.comm import LocalComm
+    from ccfx.wire.exchange import BucketLayout, exchange_for
 
     local = _local_grads(model, x)
     out = dict(local)

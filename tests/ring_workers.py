@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from ccfx.codecs import ops
-from ccfx.runtime.bucket_exchange import BucketLayout, GatherExchange
-from ccfx.runtime.comm_hook import ProcessGroupComm
-from ccfx.runtime.data_parallel import CollectiveError
-from ccfx.runtime.ring import ring_all_reduce
+from ccfx.errors import CollectiveError
+from ccfx.wire.comm import ProcessGroupComm
+from ccfx.wire.exchange import BucketLayout, GatherExchange
+from ccfx.wire.ring import ring_all_reduce
 
 from .ranks import digest, gathered, rng
 

@@ -210,7 +210,7 @@ def test_codec_overrides_reach_the_wire(three):
 
 @pytest.mark.slow
 def test_epilogue_only_compresses_the_cool_down_backward_sends_only(three):
-    from ccfx.planner.schedule import epilogue_backwards
+    from ccfx.wire.schedules import epilogue_backwards
 
     schedules = EPILOGUE_SCHEDULES
     ranks = three["epilogue"]

@@ -8,7 +8,7 @@ import ccfx
 from ccfx.planner import CodecTimer, Link, StageCost, simulate
 from ccfx.planner.auto import choose_pipeline_codecs
 from ccfx.planner.pipeline_model import EdgeTraffic, PipelineModel, StageCompute
-from ccfx.planner.schedule import Compute, gpipe_program, one_f_one_b_program
+from ccfx.wire.schedules import Compute, gpipe_program, one_f_one_b_program
 
 NO_WIRE = Link(1e6, 0.0)
 
@@ -238,7 +238,7 @@ def test_the_loss_budget_decides_the_candidates():
 
 
 def test_the_optimizer_step_after_the_schedule_is_priced():
-    from ccfx.planner.compute import optimizer_seconds
+    from ccfx.backends.profile import optimizer_seconds
 
     compiled = torch.compile(_mlp(), backend="ccfx", fullgraph=True,
                              options={"stages": 2, "lowering": "eager"})
@@ -252,7 +252,7 @@ def test_the_optimizer_step_after_the_schedule_is_priced():
 
 
 def test_profile_stages_times_each_stage_forward_and_backward():
-    from ccfx.planner import profile_stages
+    from ccfx.backends.profile import profile_stages
 
     x = torch.randn(8, 256)
     compiled = torch.compile(_mlp(), backend="ccfx", fullgraph=True,

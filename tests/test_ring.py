@@ -1,4 +1,4 @@
-"""The re-encoding ring all-reduce (ccfx.runtime.ring) and its exchange, on 3 and 4 gloo ranks.
+"""The re-encoding ring all-reduce (ccfx.wire.ring) and its exchange, on 3 and 4 gloo ranks.
 
 Starting ranks is what costs here (each imports torch), so one spawn of 4 ranks (a
 module-scoped fixture) runs every eager case on all 4 and on the 3 ranks of a subgroup (ranks
@@ -145,7 +145,7 @@ def test_compiled_data_parallel_backward_on_the_ring_keeps_ranks_identical():
 
 
 def test_chunks_are_even_whole_blocks_adding_up():
-    from ccfx.runtime.ring import chunk_sizes
+    from ccfx.wire.ring import chunk_sizes
 
     assert chunk_sizes(4096, 4, 256) == [1024] * 4
     assert chunk_sizes(997, 4, 256) == [256, 256, 256, 229]
@@ -164,7 +164,7 @@ def test_chunks_are_even_whole_blocks_adding_up():
 
 def test_the_ring_sends_fewer_bytes_than_the_all_gather_receives():
     from ccfx import codecs
-    from ccfx.runtime.ring import gather_wire_bytes, ring_wire_bytes
+    from ccfx.wire.ring import gather_wire_bytes, ring_wire_bytes
 
     payload = codecs.prototype("int8").wire_bytes((4096,), torch.float32)  # 4096 + 16 * 4
     assert gather_wire_bytes(4096, "int8", torch.float32, 4) == 3 * payload
@@ -180,7 +180,7 @@ def test_the_ring_sends_fewer_bytes_than_the_all_gather_receives():
 
 
 def test_codecs_that_need_state_to_decode_are_refused_with_the_way_out():
-    from ccfx.runtime.ring import ring_all_reduce, ring_codec
+    from ccfx.wire.ring import ring_all_reduce, ring_codec
 
     for spec in ("randomk:ratio=0.1", "randomk:ratio=0.1,ef", "powersgd:rank=2"):
         with pytest.raises(ConfigError, match="all_gather") as e:
@@ -193,7 +193,7 @@ def test_codecs_that_need_state_to_decode_are_refused_with_the_way_out():
 
 
 def test_exchange_for_picks_the_ring_only_for_non_summable_codecs():
-    from ccfx.runtime.bucket_exchange import (
+    from ccfx.wire.exchange import (
         AllReduceExchange,
         BucketLayout,
         GatherExchange,
@@ -217,7 +217,8 @@ def test_exchange_for_picks_the_ring_only_for_non_summable_codecs():
 
 def test_world_size_one_is_the_codecs_round_trip():
     from ccfx.codecs import ops
-    from ccfx.runtime.bucket_exchange import BucketLayout, LocalComm, exchange_for
+    from ccfx.wire.comm import LocalComm
+    from ccfx.wire.exchange import BucketLayout, exchange_for
 
     layout = BucketLayout(((16, 8), (8,)), torch.float32)
     grads = [torch.randn(16, 8), torch.randn(8)]
@@ -231,15 +232,14 @@ def test_world_size_one_is_the_codecs_round_trip():
     flat, out = torch.cat([g.reshape(-1) for g in grads]), torch.cat([out_w.reshape(-1), out_b])
     assert torch.equal(state["residual"], flat - out) and state["residual"].any()
     # and the eager function without a process group agrees
-    from ccfx.runtime.ring import ring_all_reduce
+    from ccfx.wire.ring import ring_all_reduce
 
     st = ops.init_state("topk:ratio=0.1,ef", (136,), torch.float32)
     assert torch.equal(ring_all_reduce(flat, "topk:ratio=0.1,ef", None, st), out)
 
 
 def test_choose_collective():
-    from ccfx.planner.dp_model import choose_collective
-    from ccfx.planner.schedule import Link
+    from ccfx.wire.link import Link, choose_collective
 
     f32 = torch.float32
     # no link: by bytes, the ring from 3 ranks on; never for 2 (same bytes, one more rounding)

@@ -7,23 +7,33 @@
 
 Pieces, one per module:
 
-* ``schedule``: torch's GPipe / 1F1B programs rank by rank, and a simulator of one step over
-  a ``Link`` (which sends are exposed, which hide behind compute, the bubble);
+* ``schedule``: a simulator of one step of torch's GPipe / 1F1B programs
+  (:mod:`ccfx.wire.schedules`) over a ``Link`` (:mod:`ccfx.wire.link`): which sends are
+  exposed, which hide behind compute, the bubble;
 * ``codec_cost``: each codec's encode / decode seconds and payload bytes at a tensor's size,
   measured on this machine once and cached;
-* ``compute``: seconds per stage, from FLOPs and a measured machine rate, or a timed profile;
+* ``compute``: seconds per stage, from FLOPs and a measured machine rate, or timed stage
+  modules (``ccfx.backends.profile.profile_stages`` times a compiled model's);
 * ``probe``: the link between two ranks, measured;
-* ``pipeline_model`` / ``dp_model``: a choice of codecs → the predicted step;
+* ``pipeline_model`` / ``dp_model`` / ``local_model``: a choice of codecs → the predicted step;
 * ``candidates``: the error budget (codecs whose measured effect on the loss is within it);
 * ``auto``: the search, and a ``Decision`` per edge, direction and bucket that says why;
-* ``plan_edges``: the compile-time glue (a partitioned graph → its edges' codecs).
+* ``plan_edges`` / ``plan_buckets`` / ``plan_stages``: what the backend calls at compile time
+  (a partitioned graph → its edges' codecs; a backward's buckets → theirs; PP × DP stages →
+  theirs).
+
+The planner imports the wire layer (``ccfx.wire``), never the runtime or the backend: the
+backend is its only caller and writes each decision into the Plan.
 """
 
+from ..wire.link import Link
+from ..wire.schedules import StageCost
 from .codec_cost import CodecCost, CodecTimer
-from .compute import from_flops, machine_rate, profile_stages
+from .compute import from_flops, machine_rate, time_optimizer, time_stages
+from .local_model import predict_local_steps, predict_outer
 from .pipeline_model import EdgeTraffic, PipelineModel, StageCompute, edges_from_plan
 from .probe import probe_link
-from .schedule import Link, StageCost, Timeline, simulate
+from .schedule import Timeline, simulate
 
 __all__ = [
     "CodecCost",
@@ -37,7 +47,10 @@ __all__ = [
     "edges_from_plan",
     "from_flops",
     "machine_rate",
+    "predict_local_steps",
+    "predict_outer",
     "probe_link",
-    "profile_stages",
     "simulate",
+    "time_optimizer",
+    "time_stages",
 ]

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import codecs
+from ..wire.format import WireFormat
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,6 @@ class CodecTimer:
         return hit
 
     def _measure(self, spec: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
-        from ..runtime.pipeline import WireFormat
-
         wire = WireFormat(codecs.get(spec), shape, dtype)
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(shape, generator=gen).to(device=self.device, dtype=dtype)

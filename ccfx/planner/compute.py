@@ -7,10 +7,11 @@ Two sources, both measured on this machine:
   2:1) plus the same per-op overhead. ``rate`` is a matmul's FLOP/s and ``overhead`` the time
   of a tiny op (:func:`machine_rate`, cached beside the codec timings): the second term is what
   small models on CPUs spend, and a FLOP count alone misses it.
-* :func:`profile_stages`: the stage modules a pipeline rank runs (``passes.split_stages``,
+* :func:`time_stages`: the stage modules a pipeline rank runs (``passes.split_stages``,
   lowered as the plan says), each timed forward and backward on its own at the microbatch
   shape, the median of a few repeats. Slower to get, closer to the truth; what bench/planner.py
-  validates against.
+  validates against. ``ccfx.backends.profile.profile_stages(compiled, microbatch)`` gets the
+  stages of a compiled model and times them with it.
 """
 
 from __future__ import annotations
@@ -64,21 +65,14 @@ def from_flops(stage_flops: Sequence[float], stage_ops: Sequence[int], microbatc
     return out
 
 
-def profile_stages(compiled, *inputs, lowering: str | None = None, repeats: int = 5,
-                   graph: int = 0) -> list[StageCompute]:
-    """Time each pipeline stage of a compiled model (compiled and called once at the
-    microbatch shape) forward and backward, on its own: stage 0 on ``inputs`` (a microbatch,
-    as the model takes it: token ids stay valid ids), later stages on Gaussian tensors of their
-    ports' shapes."""
-    from ccfx.backends.compiler import backend_of
-    from ccfx.runtime.pipeline import _lower
-
-    backend = backend_of(compiled)
-    parent = backend.graphs[graph].split()
-    lowering = lowering or backend.config.lowering
+def time_stages(modules: Sequence[torch.nn.Module], interfaces: Sequence, inputs: Sequence,
+                repeats: int = 5) -> list[StageCompute]:
+    """Time each pipeline stage forward and backward, on its own: ``modules[s]`` (lowered as
+    it will run) with ``interfaces[s]`` (its ``StageInterface``); stage 0 on ``inputs`` (a
+    microbatch, as the model takes it: token ids stay valid ids), later stages on Gaussian
+    tensors of their ports' shapes."""
     out = []
-    for iface in parent.meta["ccfx"]["interfaces"]:
-        child = _lower(getattr(parent, f"stage_{iface.index}"), lowering)
+    for child, iface in zip(modules, interfaces, strict=True):
         args = list(inputs) if iface.index == 0 else [_port_input(p) for p in iface.inputs]
         out.append(_time_stage(child, args, repeats))
     return out
@@ -123,17 +117,14 @@ def _median_s(fn, device: torch.device, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
-def optimizer_seconds(compiled, make_optimizer, *, repeats: int = 5,
-                      graph: int = 0) -> list[float]:
-    """Per stage, the seconds of one ``make_optimizer(params).step()`` over the stage's own
-    parameters (gradients set to random values): the part of a step after the schedule."""
-    from ccfx.backends.compiler import backend_of
-
-    parent = backend_of(compiled).graphs[graph].split()
+def time_optimizer(stage_params: Sequence[Sequence[torch.nn.Parameter]], make_optimizer, *,
+                   repeats: int = 5) -> list[float]:
+    """Per stage, the seconds of one ``make_optimizer(params).step()`` over copies of the
+    stage's own parameters (gradients set to random values): the part of a step after the
+    schedule."""
     out = []
-    for iface in parent.meta["ccfx"]["interfaces"]:
-        params = [p.detach().clone().requires_grad_(True)
-                  for p in getattr(parent, f"stage_{iface.index}").parameters()]
+    for stage in stage_params:
+        params = [p.detach().clone().requires_grad_(True) for p in stage]
         for p in params:
             p.grad = torch.randn_like(p)
         opt = make_optimizer(params)

@@ -12,8 +12,9 @@ all-gather ``W-1`` times, PowerSGD's two all-reduces their P and Q, ccfx's re-en
 (``gradient_collective="ring"``) ``2 (W-1)/W`` of the payload in ``2 (W-1)`` sequential hops,
 each paying the link's latency; on a shared medium every rank's bytes cross the one link.
 
-:func:`choose_collective` is ``gradient_collective="auto"`` (and ``outer_collective``): ring or
-all-gather for one non-summable payload, from the same prices.
+``gradient_collective="auto"`` (and ``outer_collective``) is resolved by the wire layer's one
+rule, :func:`ccfx.wire.link.choose_collective`: ring or all-gather for one non-summable
+payload, from the same prices.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import Decision
+from ..wire.comm import LocalComm
+from ..wire.exchange import BucketLayout, exchange_for
+from ..wire.link import Link, resolve_collective
+from ..wire.ring import ring_wire_bytes
 from .codec_cost import CodecTimer
-from .schedule import Link
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class DataParallelPrediction:
 
 class DataParallelModel:
     """``collective``: how non-summable payloads are averaged, ``gradient_collective``
-    ("all_gather", "ring", or "auto": :func:`choose_collective` per bucket and codec)."""
+    ("all_gather", "ring", or "auto": :func:`ccfx.wire.link.choose_collective` per bucket and
+    codec)."""
 
     def __init__(self, forward_s: float, backward_s: float, buckets: Sequence[BucketTraffic],
                  world: int, link: Link, timer: CodecTimer | None = None,
@@ -71,10 +76,9 @@ class DataParallelModel:
     def cost(self, b: BucketTraffic, spec: str) -> BucketCost:
         key = (b.index, spec)
         if key not in self._costs:
-            collective = self.collective
-            if collective == "auto":
-                numel = sum(math.prod(s) for s in b.shapes)
-                collective = choose_collective(spec, numel, b.dtype, self.world, self.link)
+            numel = sum(math.prod(s) for s in b.shapes)
+            collective = resolve_collective(self.collective, spec, numel, b.dtype, self.world,
+                                            self.link)
             self._costs[key] = _bucket_cost(b, spec, self.world, self.timer, collective)
         return self._costs[key]
 
@@ -97,9 +101,6 @@ class DataParallelModel:
 
 def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer,
                  collective: str = "all_gather") -> BucketCost:
-    from ..runtime.bucket_exchange import BucketLayout, LocalComm, exchange_for
-    from ..runtime.ring import ring_wire_bytes
-
     layout = BucketLayout(b.shapes, b.dtype)
     ex = exchange_for(layout, spec, collective)
     payload = ex.wire_bytes()
@@ -134,45 +135,6 @@ def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer,
     # of a payload more.
     extra = (world - 1) if ex.collective == "all_gather" else (world - 1) / world
     return BucketCost(hit["local_s"] + extra * hit["decode_s"], per_rank, payload, hops)
-
-
-def choose_collective(spec: str, numel: int, dtype: torch.dtype, world: int,
-                      link: Link | None = None, *, decode_s: float = 0.0) -> str:
-    """"ring" or "all_gather" for averaging a ``numel``-element payload of codec ``spec``
-    over ``world`` ranks: the one predicted faster.
-
-    * all-gather: ``W-1`` payloads in per rank, one collective (one latency, as this model
-      prices every collective), then ``W-1`` more decodes than the local round trip;
-    * ring (:mod:`ccfx.runtime.ring`): ``2 (W-1)/W`` of a payload in ``2 (W-1)`` sequential
-      hops, each paying the latency, ``(W-1)/W`` of a decode more; and a payload re-encoded at
-      every hop (more error: the ring is chosen only where it is cheaper).
-
-    ``decode_s``: seconds to decode the whole payload once (0: codec time left out; it only
-    ever favours the ring). Without a ``link`` the decision is by bytes: the ring for
-    ``W ≥ 3``. ``W ≤ 2`` is always the all-gather (same bytes, one quantisation fewer).
-    Summable codecs (none, fp16, bf16, randomk, PowerSGD) all-reduce whatever this says, and
-    codecs the ring refuses get "all_gather". Deterministic in its arguments: ranks that
-    call it with the same ones agree."""
-    from .. import codecs
-    from ..errors import ConfigError
-    from ..runtime.ring import gather_wire_bytes, ring_codec, ring_wire_bytes
-
-    if world <= 2 or codecs.prototype(spec).reduction == "sum":
-        return "all_gather"
-    try:
-        ring_codec(spec)
-    except ConfigError:
-        return "all_gather"
-    ring_bytes = ring_wire_bytes(numel, spec, dtype, world)
-    gather_bytes = gather_wire_bytes(numel, spec, dtype, world)
-    if link is None:
-        return "ring" if ring_bytes < gather_bytes else "all_gather"
-    share = world if link.shared else 1
-    hops = 2 * (world - 1)
-    ring_s = (hops * link.latency_ms * 1e-3 + ring_bytes * share * 8 / (link.gbps * 1e9)
-              + (world - 1) / world * decode_s)
-    gather_s = link.seconds(gather_bytes * share) + (world - 1) * decode_s
-    return "ring" if ring_s < gather_s else "all_gather"
 
 
 def choose_bucket_codecs(model: DataParallelModel, pool: Mapping[int, Sequence[str]], *,

@@ -1,4 +1,4 @@
-"""The predicted step of local steps (``sync_every``, :mod:`ccfx.runtime.local_steps`): when
+"""The predicted step of local steps (``sync_every``, ``ccfx.local_steps``): when
 syncing every H steps pays, and whether streaming hides the sync.
 
 Over one period of H inner steps a replica computes H steps and syncs every fragment once.
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..wire.link import Link, resolve_collective
+from ..wire.policy import balanced, split_fragment
 from .codec_cost import CodecTimer
-from .dp_model import BucketTraffic, _bucket_cost, choose_collective
-from .schedule import Link
+from .dp_model import BucketTraffic, _bucket_cost
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,6 @@ def predict_local_steps(compute_s: float, shapes: Sequence[tuple[int, ...]], wor
     ``outer_collective``, ``fragments``, ``fragment_delay`` and ``compress_min_numel``, for
     parameters of ``shapes`` (in the model's order, as ``ccfx.local_steps`` fragments them),
     ``compute_s`` per inner step, over ``world`` replicas on ``link``."""
-    from ..runtime.local_steps import balanced, split_fragment
-
     timer = timer or CodecTimer()
     h, delay = config.sync_every, config.fragment_delay
     share = world if link.shared else 1
@@ -85,9 +84,8 @@ def predict_local_steps(compute_s: float, shapes: Sequence[tuple[int, ...]], wor
                                          config.compress_min_numel):
             part_shapes = tuple(frag_shapes[i] for i in part)
             numel = sum(math.prod(s) for s in part_shapes)
-            collective = config.outer_collective
-            if collective == "auto":
-                collective = choose_collective(spec, numel, torch.float32, world, link)
+            collective = resolve_collective(config.outer_collective, spec, numel,
+                                            torch.float32, world, link)
             if world < 2:
                 continue
             cost = _bucket_cost(BucketTraffic(0, part_shapes, torch.float32, 1.0), spec, world,
@@ -100,3 +98,13 @@ def predict_local_steps(compute_s: float, shapes: Sequence[tuple[int, ...]], wor
         out.append(FragmentSync(f, codec_s, link_s, link_bytes, exposed))
     step = compute_s + sum(f.exposed_s for f in out) / h
     return LocalStepsPrediction(step, compute_s, tuple(out), h)
+
+
+def predict_outer(outer, link: Link, compute_s: float, world: int | None = None,
+                  timer: CodecTimer | None = None) -> LocalStepsPrediction:
+    """The predicted mean step of a running outer loop (the ``LocalSteps`` that
+    ``ccfx.local_steps`` returned) on ``link`` with ``compute_s`` per inner step, over
+    ``world`` replicas (default: its group's): :func:`predict_local_steps` with its parameter
+    shapes and options."""
+    return predict_local_steps(compute_s, outer.shapes, world or outer.world, link,
+                               outer.config, timer)

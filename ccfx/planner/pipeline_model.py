@@ -6,7 +6,7 @@ Inputs are the facts the plan already holds plus three measurements:
   stage's FLOPs and the machine's measured throughput, or from a timed profile);
 * per cut edge, the tensor that crosses (:class:`EdgeTraffic`: shape, dtype, hops, whether a
   gradient comes back);
-* the link (:class:`~ccfx.planner.schedule.Link`) and each codec's encode / decode seconds and
+* the link (:class:`~ccfx.wire.link.Link`) and each codec's encode / decode seconds and
   payload bytes at the tensor's size (:class:`~ccfx.planner.codec_cost.CodecTimer`).
 
 :meth:`PipelineModel.predict` turns a codec choice per edge and direction into per-stage costs
@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..wire.link import Link
+from ..wire.schedules import Message, StageCost, epilogue_backwards
 from .codec_cost import CodecCost, CodecTimer
-from .schedule import Link, Message, StageCost, Timeline, epilogue_backwards, simulate
+from .schedule import Timeline, simulate
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from ..passes.cut_edges import crossings
 from ..passes.facts import NodeFacts, fact, stage_of
 from ..passes.graph_utils import val
 from ..plan import Prediction
+from ..wire.link import Link
 from .auto import PipelineDecisions, choose_pipeline_codecs
 from .candidates import candidates
 from .compute import from_flops, machine_rate
 from .pipeline_model import EdgeTraffic, PipelineModel
-from .schedule import Link
 
 
 def link_of(config: Config) -> Link:

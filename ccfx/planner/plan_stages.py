@@ -18,10 +18,12 @@ import torch
 
 from ..config import Config
 from ..plan import Decision
+from ..wire.link import Link
 from .candidates import candidates
+from .compute import from_flops
 from .dp_model import BucketTraffic, DataParallelModel
+from .pipeline_model import PipelineModel, edges_from_plan
 from .plan_edges import link_of
-from .schedule import Link
 
 
 def stage_sync_seconds(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, spec: str,
@@ -64,10 +66,7 @@ def plan_stage_codecs(plan, config: Config, dp: int,
                       ) -> tuple[list[str], list[Decision]]:
     """``gradient_codec="auto"`` under PP × DP: the codec of each stage's exchange;
     ``stage_shapes[s]``: the shapes of stage ``s``'s parameters that its bucket exchange
-    may compress (≥ 2-D)."""
-    from .compute import from_flops
-    from .pipeline_model import PipelineModel, edges_from_plan
-
+    may compress (:func:`ccfx.wire.policy.compressible`)."""
     g = plan.graphs[0]
     compute = from_flops([s.flops for s in g.stages], [len(s.nodes) for s in g.stages])
     link = link_of(config)

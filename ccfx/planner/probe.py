@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .schedule import Link
+from ..wire.link import Link
 
 
 def probe_link(group=None, *, seconds: float = 0.3, repeats: int = 3,

@@ -4,9 +4,9 @@
     ddp_model.register_comm_hook(state, hook)
     torch.save(state.state_dict(), path)                     # beside the model's and optimizer's
 
-The hook runs the same :mod:`~ccfx.runtime.bucket_exchange` phases as the compiled data-parallel
-path, with :class:`ProcessGroupComm` issuing ``torch.distributed`` collectives on the hook's
-process group. A DDP bucket holds every parameter in it, 1-D biases included; the codec is applied
+The hook runs the same :mod:`~ccfx.wire.exchange` phases as the compiled data-parallel
+path, with :class:`~ccfx.wire.comm.ProcessGroupComm` issuing ``torch.distributed`` collectives
+on the hook's process group. A DDP bucket holds every parameter in it, 1-D biases included; the codec is applied
 to the whole bucket (PowerSGD sends the tensors where low rank does not pay raw).
 
 Phases run one after the other inside the hook, and the hook returns an already completed
@@ -40,55 +40,13 @@ import torch
 import torch.distributed as dist
 
 from .. import codecs
+from ..config import COLLECTIVES
 from ..errors import CcfxWarning, ConfigError
-from .bucket_exchange import BucketLayout, Exchange, exchange_for
+from ..wire.comm import ProcessGroupComm
+from ..wire.exchange import BucketLayout, Exchange, exchange_for
+from ..wire.link import resolve_collective
 
 Hook = Callable[["CommHookState", dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-@dataclass
-class _InFlight:
-    """A collective issued but not yet waited on, and the tensor it fills."""
-
-    work: Any
-    result: torch.Tensor
-
-
-class ProcessGroupComm:
-    """The exchanges' ``Comm`` over ``torch.distributed`` on ``group`` (None: WORLD), eager.
-
-    ``all_reduce`` and ``all_gather`` issue asynchronously and return a handle; ``wait`` waits
-    and returns the result tensor. Inputs are left untouched, as with
-    :class:`~ccfx.runtime.bucket_exchange.FunctionalComm`: ``all_reduce`` reduces a copy, since
-    a codec's payload may be a view of the gradients or of its state.
-    """
-
-    def __init__(self, group=None):
-        self.group = group
-        self.world = dist.get_world_size(group)
-
-    def all_reduce(self, t: torch.Tensor) -> _InFlight:
-        out = t.detach().clone(memory_format=torch.contiguous_format)
-        return _InFlight(dist.all_reduce(out, group=self.group, async_op=True), out)
-
-    def all_gather(self, t: torch.Tensor) -> _InFlight:
-        """Fills a ``(world * t.numel(),)`` flat, rank-major tensor."""
-        flat = t.detach().reshape(-1).contiguous()
-        out = flat.new_empty(self.world * flat.numel())
-        return _InFlight(dist.all_gather_single(out, flat, group=self.group, async_op=True), out)
-
-    def wait(self, handle: _InFlight) -> torch.Tensor:
-        handle.work.wait()
-        return handle.result
-
-    def ring(self, flat: torch.Tensor, spec: str,
-             state: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """:func:`~ccfx.runtime.ring.ring_all_reduce` on ``group``, eager and blocking; the
-        mean and the updated state (the inputs are left untouched)."""
-        from .ring import ring_all_reduce
-
-        new = [t.detach().clone() for t in state]
-        return ring_all_reduce(flat.detach(), spec, self.group, new), new
 
 
 @dataclass
@@ -114,8 +72,6 @@ class CommHookState:
     """
 
     def __init__(self, spec: str, process_group=None, collective: str = "all_gather"):
-        from ..config import COLLECTIVES
-
         if collective not in COLLECTIVES:
             raise ConfigError(f"collective={collective!r}: choose one of {', '.join(COLLECTIVES)}")
         self.spec = codecs.canonical(spec)
@@ -140,12 +96,9 @@ class CommHookState:
         return live
 
     def _new_bucket_state(self, index: int, layout: BucketLayout, device) -> _BucketState:
-        collective = self.collective
-        if collective == "auto":  # by bytes: the same answer on every rank
-            from ..planner.dp_model import choose_collective
-
-            collective = choose_collective(self.spec, layout.numel, layout.dtype,
-                                           dist.get_world_size(self.process_group))
+        # "auto" by bytes (no link given): the same answer on every rank
+        collective = resolve_collective(self.collective, self.spec, layout.numel, layout.dtype,
+                                        dist.get_world_size(self.process_group))
         exchange = exchange_for(layout, self.spec, collective)
         tensors = exchange.init_state(device)
         saved = self._pending.get(index)
@@ -230,5 +183,5 @@ def ddp_comm_hook(spec: str, process_group=None,
     WORLD). The spec is checked here (:class:`~ccfx.ConfigError` lists the codecs), not at the
     first backward. Every rank ends with the same averaged gradients, bit for bit.
     ``collective``: how non-summable payloads are averaged, ``"all_gather"``, ``"ring"``
-    (:mod:`ccfx.runtime.ring`) or ``"auto"`` (the ring from 3 ranks, by bytes)."""
+    (:mod:`ccfx.wire.ring`) or ``"auto"`` (the ring from 3 ranks, by bytes)."""
     return CommHookState(spec, process_group, collective), codec_hook

@@ -13,11 +13,14 @@ for one compiled model:
   size 1 (codecs as local round trips), and the plan says so;
 * per graph, the buckets (recorded in the plan, each with its collective: ``gradient_collective``
   "ring" or "all_gather" for non-summable codecs, "auto" resolved per bucket by
-  :func:`ccfx.planner.dp_model.choose_collective`) and their codec state, which lives in
+  :func:`ccfx.wire.link.choose_collective`) and their codec state, which lives in
   :attr:`state` (an ``nn.Module`` of buffers, ``ccfx.codec_state(compiled)``) so a checkpoint
   resumes with identical numerics;
 * the first call's broadcast of parameters and buffers from rank 0 (as DDP does; afterwards
   buffers such as BatchNorm statistics stay per rank, as DDP with ``broadcast_buffers=False``);
+* ``gradient_codec="auto"``: the codec of each bucket comes from ``decide_codecs``, the
+  planner's pricing handed in by the backend (the compile layer is the only caller of the
+  planner): rank 0 calls it and every rank takes its answer;
 * the step count that ends ``warmup_steps`` (an uncompressed variant of the backward runs
   until then), and the ledger rows of each bucket every time a backward runs;
 * the compile-time fingerprint check: ranks whose bucket plans or options differ fail with a
@@ -37,18 +40,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from .. import codecs
 from ..config import AUTO, Config
-from ..errors import CcfxError, ConfigError
+from ..errors import CollectiveError, ConfigError
+from ..passes.grad_buckets import find_param_grads, grad_buckets
 from ..plan import Bucket, DataParallelInfo
-from .bucket_exchange import FunctionalComm, LocalComm, exchange_for
+from ..wire.agree import StoreTimeout, exchange, from_rank0
+from ..wire.comm import FunctionalComm, LocalComm
+from ..wire.exchange import exchange_for
+from ..wire.link import configured_link, resolve_collective
+from ..wire.policy import assign_buckets
 from .ledger import Ledger
-from .store_exchange import StoreTimeout, exchange, from_rank0
 
 log = logging.getLogger("ccfx")
 
-
-class CollectiveError(CcfxError):
-    """A gradient collective failed or timed out (a peer rank died, hung or diverged)."""
+#: ``decide_codecs(backward_gm, buckets, config, world) -> (choice, decisions, prediction)``:
+#: ``gradient_codec="auto"``'s codec per bucket index (the backend passes the planner's
+#: :func:`ccfx.planner.plan_buckets.plan_bucket_codecs`).
+DecideCodecs = Callable[..., tuple]
 
 
 @dataclass
@@ -76,9 +85,15 @@ def inside_ddp() -> bool:
 
 
 class DataParallel:
-    def __init__(self, config: Config, ledger: Ledger):
+    def __init__(self, config: Config, ledger: Ledger, decide_codecs: DecideCodecs | None = None):
+        """``decide_codecs``: how ``gradient_codec="auto"`` picks each bucket's codec (see
+        :data:`DecideCodecs`); required with ``auto``."""
+        if config.gradient_codec == AUTO and decide_codecs is None:
+            raise ConfigError("gradient_codec='auto' needs the planner's decision: build "
+                              "DataParallel through the ccfx backend, which passes it")
         self.config = config
         self.ledger = ledger
+        self.decide_codecs = decide_codecs
         #: Codec state of every bucket, as buffers: checkpoint ``state.state_dict()``.
         self.state = torch.nn.Module()
         self._graphs: dict[int, _GraphState] = {}
@@ -129,8 +144,6 @@ class DataParallel:
                          decompositions=None,
                          record: Callable[[torch.fx.GraphModule], None] | None = None):
         """Rewrite and compile the backward of graph ``index``; returns a boxed callable."""
-        from ccfx.passes.grad_buckets import assign_buckets, find_param_grads, grad_buckets
-
         g = self._graphs[index]
         cfg = self.config
         slots = find_param_grads(gm, g.param_names)
@@ -194,12 +207,10 @@ class DataParallel:
         return run
 
     def _choose(self, index: int, gm: torch.fx.GraphModule, buckets):
-        """``gradient_codec="auto"``: rank 0 prices every bucket (``ccfx.planner.dp_model``)
-        and every rank takes its choice (the payloads must agree)."""
-        from ccfx.planner.plan_buckets import plan_bucket_codecs
-
+        """``gradient_codec="auto"``: rank 0 prices every bucket (``decide_codecs``, the
+        planner's) and every rank takes its choice (the payloads must agree)."""
         g = self._graphs[index]
-        planned = plan_bucket_codecs(gm, buckets, self.config, self.world) if self.rank == 0 \
+        planned = self.decide_codecs(gm, buckets, self.config, self.world) if self.rank == 0 \
             else None
         choice, g.decisions, g.prediction = self._agree(index, planned)
         return [type(b)(b.index, b.slots, choice.get(b.index, b.spec), b.reason)
@@ -209,23 +220,14 @@ class DataParallel:
         """Each bucket's collective from ``gradient_collective`` ("auto": the cheaper for
         this world and ``link_gbps``, a deterministic function of both, so every rank picks the
         same; the fingerprint check confirms it). Only non-summable codecs have a choice."""
-        from .. import codecs
-
-        chosen, link = self.config.gradient_collective, None
-        if chosen == AUTO:
-            from ..planner.dp_model import choose_collective
-            from ..planner.schedule import Link
-
-            cfg = self.config
-            link = (Link(cfg.link_gbps, cfg.link_latency_ms, cfg.link_shared)
-                    if cfg.link_gbps is not None else None)
+        link = configured_link(self.config)
         out = []
         for b in buckets:
             if codecs.prototype(b.spec).reduction == "sum":
                 out.append(b)
                 continue
-            c = chosen if chosen != AUTO else choose_collective(
-                b.spec, b.layout.numel, b.layout.dtype, self.world, link)
+            c = resolve_collective(self.config.gradient_collective, b.spec, b.layout.numel,
+                                   b.layout.dtype, self.world, link)
             out.append(dataclasses.replace(b, collective=c))
         return out
 

@@ -10,14 +10,14 @@
 Every replica (a rank of the default process group, or under PP × DP a stage's data-parallel
 group) takes ``sync_every`` = H steps of its own optimizer. Then, for each fragment of the
 parameters, the pseudo-gradient ``global - local`` (fp32) is averaged over the replicas through
-``outer_codec`` by the gradient buckets' own exchanges (:mod:`.bucket_exchange`: all-reduce for
+``outer_codec`` by the gradient buckets' own exchanges (:mod:`ccfx.wire.exchange`: all-reduce for
 sum-compatible codecs, an all-gather or a re-encoding ring for the others, PowerSGD its own),
 an outer SGD (DiLoCo: lr 0.7, momentum 0.9, Nesterov) steps the fp32 global parameters with it,
 and every replica takes the result. The averaged bytes are identical on every rank, so the
 global parameters are too, bit for bit.
 
 Streaming (``fragments`` = P > 1): the parameters are split into P fragments of about equal
-size, each spanning the model's depth (:func:`balanced`), and fragment f syncs every H steps at offset (f + 1)·H/P: the link carries a fragment
+size (:func:`ccfx.wire.policy.balanced`), and fragment f syncs every H steps at offset (f + 1)·H/P: the link carries a fragment
 every H/P steps instead of the whole model every H. With ``fragment_delay`` = τ > 0 a
 fragment's exchange runs on a background thread while the replica takes τ more inner steps; its
 result is merged at the τ-th: ``local ← (1 - α)·global + α·local`` (``fragment_alpha``).
@@ -45,7 +45,6 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import logging
-import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,10 +52,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..config import AUTO, Config
-from ..errors import ConfigError
-from .bucket_exchange import BucketLayout, Exchange, LocalComm, exchange_for
-from .data_parallel import CollectiveError
+from ..config import Config
+from ..errors import CollectiveError, ConfigError
+from ..wire.comm import LocalComm, ProcessGroupComm
+from ..wire.exchange import BucketLayout, Exchange, exchange_for
+from ..wire.link import resolve_collective
+from ..wire.policy import balanced, split_fragment
 
 log = logging.getLogger("ccfx")
 
@@ -99,34 +100,6 @@ class Fragment:
         return sum(p.numel() for p in self.local)
 
 
-def balanced(numels: Sequence[int], fragments: int) -> list[list[int]]:
-    """Parameters into ``fragments`` fragments of about equal size: in the model's order, each
-    parameter joins the fragment with the fewest elements so far (the lowest index on a tie),
-    so the link carries about the same bytes at each fragment's sync (fragments differ by at
-    most the largest tensor) and fragments tend to mix early and late layers. (Taking every
-    P-th tensor does not balance: weights and biases alternate.)"""
-    if fragments > len(numels):
-        raise ConfigError(f"fragments={fragments} but the model has {len(numels)} parameters: "
-                          f"use at most {len(numels)} fragments")
-    out: list[list[int]] = [[] for _ in range(fragments)]
-    sizes = [0] * fragments
-    for k, n in enumerate(numels):
-        f = min(range(fragments), key=lambda i: (sizes[i], i))
-        out[f].append(k)
-        sizes[f] += n
-    return out
-
-
-def split_fragment(shapes: Sequence[tuple[int, ...]], codec: str,
-                   min_numel: int) -> list[tuple[list[int], str]]:
-    """A fragment's exchanges: (member indices, codec). The codec takes the matrices; vectors
-    and tensors under ``min_numel`` elements (biases, norms) travel in an uncompressed part of
-    their own, as the gradient buckets' policy does."""
-    small = [i for i, s in enumerate(shapes) if len(s) < 2 or math.prod(s) < min_numel]
-    big = [i for i in range(len(shapes)) if i not in small]
-    return [(members, spec) for members, spec in ((big, codec), (small, "none")) if members]
-
-
 class LocalSteps:
     """The outer loop of one replica (see the module docstring); made by :func:`local_steps`."""
 
@@ -150,7 +123,9 @@ class LocalSteps:
         self.rank = dist.get_rank() if started else 0
         self._broadcast_from_first([p for _, p in named_params])
         h, count = config.sync_every, config.fragments
-        self._shapes = [tuple(p.shape) for _, p in named_params]
+        #: the parameters' shapes, in the model's order (what the planner prices:
+        #: :func:`ccfx.planner.predict_outer`)
+        self.shapes = [tuple(p.shape) for _, p in named_params]
         self.fragments: list[Fragment] = []
         for f, members in enumerate(balanced([p.numel() for _, p in named_params], count)):
             local = [named_params[k][1] for k in members]
@@ -180,12 +155,9 @@ class LocalSteps:
         return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
 
     def _collective(self, spec: str, numel: int) -> str:
-        chosen = self.config.outer_collective
-        if chosen != AUTO:
-            return chosen
-        from ..planner.dp_model import choose_collective
-
-        return choose_collective(spec, numel, torch.float32, self.world)
+        """``outer_collective``, "auto" resolved by bytes (the same answer on every replica)."""
+        return resolve_collective(self.config.outer_collective, spec, numel, torch.float32,
+                                  self.world)
 
     def _broadcast_from_first(self, params: list[torch.nn.Parameter]) -> None:
         """Replicas start from the first replica's parameters (as DDP does at construction)."""
@@ -318,15 +290,6 @@ class LocalSteps:
         "powersgd"), fragment by fragment."""
         return [f.parts[0].exchange.collective for f in self.fragments]
 
-    def predict(self, link, compute_s: float, world: int | None = None, timer=None):
-        """The predicted mean step of this outer loop on ``link`` (a ``ccfx.planner.Link``)
-        with ``compute_s`` per inner step, over ``world`` replicas (default: this group's):
-        :func:`ccfx.planner.local_model.predict_local_steps`."""
-        from ..planner.local_model import predict_local_steps
-
-        return predict_local_steps(compute_s, self._shapes, world or self.world, link,
-                                   self.config, timer)
-
     def __repr__(self) -> str:
         return (f"LocalSteps(sync_every={self.sync_every}, codec={self.config.outer_codec!r}, "
                 f"collectives={self.collectives!r}, fragments={len(self.fragments)}, "
@@ -393,18 +356,21 @@ def _outer_options(config: Config) -> dict:
 
 
 def _comm(group):
-    from .comm_hook import ProcessGroupComm
-
     return ProcessGroupComm(group)
 
 
-def local_steps(target, optimizer, group=None, **options) -> LocalSteps:
+def local_steps(target, optimizer, group=None, *, compiled_config: Config | None = None,
+                compiled_ledger=None, **options) -> LocalSteps:
     """Sync ``target``'s parameters every ``sync_every`` steps of ``optimizer`` (see the module
     docstring). ``target``: a model (compiled by ccfx or not) or the list of stages
     ``ccfx.build_stages`` returned (PP × DP: each stage syncs over its ``dp_group``).
     ``options``: local-step options (``sync_every``, ``outer_codec``, ...), over those the model
-    was compiled with. Every replica must call it, in the same order as its other groups."""
-    config, ledger, named = _target(target)
+    was compiled with. Every replica must call it, in the same order as its other groups.
+
+    ``compiled_config`` / ``compiled_ledger``: for a model compiled by ccfx, the options it
+    was compiled with and a function returning its ledger (or None before the first call);
+    ``ccfx.local_steps`` looks them up in the backend."""
+    config, ledger, named = _target(target, compiled_config, compiled_ledger)
     if group is None and isinstance(target, (list, tuple)):
         sync = getattr(target[0], "grad_sync", None)
         group = getattr(sync, "dp_group", None)
@@ -429,11 +395,9 @@ def local_steps(target, optimizer, group=None, **options) -> LocalSteps:
     return outer
 
 
-def _target(target):
+def _target(target, compiled_config: Config | None, compiled_ledger):
     """(config, ledger, named parameters) of a model or a rank's stages; the ledger may be a
     function returning it (a compiled model's backend exists only after its first call)."""
-    from ..backends.compiler import backend_of, config_of
-
     if isinstance(target, (list, tuple)):
         if not target or not hasattr(target[0], "submod"):
             raise ConfigError("ccfx.local_steps takes a model or the list ccfx.build_stages "
@@ -452,14 +416,8 @@ def _target(target):
     if not isinstance(target, torch.nn.Module):
         raise ConfigError(f"ccfx.local_steps takes an nn.Module or a list of stages, got "
                           f"{type(target).__name__}")
-    config = config_of(target)
-    ledger = None
-    if config is not None:  # the ledger is the backend's, made at the first call
-        def ledger():
-            try:
-                return backend_of(target).ledger
-            except ConfigError:
-                return None
+    config = compiled_config
+    ledger = compiled_ledger if config is not None else None  # the backend's, once it exists
     named = [(n.removeprefix("_orig_mod."), p) for n, p in target.named_parameters()
              if p.requires_grad]
     return config or Config(), ledger, named

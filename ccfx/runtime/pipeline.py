@@ -25,10 +25,8 @@ the same values: that is what tests/test_pipeline.py checks.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,78 +35,12 @@ from torch.profiler import record_function
 
 from .. import codecs
 from ..errors import ConfigError
+from ..passes.graph_utils import val
 from ..passes.split_stages import Port, StageInterface
+from ..wire.format import WireFormat
+from ..wire.schedules import epilogue_backwards
 from .ledger import Ledger
-
-_ALIGN = 8  # every payload tensor starts at a multiple of 8 bytes: views of any dtype
-
-
-@dataclass(frozen=True)
-class WireFormat:
-    """How one tensor travels: the codec, and its payload packed into one uint8 buffer."""
-
-    codec: codecs.Codec
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def raw(self) -> bool:
-        return self.codec.spec == "none"
-
-    # Computed once per hop (every microbatch's send and receive reads them).
-
-    @functools.cached_property
-    def layout(self):
-        return self.codec.payload_layout(self.shape, self.dtype)
-
-    @functools.cached_property
-    def offsets(self) -> tuple[tuple[int, int], ...]:
-        """(byte offset, byte length) of each payload tensor in the packed buffer."""
-        out, at = [], 0
-        for shape, dtype in self.layout:
-            n = 1
-            for d in shape:
-                n *= int(d)
-            out.append((at, n * dtype.itemsize))
-            at += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
-        return tuple(out)
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        *_, (at, n) = self.offsets
-        return at + n
-
-    @property
-    def raw_bytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` through the codec, packed: what goes on the wire."""
-        with torch.no_grad():
-            enc = self.codec.encode(x.detach())
-            buf = torch.empty(self.nbytes, dtype=torch.uint8, device=x.device)
-            for t, (at, n) in zip(enc.payload, self.offsets, strict=True):
-                buf[at:at + n].copy_(t.contiguous().view(-1).view(torch.uint8))
-        return buf
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """Encode and decode here (a hop between two stages of one rank)."""
-        if self.raw:
-            return x
-        with torch.no_grad():
-            return self.codec.decode(self.codec.encode(x.detach())).to(x.dtype)
-
-    def decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
-        """Unpack ``buf``, decode it and write the result into torch's receive buffer."""
-        payload = tuple(buf[at:at + n].view(dtype).view(tuple(int(d) for d in shape))
-                        for (shape, dtype), (at, n) in zip(self.layout, self.offsets,
-                                                            strict=True))
-        with torch.no_grad():
-            enc = codecs.Encoded(payload, codecs.Context(self.shape, self.dtype))
-            out.copy_(self.codec.decode(enc))
+from .stage_sync import StageGradSync
 
 
 class CompressedStage(PipelineStage):
@@ -228,8 +160,6 @@ class CompressedStage(PipelineStage):
         ends derive that from the schedule's program)."""
         if self.epilogue_only is None:
             return True
-        from ..planner.schedule import epilogue_backwards
-
         return chunk in epilogue_backwards(self.epilogue_only, sender, self.num_stages,
                                            self.chunks)
 
@@ -332,8 +262,6 @@ def _example(port: Port, device: torch.device) -> torch.Tensor:
 
 
 def _last_outputs(submodule: torch.nn.Module, device: torch.device):
-    from ..passes.graph_utils import val
-
     output = next(n for n in submodule.graph.nodes if n.op == "output")
     values = []
     torch.fx.map_arg(output.args[0], lambda n: values.append(val(n)))
@@ -385,13 +313,21 @@ def check_same_plan(interfaces: Sequence[StageInterface], group: dist.ProcessGro
             "compile the same model with the same options and the same microbatch shape")
 
 
+#: ``gradient_codecs(parent) -> per-stage codecs``: the data-parallel gradient codec of each
+#: stage under PP × DP, decided by the backend (``gradient_codec``, ``gradient_codec_stages``,
+#: or the planner's ``auto`` choice, recorded in the plan); ``parent`` is the split graph.
+GradientCodecs = Callable[[torch.fx.GraphModule], Sequence[str]]
+
+
 def build_stages(backend, rank: int, world: int, device, group=None, *, style: str = "loop",
-                 graph: int = 0, check: bool = True, dp_group=None) -> list[CompressedStage]:
+                 graph: int = 0, check: bool = True, dp_group=None,
+                 gradient_codecs: GradientCodecs | None = None) -> list[CompressedStage]:
     """This rank's stages of graph ``graph`` of a compiled model (see :func:`stage_indices`);
     ``rank`` and ``world`` are this rank's place in the pipeline ``group``; ``dp_group``: the
-    ranks that run the same stages in the other replicas (PP × DP)."""
-    from .stage_sync import StageGradSync
-
+    ranks that run the same stages in the other replicas (PP × DP). ``backend``: what the
+    model compiled to (its ``graphs``, ``config`` and ``ledger``). ``gradient_codecs``: each
+    stage's data-parallel gradient codec, decided by the backend (default:
+    ``gradient_codec`` for every stage, which must then not be ``"auto"``)."""
     graphs = backend.graphs
     if not graphs:
         raise ConfigError("the model has not been compiled yet: call it once on a microbatch "
@@ -408,45 +344,30 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     epilogue = cfg.pipeline_schedule if cfg.epilogue_only else None
     out = []
     for s in mine:
-        child = _lower(getattr(parent, f"stage_{s}"), cfg.lowering)
+        child = lower_stage(getattr(parent, f"stage_{s}"), cfg.lowering)
         out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph,
                                    compiled=cfg.lowering == "inductor", epilogue_only=epilogue))
     _share(out, interfaces, rank, world, style, group)
-    codec = _stage_gradient_codec(backend, parent, mine, dp_group, graph)
+    codec = _rank_codec(gradient_codecs, parent, mine, cfg, dp_group)
     sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph, codec)
     for st in out:
         st.grad_sync = sync
     return out
 
 
-def _stage_gradient_codec(backend, parent, mine: list[int], dp_group, graph: int) -> str:
-    """This rank's data-parallel gradient codec under PP × DP: ``gradient_codec``, unless
-    ``gradient_codec_stages`` leaves its stages out, or ``"auto"`` chooses per stage (rank 0's
-    choice, taken by every rank; the decisions go in the plan)."""
-    from ..config import AUTO
-
-    cfg = backend.config
-    if dp_group is None or dist.get_world_size(dp_group) < 2:
-        return "none" if cfg.gradient_codec == AUTO else cfg.gradient_codec
-    if cfg.gradient_codec != AUTO:
-        selected = cfg.gradient_codec_stages
-        if selected is not None and not set(mine) & set(selected):
-            return "none"
+def _rank_codec(gradient_codecs: GradientCodecs | None, parent, mine: list[int], cfg,
+                dp_group) -> str:
+    """This rank's data-parallel gradient codec: the first of its stages' codecs that
+    compresses (``"none"`` if none does)."""
+    if dp_group is None or dist.get_world_size(dp_group) < 2:  # nothing to average
+        return "none" if cfg.gradient_codec == "auto" else cfg.gradient_codec
+    if gradient_codecs is None:
+        if cfg.gradient_codec == "auto":
+            raise ConfigError("gradient_codec='auto' under PP x DP is decided by the backend: "
+                              "build the stages with ccfx.build_stages()")
         return cfg.gradient_codec
-    from ..planner.plan_stages import plan_stage_codecs
-
-    decided = None
-    if dist.get_rank() == 0:
-        shapes = [[tuple(p.shape) for p in getattr(parent, f"stage_{s}").parameters()
-                   if p.dim() >= 2 and p.numel() >= cfg.compress_min_numel]
-                  for s in range(len(parent.meta["ccfx"]["interfaces"]))]
-        decided = plan_stage_codecs(backend.plan, cfg, dist.get_world_size(dp_group), shapes)
-    box = [decided]
-    dist.broadcast_object_list(box, src=0)
-    chosen, decisions = box[0]
-    g = backend.graphs[graph].plan
-    g.decisions = [d for d in g.decisions if not d.what.startswith("stage ")] + decisions
-    return chosen[mine[0]]
+    codecs_ = list(gradient_codecs(parent))
+    return next((codecs_[s] for s in mine if codecs_[s] != "none"), "none")
 
 
 def _share(stages: list[CompressedStage], interfaces, rank: int, world: int, style: str,
@@ -472,7 +393,7 @@ def _share(stages: list[CompressedStage], interfaces, rank: int, world: int, sty
                 st.shared[name] = (pg, ranks)
 
 
-def _lower(child: torch.fx.GraphModule, lowering: str) -> torch.nn.Module:
+def lower_stage(child: torch.fx.GraphModule, lowering: str) -> torch.nn.Module:
     """The stage module as the simulation lowers it: eager runs the graph's torch ops as they
     are; inductor compiles the stage (its forward; autograd gives the backward)."""
     if lowering == "inductor":

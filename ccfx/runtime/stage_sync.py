@@ -8,7 +8,7 @@
 2. **Data parallel** (PP × DP, ``build_stages(..., dp_group=...)``): the rank's stage
    gradients are averaged over its data-parallel group (the ranks that run the same stages in
    the other replicas) in buckets, through ``gradient_codec``, by the same bucket exchanges the
-   compiled data-parallel path and the DDP comm hook run (:mod:`.bucket_exchange`): the same
+   compiled data-parallel path and the DDP comm hook run (:mod:`ccfx.wire.exchange`): the same
    bucket policy (``bucket_mb``, ``compress_min_numel``, ``min_compression_rate``), PowerSGD
    with its warm start and error feedback, ``gradient_collective`` (all-gather or ring).
    Tied parameters travel uncompressed, so their
@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..passes.grad_buckets import GradSlot, assign_buckets
-from .bucket_exchange import BucketLayout, exchange_for
-from .comm_hook import ProcessGroupComm
+from ..wire.comm import ProcessGroupComm
+from ..wire.exchange import BucketLayout, exchange_for
+from ..wire.link import configured_link, resolve_collective
+from ..wire.policy import GradSlot, assign_buckets
 
 
 class StageGradSync:
@@ -84,15 +85,8 @@ class StageGradSync:
     def _collective(self, config, spec: str, layout: BucketLayout) -> str:
         """``gradient_collective``, "auto" resolved by cost over this data-parallel group (the
         same arguments on every replica, so the same answer)."""
-        if config.gradient_collective != "auto":
-            return config.gradient_collective
-        from ..planner.dp_model import choose_collective
-        from ..planner.schedule import Link
-
-        link = (Link(config.link_gbps, config.link_latency_ms, config.link_shared)
-                if config.link_gbps else None)
-        return choose_collective(spec, layout.numel, layout.dtype,
-                                 dist.get_world_size(self.dp_group), link)
+        return resolve_collective(config.gradient_collective, spec, layout.numel, layout.dtype,
+                                  dist.get_world_size(self.dp_group), configured_link(config))
 
     def __call__(self) -> None:
         for name in sorted(self.shared):

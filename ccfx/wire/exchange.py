@@ -7,13 +7,15 @@ A bucket's exchange is a short list of *phases*. Each phase is a function of ten
 ``grads`` are the bucket's local gradients, ``state`` the codec's state tensors (updated in
 place with ``copy_``), ``carry`` what the previous phase handed on (collective handles, the
 orthogonalised P). ``comm`` issues collectives and waits on them. Written this way the same
-code serves two runtimes:
+code serves every runtime (the ``Comm`` classes are in :mod:`ccfx.wire.comm`):
 
 * ``passes.grad_buckets`` traces each phase with ``make_fx`` over the functional collectives
-  (:class:`FunctionalComm`) and splices phase 0 right after the bucket's last gradient, the
-  middle phases after later buckets' gradients and the last one just before the backward's
-  output: collectives start as soon as a bucket is ready and are waited on as late as possible;
-* :class:`LocalComm` (world size 1, no process group) makes the same phases a local round trip
+  (``FunctionalComm``) and splices phase 0 right after the bucket's last gradient, the middle
+  phases after later buckets' gradients and the last one just before the backward's output:
+  collectives start as soon as a bucket is ready and are waited on as late as possible;
+* ``ProcessGroupComm`` runs them eagerly on a process group (the DDP comm hook, the pipeline's
+  data-parallel gradients, local steps' outer sync);
+* ``LocalComm`` (world size 1, no process group) makes the same phases a local round trip
   through the codec, so one process computes what the codec does to training.
 
 The codecs run as their own ops (``ccfx_codecs::encode`` / ``decode``, PowerSGD's
@@ -27,7 +29,7 @@ Kinds of exchange, chosen from the codec's ``reduction``:
 * :class:`GatherExchange` (``int8``, ``sign``, ``topk``, ...): each rank's payload is
   all-gathered, every rank decodes every payload and sums them in rank order, so all ranks end
   with the same bits. Error feedback, if asked, is local (EF-SGD).
-* :class:`RingExchange` (the same codecs, ``collective="ring"``): :mod:`ccfx.runtime.ring`'s
+* :class:`RingExchange` (the same codecs, ``collective="ring"``): :mod:`ccfx.wire.ring`'s
   re-encoding ring, ``2 (W-1) / W`` of a payload per rank instead of ``W-1``, still the same
   bits on every rank. Point to point is not a functional collective: each ``Comm`` has a
   ``ring`` method (the ``ccfx::ring_all_reduce`` op when traced, the eager function on a
@@ -53,51 +55,6 @@ from ..errors import ConfigError
 from . import ring as _ring
 
 Tensors = list[torch.Tensor]
-
-
-class FunctionalComm:
-    """Collectives as ``torch.ops._c10d_functional`` ops: they trace into graphs and return
-    at once; ``wait`` is ``wait_tensor``."""
-
-    def __init__(self, group_name: str, world_size: int):
-        self.group_name = group_name
-        self.world = world_size
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.ops._c10d_functional.all_reduce(t, "sum", self.group_name)
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """``(world * t.numel(),)`` flat, rank-major."""
-        return torch.ops._c10d_functional.all_gather_into_tensor(
-            t.reshape(-1), self.world, self.group_name)
-
-    def wait(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.ops._c10d_functional.wait_tensor(t)
-
-    def ring(self, flat: torch.Tensor, spec: str, state: Tensors) -> tuple[torch.Tensor, Tensors]:
-        """The ring all-reduce's mean and the updated state (``ccfx::ring_all_reduce``: it
-        traces into the graph and blocks when it runs)."""
-        out, new = torch.ops.ccfx.ring_all_reduce(flat, spec, self.group_name, list(state))
-        return out, list(new)
-
-
-class LocalComm:
-    """World size 1 without a process group: every collective is the identity."""
-
-    world = 1
-
-    def all_reduce(self, t):
-        return t
-
-    def all_gather(self, t):
-        return t.reshape(-1)
-
-    def wait(self, t):
-        return t
-
-    def ring(self, flat, spec, state):
-        new = [t.clone() for t in state]
-        return _ring.ring_round_trip(flat, spec, new), new
 
 
 @dataclass(frozen=True)
@@ -232,7 +189,7 @@ class GatherExchange(_FlatExchange):
 
 
 class RingExchange(_FlatExchange):
-    """A non-summable codec averaged on :mod:`ccfx.runtime.ring`'s re-encoding ring: every
+    """A non-summable codec averaged on :mod:`ccfx.wire.ring`'s re-encoding ring: every
     hop of the reduce-scatter re-encodes a partial sum (accumulated in fp32), the owners' final
     payloads go round unchanged, every rank decodes the same bytes.
 
@@ -241,8 +198,8 @@ class RingExchange(_FlatExchange):
     all-reduces were issued earlier travel meanwhile; the second hands the result out.
     ``wire_bytes`` is one payload of the bucket, as for the all-gather (the chunks' payloads add
     up to it for blockwise codecs); the ring sends ``2 (W-1) / W`` of that per rank
-    (:func:`ccfx.runtime.ring.ring_wire_bytes`). Error feedback keeps each rank's local
-    quantisation error (see :mod:`ccfx.runtime.ring`)."""
+    (:func:`ccfx.wire.ring.ring_wire_bytes`). Error feedback keeps each rank's local
+    quantisation error (see :mod:`ccfx.wire.ring`)."""
 
     collective = "ring"
 
@@ -377,7 +334,7 @@ class PowerSGDExchange(Exchange):
 
 
 #: What ``collective`` may be in :func:`exchange_for` (``"auto"`` is resolved before, by
-#: :func:`ccfx.planner.dp_model.choose_collective`: it needs the world size and the link).
+#: :func:`ccfx.wire.link.choose_collective`: it needs the world size and the link).
 COLLECTIVES = ("all_gather", "ring")
 
 
@@ -388,7 +345,7 @@ def exchange_for(layout: BucketLayout, spec: str, collective: str = "all_gather"
     if collective not in COLLECTIVES:
         raise ConfigError(
             f"collective={collective!r}: choose one of {', '.join(COLLECTIVES)} (resolve 'auto' "
-            "with ccfx.planner.dp_model.choose_collective, which knows the world and the link)")
+            "with ccfx.wire.link.choose_collective, which knows the world and the link)")
     codec = codecs.prototype(spec)
     inner = getattr(codec, "inner", codec)
     if isinstance(inner, PowerSGD):

@@ -1,7 +1,7 @@
 """A compressed ring all-reduce whose result is bit-identical on every rank.
 
 Codecs whose payloads cannot be summed (int8, int4, fp8, topk, sign, qsgd, ...) are averaged by
-:class:`~ccfx.runtime.bucket_exchange.GatherExchange` with an all-gather: every rank receives
+:class:`~ccfx.wire.exchange.GatherExchange` with an all-gather: every rank receives
 and decodes every other rank's payload, ``(W-1)`` payloads in per rank. The ring here moves
 ``2 (W-1) / W`` of a payload per rank instead, the bandwidth of a plain ring all-reduce, at the
 price of re-encoding partial sums (INTELLECT-1 averaged its pseudo-gradients this way, int8 on a
@@ -24,8 +24,8 @@ per scale), so a chunk holds whole blocks, its payload's shapes come from the co
 ``payload_layout`` and a receiver allocates without being told a size; the chunk payloads of a
 blockwise codec add up to exactly the whole tensor's payload. Chunks are as even as whole
 blocks allow (a tensor smaller than ``W`` blocks leaves some ranks an empty chunk; those hops
-send nothing). Each hop sends one message: the chunk's payload tensors packed into one byte
-buffer. The all-gather forwards hop ``h``'s bytes before decoding them, so decodes overlap the
+send nothing). Each hop sends one message: the chunk's payload tensors packed tight into one
+byte buffer (:mod:`ccfx.wire.format`'s packer, ``align=1``). The all-gather forwards hop ``h``'s bytes before decoding them, so decodes overlap the
 next transfer; the reduce-scatter cannot (hop ``h+1`` sends what hop ``h`` decoded and added).
 
 Error feedback (``"topk:ratio=0.01,ef"``): the state is this rank's residual ``e``. The ring
@@ -42,7 +42,7 @@ state and PowerSGD is a pair of all-reduces (its payloads are summable): both ra
 :class:`~ccfx.ConfigError` pointing at the all-gather.
 
 Every wait is bounded by the group's timeout (point-to-point works on gloo honour it); a failed
-or timed-out hop raises :class:`~ccfx.runtime.data_parallel.CollectiveError` naming this rank,
+or timed-out hop raises :class:`~ccfx.CollectiveError` naming this rank,
 the phase and hop, and the peer it was sending to or waiting for.
 
 Inside a compiled backward the ring runs as the custom op ``ccfx::ring_all_reduce`` (point to
@@ -52,8 +52,6 @@ by name and blocks until the averaged tensor is there.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +61,8 @@ from .. import codecs
 from ..codecs import ops as _ops  # noqa: F401  (registers torch.ops.ccfx_codecs)
 from ..codecs.base import Codec
 from ..codecs.ef import ErrorFeedback
-from ..errors import ConfigError
+from ..errors import CollectiveError, ConfigError
+from . import format as _format
 
 #: The tag of the ring's messages: apart from a user's own point-to-point traffic on a group.
 TAG = 0xCCF
@@ -122,7 +121,7 @@ def chunk_sizes(numel: int, world: int, unit: int = 1) -> list[int]:
 
 
 def _layout_bytes(layout) -> int:
-    return sum(math.prod(s) * d.itemsize for s, d in layout)
+    return _format.layout_nbytes(layout)
 
 
 def chunk_payload_bytes(numel: int, spec: str, dtype: torch.dtype, world: int) -> list[int]:
@@ -158,21 +157,6 @@ def gather_wire_bytes(numel: int, spec: str, dtype: torch.dtype, world: int) -> 
     return (world - 1) * int(codec.wire_bytes((numel,), dtype))
 
 
-def _pack(payload: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A chunk's payload tensors as one uint8 buffer: one message per hop."""
-    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in payload])
-
-
-def _unpack(buf: torch.Tensor, layout) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape, dtype in layout:
-        nbytes = math.prod(shape) * dtype.itemsize
-        # a copy: a slice at an odd offset cannot be viewed as a wider dtype
-        out.append(buf[offset:offset + nbytes].clone().view(dtype).view(tuple(shape)))
-        offset += nbytes
-    return out
-
-
 def _group_timeout(group) -> str:
     try:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
@@ -196,6 +180,8 @@ class _Ring:
         self.prev = dist.get_global_rank(pg, (self.rank - 1) % self.world)
         self.sizes = chunk_sizes(numel, self.world, rc.unit)
         self.layouts = [rc.inner.payload_layout((n,), dtype) for n in self.sizes]
+        #: each chunk's payload packed tight: one message per hop
+        self.spans = [_format.offsets(layout) for layout in self.layouts]
         self.numel = numel
 
     # -- codec ------------------------------------------------------------------------------
@@ -205,10 +191,11 @@ class _Ring:
         payload, new = torch.ops.ccfx_codecs.encode(x.to(self.dtype), spec, self.inner_state)
         for s, n in zip(self.inner_state, new):  # a stochastic codec's step counter
             s.copy_(n)
-        return _pack(payload)
+        return _format.pack(payload, _format.offsets(
+            [(tuple(t.shape), t.dtype) for t in payload]), x.device)
 
     def decode(self, buf: torch.Tensor, chunk: int) -> torch.Tensor:
-        payload = _unpack(buf, self.layouts[chunk])
+        payload = _format.unpack(buf, self.layouts[chunk], self.spans[chunk])
         out, _ = torch.ops.ccfx_codecs.decode(payload, self.rc.inner.spec, [self.sizes[chunk]],
                                               self.dtype, self.inner_state)
         return out
@@ -244,8 +231,6 @@ class _Ring:
         return recv
 
     def _error(self, phase: str, hop: int, what: str, peer: int, e: BaseException):
-        from .data_parallel import CollectiveError  # (data_parallel imports this module)
-
         me = dist.get_rank()
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return CollectiveError(

@@ -1,0 +1,112 @@
+"""The ``Comm`` objects an exchange (:mod:`ccfx.wire.exchange`) issues its collectives through.
+
+Every ``Comm`` has ``world``, ``all_reduce``, ``all_gather``, ``wait`` and ``ring``; the same
+exchange phases run over any of them:
+
+* :class:`FunctionalComm`: ``torch.ops._c10d_functional`` collectives, which trace into graphs
+  (the compiled backward's gradient buckets, ``passes.grad_buckets``);
+* :class:`ProcessGroupComm`: eager ``torch.distributed`` collectives on a process group (the
+  DDP comm hook, the pipeline's data-parallel gradients, local steps' outer sync);
+* :class:`LocalComm`: world size 1 without a process group, every collective the identity (the
+  codec as a local round trip: one process computes what the codec does to training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import ring as _ring
+
+Tensors = list[torch.Tensor]
+
+
+class FunctionalComm:
+    """Collectives as ``torch.ops._c10d_functional`` ops: they trace into graphs and return
+    at once; ``wait`` is ``wait_tensor``."""
+
+    def __init__(self, group_name: str, world_size: int):
+        self.group_name = group_name
+        self.world = world_size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.ops._c10d_functional.all_reduce(t, "sum", self.group_name)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``(world * t.numel(),)`` flat, rank-major."""
+        return torch.ops._c10d_functional.all_gather_into_tensor(
+            t.reshape(-1), self.world, self.group_name)
+
+    def wait(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.ops._c10d_functional.wait_tensor(t)
+
+    def ring(self, flat: torch.Tensor, spec: str, state: Tensors) -> tuple[torch.Tensor, Tensors]:
+        """The ring all-reduce's mean and the updated state (``ccfx::ring_all_reduce``: it
+        traces into the graph and blocks when it runs)."""
+        out, new = torch.ops.ccfx.ring_all_reduce(flat, spec, self.group_name, list(state))
+        return out, list(new)
+
+
+class LocalComm:
+    """World size 1 without a process group: every collective is the identity."""
+
+    world = 1
+
+    def all_reduce(self, t):
+        return t
+
+    def all_gather(self, t):
+        return t.reshape(-1)
+
+    def wait(self, t):
+        return t
+
+    def ring(self, flat, spec, state):
+        new = [t.clone() for t in state]
+        return _ring.ring_round_trip(flat, spec, new), new
+
+
+@dataclass
+class _InFlight:
+    """A collective issued but not yet waited on, and the tensor it fills."""
+
+    work: Any
+    result: torch.Tensor
+
+
+class ProcessGroupComm:
+    """The exchanges' ``Comm`` over ``torch.distributed`` on ``group`` (None: WORLD), eager.
+
+    ``all_reduce`` and ``all_gather`` issue asynchronously and return a handle; ``wait`` waits
+    and returns the result tensor. Inputs are left untouched, as with
+    :class:`FunctionalComm`: ``all_reduce`` reduces a copy, since a codec's payload may be a
+    view of the gradients or of its state.
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+
+    def all_reduce(self, t: torch.Tensor) -> _InFlight:
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        return _InFlight(dist.all_reduce(out, group=self.group, async_op=True), out)
+
+    def all_gather(self, t: torch.Tensor) -> _InFlight:
+        """Fills a ``(world * t.numel(),)`` flat, rank-major tensor."""
+        flat = t.detach().reshape(-1).contiguous()
+        out = flat.new_empty(self.world * flat.numel())
+        return _InFlight(dist.all_gather_single(out, flat, group=self.group, async_op=True), out)
+
+    def wait(self, handle: _InFlight) -> torch.Tensor:
+        handle.work.wait()
+        return handle.result
+
+    def ring(self, flat: torch.Tensor, spec: str,
+             state: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:func:`~ccfx.wire.ring.ring_all_reduce` on ``group``, eager and blocking; the
+        mean and the updated state (the inputs are left untouched)."""
+        new = [t.detach().clone() for t in state]
+        return _ring.ring_all_reduce(flat.detach(), spec, self.group, new), new
