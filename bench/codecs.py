@@ -20,14 +20,17 @@ pins it (the script re-executes itself with glibc's ``MALLOC_*`` variables set):
 ``warm`` never returns memory to the system (no faults after warm-up: clone runs at memory
 bandwidth and the codecs' compute shows); ``default`` leaves glibc alone.
 
-CUDA: the Triton kernels (the default there), the eager torch reference and the
-inductor-compiled reference (64 MB only, to stay within the time budget: compiling takes
-seconds per codec and size), timed with ``triton.testing.do_bench``.
+CUDA (chosen whenever torch sees one): the Triton kernels (the default there), the eager torch
+reference and the inductor-compiled reference (at ``--inductor-mb`` sizes only, 64 MB by default,
+to stay within the time budget: compiling takes seconds per codec and size), timed with
+``triton.testing.do_bench`` (``--rep-ms`` of repeats each). A codec that fails there is
+reported on its row and the others still run; the exit status is then 1.
 
     python -m bench.codecs                            # 64 MB fp32, every codec
     python -m bench.codecs --mb 1 16 64 256 --codecs int8 fp16
     python -m bench.codecs --allocator warm           # no page faults: compute vs bandwidth
     python -m bench.codecs --json codecs.json         # the figures, machine-readable
+    python -m bench.codecs --inductor-mb              # CUDA: Triton and eager torch only
 """
 
 from __future__ import annotations
@@ -82,10 +85,10 @@ def paired_cpu(fn, baseline, reps: int) -> dict:
     return {"s": statistics.median(a), "base_s": statistics.median(b), "faults": faults / reps}
 
 
-def cuda_time(fn) -> float:
+def cuda_time(fn, rep_ms: int = 100) -> float:
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") / 1e3
 
 
 def sample(mb: float, device: str) -> torch.Tensor:
@@ -152,8 +155,8 @@ def bench_cpu(x, specs, reps, modes):
     return rows
 
 
-def bench_cuda(x, specs, compiled: bool):
-    clone_s = cuda_time(x.clone)
+def bench_cuda(x, specs, compiled: bool, rep_ms: int = 100):
+    clone_s = cuda_time(x.clone, rep_ms)
     nbytes = x.numel() * x.element_size()
     print(f"clone {nbytes / clone_s / 1e9:.0f} GB/s")
     impls = {"triton": ("auto", "0"), "torch": ("reference", "0")}
@@ -165,10 +168,17 @@ def bench_cuda(x, specs, compiled: bool):
     for spec in specs:
         codec = codecs.get(spec)
         row = {"codec": spec, "wire": codec.wire_bytes(x.shape, x.dtype) / nbytes}
-        for impl, (choice, comp) in impls.items():
-            with codecs.implementation(choice), compile_mode(comp):
-                row[f"{impl}_enc"] = clone_s / cuda_time(lambda c=codec: c.encode(x))
-                row[f"{impl}_rt"] = clone_s / cuda_time(lambda c=codec: c.decode(c.encode(x)))
+        try:
+            for impl, (choice, comp) in impls.items():
+                with codecs.implementation(choice), compile_mode(comp):
+                    row[f"{impl}_enc"] = clone_s / cuda_time(lambda c=codec: c.encode(x), rep_ms)
+                    row[f"{impl}_rt"] = clone_s / cuda_time(
+                        lambda c=codec: c.decode(c.encode(x)), rep_ms)
+        except Exception as e:  # noqa: BLE001 (a GPU check: report the codec, time the others)
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            print(f"{spec:<10} FAILED ({impl}): {row['error']}", flush=True)
+            rows.append(row)
+            continue
         cells = "".join(f" {row[k + '_enc']:>13.2f} {row[k + '_rt']:>12.2f}" for k in impls)
         cells += f" {row['triton_rt'] / row['torch_rt']:>12.2f}"
         if compiled:
@@ -201,6 +211,11 @@ def main():
     ap.add_argument("--modes", nargs="+", default=list(CPU_MODES), choices=list(CPU_MODES))
     ap.add_argument("--allocator", choices=["default", *ALLOCATORS], default="default",
                     help="pin glibc's allocator regime (see above); CPU only")
+    ap.add_argument("--inductor-mb", type=float, nargs="*", default=[64], metavar="MB",
+                    help="CUDA: the sizes at which the inductor-compiled reference is timed too "
+                         "(default 64; none with no value)")
+    ap.add_argument("--rep-ms", type=int, default=100,
+                    help="CUDA: do_bench's repeat time per measurement (default 100)")
     args = ap.parse_args()
     if args.allocator != "default":
         pin_allocator(args.allocator)
@@ -212,12 +227,18 @@ def main():
         x = sample(mb, device)
         print(f"\n{mb:g} MB fp32 on {device}, ratios over clone (higher is better)")
         if device == "cuda":
-            rows = bench_cuda(x, args.codecs, compiled=mb == 64)
+            rows = bench_cuda(x, args.codecs, compiled=mb in args.inductor_mb,
+                              rep_ms=args.rep_ms)
         else:
             rows = bench_cpu(x, args.codecs, args.reps, args.modes)
         results += [{"mb": mb, "device": device, **r} for r in rows]
     common.write_json(args.json, "codecs", {"allocator": args.allocator, "rows": results})
+    failed = [r["codec"] for r in results if "error" in r]
+    if failed:
+        print(f"\nfailed on {device}: {', '.join(failed)}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

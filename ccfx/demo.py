@@ -116,8 +116,10 @@ def train(
     lr: float = DEMO_LR,
     name: str = "train",
     progress: bool = True,
+    device: str | torch.device | None = None,
 ) -> RunResult:
-    """AdamW at a fixed learning rate, gradient norm clipped at 1; batches drawn from ``seed``."""
+    """AdamW at a fixed learning rate, gradient norm clipped at 1; batches drawn from ``seed``
+    (on the CPU, then moved to ``device`` when given: the same batches on every device)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     params = [p for g in opt.param_groups for p in g["params"]]
     stream = batches(data, batch_size, block_size, seed)
@@ -129,6 +131,8 @@ def train(
     bar = progress_bar(range(steps), desc=name, disable=None if progress else True, leave=True)
     for _ in bar:
         x, y = next(stream)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
         t0 = time.perf_counter()
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
@@ -170,6 +174,7 @@ def run_demo(
     baseline: str = "eager",
     model_config: GPTConfig | None = None,
     lr: float = DEMO_LR,
+    device: str | torch.device = "cpu",
 ) -> DemoResult:
     """Train the baseline and the ccfx-compressed tiny GPT from the same init on the same batches.
 
@@ -179,6 +184,8 @@ def run_demo(
     baseline: "eager" (the plain model) or "ccfx" (ccfx with the same stages and lowering and
         the identity codec "none").
     model_config: the GPT to train; by default ``demo_model_config`` with the corpus's vocabulary.
+    device: where both models train ("cpu", "cuda"); initialised on the CPU first, so every
+        device starts from the same weights. On CUDA the codecs run their Triton kernels.
     """
     if baseline not in BASELINES:
         raise ValueError(f"baseline={baseline!r} is not valid; choose one of {', '.join(BASELINES)}")
@@ -194,7 +201,7 @@ def run_demo(
     options = {"stages": stages, "activation_codec": codec, "lowering": lowering}
 
     torch.manual_seed(seed)
-    base_model = TinyGPT(config)
+    base_model = TinyGPT(config).to(device)
     comp_model = copy.deepcopy(base_model)  # same init; deepcopy keeps the weight tying
     num_parameters = base_model.num_parameters()
 
@@ -211,7 +218,7 @@ def run_demo(
 
     common = {
         "data": data, "steps": steps, "batch_size": batch_size, "block_size": config.block_size,
-        "seed": seed, "lr": lr, "progress": progress,
+        "seed": seed, "lr": lr, "progress": progress, "device": device,
     }
     base_run = train(base_run_model, name=base_name, **common)
     comp_run = train(compiled, name=f"ccfx {stages} stages, {codec}", **common)
@@ -308,6 +315,9 @@ def add_arguments(parser) -> None:
                         help="eager: the plain model; ccfx: same stages, identity codec")
     parser.add_argument("--lr", type=float, default=DEMO_LR)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu",
+                        help="where the single-process demo trains: cpu (default) or cuda "
+                             "(codecs run their Triton kernels there); not with --dp")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bars")
     parser.add_argument("--report", default="ccfx-demo-report.html", metavar="PATH",
@@ -329,6 +339,9 @@ def _main_dp(args) -> int:
 
     if args.dp < 1:
         raise SystemExit("--dp takes the number of ranks, at least 1")
+    if getattr(args, "device", "cpu") != "cpu":
+        raise SystemExit("--device applies to the single-process demo: --dp trains on gloo "
+                         "ranks on the CPU")
     steps = args.steps if args.steps is not None else DP_DEMO_STEPS
     codec = args.gradient_codec or DP_CODEC
     if args.sync_every is not None:
@@ -353,10 +366,12 @@ def main(args) -> int:
     if getattr(args, "dp", 0):
         return _main_dp(args)
     steps = args.steps if args.steps is not None else DEMO_STEPS
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
     result = run_demo(
         steps=steps, stages=args.stages, codec=args.codec, batch_size=args.batch_size,
         lowering=args.lowering, seed=args.seed, progress=args.progress, baseline=args.baseline,
-        lr=args.lr,
+        lr=args.lr, device=args.device,
     )
     print(format_demo(result))
     if args.report:

@@ -5,6 +5,9 @@ from ``TRITON_INTERPRET``. So the variable is set before a kernel module is impo
 module that an earlier test imported without it is reloaded. triton.language itself cannot be
 reloaded that way: when something imports it first (transformers does), only a session-wide
 TRITON_INTERPRET works, which tests/conftest.py sets on machines without a GPU.
+
+``CCFX_TEST_DEVICE=cuda`` (scripts/gpu_check.sh) turns all of this off: the same tests run the
+compiled kernels on CUDA tensors (tests/conftest.py makes CUDA torch's default device there).
 """
 
 from __future__ import annotations
@@ -25,9 +28,13 @@ def _stale(mod) -> bool:
 
 
 def kernels(module: str):
-    """Import ``ccfx.backends.triton.<module>`` with its kernels (and its helpers') interpreted."""
-    os.environ["TRITON_INTERPRET"] = "1"
+    """Import ``ccfx.backends.triton.<module>`` with its kernels (and its helpers') interpreted;
+    with ``CCFX_TEST_DEVICE=cuda`` (tests/conftest.py), compiled as they are: the tests then run
+    on CUDA tensors."""
     prefix = "ccfx.backends.triton."
+    if os.environ.get("CCFX_TEST_DEVICE", "cpu") != "cpu":
+        return importlib.import_module(prefix + module)
+    os.environ["TRITON_INTERPRET"] = "1"
     mod = importlib.import_module(prefix + module)
     if any(_stale(m) for k, m in list(sys.modules.items()) if k.startswith(prefix)):
         # Helpers first, so the kernel modules re-import interpreted versions of them.

@@ -84,9 +84,10 @@ def test_cpu_compaction_is_the_kernels_payload(dtype):
     x[0, [4, 9]] = torch.tensor([float("nan"), -float("inf")], dtype=dtype)
     capacity = _sparse.count(x.numel(), 0.2)
     for tau in (5.0, 1e6):
-        got = threshold_encode_compact(x, tau, capacity)
+        with torch.device("cpu"):  # the CPU path even where x is on CUDA (CCFX_TEST_DEVICE)
+            got = threshold_encode_compact(x.cpu(), tau, capacity)
         for a, b in zip(got, K.threshold_encode(x, tau, capacity), strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(a, b.cpu(), rtol=0, atol=0, equal_nan=True)
 
 
 def test_codec_dispatches_to_triton_on_cuda():
