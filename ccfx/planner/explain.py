@@ -3,7 +3,13 @@ why the winner won, as text (the HTML report draws the same facts)."""
 
 from __future__ import annotations
 
+from .. import codecs
 from ..plan import GraphPlan, Plan
+from .candidates import MEASURED
+
+#: the role of a codec in the plan -> how the explanation names it
+ROLES = {"activation": "activations (forward)", "activation_grad": "activation gradients",
+         "gradient": "gradient buckets"}
 
 
 def explain_plan(plan: Plan) -> str:
@@ -11,9 +17,51 @@ def explain_plan(plan: Plan) -> str:
     for g in plan.graphs:
         out += _graph(g, plan)
     if not out:
-        return ("ccfx explain: nothing was chosen by the planner (no option is 'auto'); "
-                "set activation_codec, activation_grad_codec or gradient_codec to 'auto'")
-    return "\n".join(out)
+        out = ["ccfx explain: nothing was chosen by the planner (no option is 'auto'); "
+               "set activation_codec, activation_grad_codec or gradient_codec to 'auto'"]
+    return "\n".join(out + measured_loss_costs(plan))
+
+
+def measured_loss_costs(plan: Plan) -> list[str]:
+    """What each lossy codec the plan uses was measured to cost in final loss (the table
+    ``auto``'s budget reads), so a user who fixed a codec by hand sees it too."""
+    used: dict[tuple[str, str], None] = {}
+    for g in plan.graphs:
+        for e in g.edges:
+            used[("activation", e.codec)] = None
+            used[("activation_grad", e.grad_codec or e.codec)] = None
+        for b in g.buckets:
+            used[("gradient", b.codec)] = None
+    rows = []
+    for role, spec in used:
+        spec = codecs.canonical(spec)
+        if spec == "none":
+            continue
+        change = _measured(role, spec)
+        what = (f"{change:+.1%} final loss vs uncompressed" if change is not None
+                else "not measured by bench/convergence.py")
+        better = _with_error_feedback(role, spec, change)
+        rows.append(f"  {ROLES[role]}: {spec}: {what}{better}")
+    if not rows:
+        return []
+    return ["loss cost of the codecs in this plan (bench/convergence.py: tiny GPT, 300 steps, "
+            "paired mean over 3 seeds):", *rows]
+
+
+def _measured(role: str, spec: str) -> float | None:
+    return next((v for k, v in MEASURED[role].items() if codecs.canonical(k) == spec), None)
+
+
+def _with_error_feedback(role: str, spec: str, change: float | None) -> str:
+    """A hint where the error-feedback variant of the same codec was measured to cost less."""
+    if change is None or ",ef" in spec or spec.endswith(":ef"):
+        return ""
+    sep = "," if ":" in spec else ":"
+    ef = codecs.canonical(spec + sep + "ef")
+    ef_change = _measured(role, ef)
+    if ef_change is None or ef_change >= change:
+        return ""
+    return f"; with error feedback ({ef}) {ef_change:+.1%}"
 
 
 def _graph(g: GraphPlan, plan: Plan) -> list[str]:
