@@ -291,7 +291,7 @@ def test_predicted_step_falls_with_h_and_streaming_hides_the_link():
 
     shapes = [(256, 256), (256,), (256, 256), (256,)]
     link = Link(0.01, latency_ms=1.0, shared=True)  # 10 Mbit/s, one medium
-    timer = CodecTimer()
+    timer = CodecTimer(throughput=1e9)  # fixed 1 GB/s: the comparisons hold at any load
 
     def predict(**options):
         cfg = ccfx.Config(outer_codec="int8", **options)

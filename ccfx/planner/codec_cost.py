@@ -59,11 +59,18 @@ def cache_path(device: torch.device | str = "cpu") -> Path:
 
 class CodecTimer:
     """Codec costs by (spec, shape, dtype): measured at the first request, then cached in
-    memory and, unless ``path`` is None, on disk."""
+    memory and, unless ``path`` is None, on disk.
+
+    ``throughput`` (raw bytes per second) prices every codec's encode and its decode at that
+    rate instead of measuring them, the wire bytes still exact: the same answer on any machine
+    at any load (tests that compare predictions), or a plan for a machine you are not on."""
 
     def __init__(self, device: torch.device | str = "cpu", path: Path | str | None | bool = True,
-                 repeats: int = 5):
+                 repeats: int = 5, throughput: float | None = None):
         self.device = torch.device(device)
+        self.throughput = throughput
+        if throughput is not None:
+            path = None  # modelled costs are not measurements: never cached on disk
         self.path = cache_path(self.device) if path is True else (Path(path) if path else None)
         self.repeats = repeats
         self._table: dict[str, dict] = self._load()
@@ -89,6 +96,9 @@ class CodecTimer:
 
     def _measure(self, spec: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
         wire = WireFormat(codecs.get(spec), shape, dtype)
+        if self.throughput is not None:
+            seconds = _numel(shape) * dtype.itemsize / self.throughput
+            return {"encode_s": seconds, "decode_s": seconds, "wire_bytes": int(wire.nbytes)}
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(shape, generator=gen).to(device=self.device, dtype=dtype)
         out = torch.empty_like(x)

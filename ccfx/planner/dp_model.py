@@ -127,8 +127,13 @@ def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer,
                   if ex.collective in ("all_gather", "ring") else 0.0)
         return {"local_s": statistics.median(times), "decode_s": decode}
 
+    def modelled() -> dict:  # the timer's fixed throughput: one encode, one decode
+        c = timer.cost(spec, (layout.numel,), b.dtype)
+        gathered = ex.collective in ("all_gather", "ring")
+        return {"local_s": c.encode_s + c.decode_s, "decode_s": c.decode_s if gathered else 0.0}
+
     key = f"bucket:{spec}|{';'.join('x'.join(map(str, s)) for s in b.shapes)}|{b.dtype}"
-    hit = timer.cached(key, measure)
+    hit = timer.cached(key, measure if timer.throughput is None else modelled)
     # On top of the local round trip (one encode, one decode): after an all-gather every rank
     # decodes the W-1 other payloads; on the ring a rank encodes W chunks (one payload's worth)
     # and decodes 2W-1 (its reduce-scatter receipts, its own mean, the all-gather's), (W-1)/W
