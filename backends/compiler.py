@@ -33,10 +33,11 @@ import torch
 import torch.fx
 
 from ccfx import codecs
+from ccfx.codecs.state import CodecState
 from ccfx.config import AUTO, Config
 from ccfx.errors import CcfxError, CcfxWarning, ConfigError
 from ccfx.passes import annotate, cut_edges, partition, run_passes
-from ccfx.passes.facts import CutFacts, NodeFacts, kind_of, need, stage_of
+from ccfx.passes.facts import NodeFacts, kind_of, need, stage_of
 from ccfx.passes.graph_utils import val
 from ccfx.plan import GraphPlan, Plan
 from ccfx.runtime.cut_op import Hop, hop_of, register_hop
@@ -98,9 +99,10 @@ class CcfxBackend:
         self.graphs: list[CompiledGraph] = []
         #: The hops this backend registered (the cut op's table refers to them weakly).
         self.hops: list[Hop] = []
-        #: Buffers of stateful codecs on cut edges and gradient buckets (live tensors: save
-        #: and load them here).
-        self.codec_state = torch.nn.Module()
+        #: The state of stateful codecs on cut edges and gradient buckets, as buffers named
+        #: ``<channel>.<state-name>`` (live tensors: save and load them here; see
+        #: :mod:`ccfx.codecs.state`).
+        self.codec_state = CodecState()
         #: Data-parallel gradient synchronization (``data_parallel=True``), made at the first
         #: compile (it creates a process group: every rank compiles together).
         self.data_parallel: DataParallel | None = None
@@ -136,7 +138,8 @@ class CcfxBackend:
         return plan
 
     def _uid_for(self, index: int, edge: int, hop: tuple[int, int], spec: str, gspec: str) -> int:
-        hop_ = Hop(self.ledger, index, edge, hop, codecs.get(spec), codecs.get(gspec))
+        hop_ = Hop(self.ledger, index, edge, hop, codecs.prototype(spec), codecs.prototype(gspec),
+                   self.codec_state)
         self.hops.append(hop_)
         return register_hop(hop_)
 
@@ -146,17 +149,12 @@ class CcfxBackend:
         for node in gm.graph.nodes:
             if node.target is not torch.ops.ccfx.cut.default:
                 continue
-            uid, value, f = node.args[3], val(node), need(node, CutFacts)
+            uid, value = node.args[3], val(node)
+            if not all(isinstance(d, int) for d in value.shape):
+                continue  # dynamic shapes: allocated at the first step
             hop = hop_of(uid)
-            for direction, codec in (("fwd", hop.codec), ("bwd", hop.grad_codec)):
-                if not codec.stateful or not codec.applies_to(value.dtype):
-                    continue
-                if not all(isinstance(d, int) for d in value.shape):
-                    continue  # dynamic shapes: allocated at the first step
-                state = codec.reset_state(tuple(value.shape), value.dtype, value.device)
-                prefix = f"graph{hop.graph}_edge{f.edge}_hop{hop.hop[0]}to{hop.hop[1]}_{direction}"
-                for name, tensor in state.items():
-                    self.codec_state.register_buffer(f"{prefix}_{name}", tensor)
+            for direction in ("fwd", "bwd"):  # registered in self.codec_state
+                hop.state_for(direction, tuple(value.shape), value.dtype, value.device)
 
     def _plan_auto(self, gm: torch.fx.GraphModule):
         """``auto`` activation codecs: the planner's choice for every cut edge of ``gm``
@@ -229,8 +227,8 @@ class CcfxBackend:
             decide = None
             if self.config.gradient_codec == AUTO:  # priced by the planner, per bucket
                 from ccfx.planner.plan_buckets import plan_bucket_codecs as decide
-            self.data_parallel = DataParallel(self.config, self.ledger, decide)
-            self.codec_state.add_module("buckets", self.data_parallel.state)
+            self.data_parallel = DataParallel(self.config, self.ledger, decide,
+                                              state=self.codec_state)
         return self.data_parallel
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):

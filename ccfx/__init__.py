@@ -61,11 +61,16 @@ def ledger_of(compiled):
 
 
 def codec_state(compiled):
-    """An ``nn.Module`` whose buffers are the live state of the stateful codecs on cut edges
-    (error-feedback residuals, PowerSGD's Q): checkpoint its ``state_dict()`` beside the
-    model's. To resume, compile the restored model, run one forward with grad enabled (ccfx
-    allocates the state when it compiles the training graph; a ``no_grad`` call compiles a
-    separate inference graph with its own state), then ``load_state_dict`` the saved state."""
+    """An ``nn.Module`` (:class:`ccfx.codecs.state.CodecState`) whose buffers are the live state
+    of the stateful codecs on cut edges and data-parallel gradient buckets (error-feedback
+    residuals, PowerSGD's Q), named ``<channel>.<state-name>``:
+    ``graph0.edge3.hop1to2.fwd.residual``, ``graph0.bucket2.q0000`` (the scheme every ccfx
+    checkpoint uses: :mod:`ccfx.codecs.state`).
+    Checkpoint its ``state_dict()`` beside the model's. To resume, compile the restored model,
+    run one forward with grad enabled (ccfx allocates the state when it compiles the training
+    graph; a ``no_grad`` call compiles a separate inference graph with its own state), then
+    ``load_state_dict`` the saved state: names, shapes or dtypes that do not fit (another codec,
+    other options) are a :class:`ConfigError` naming the option."""
     from ccfx.backends.compiler import backend_of
 
     return backend_of(compiled).codec_state

@@ -13,6 +13,8 @@ its scenario returned; the single-process simulations run here, in the test.
 Workers: tests/pipeline_workers.py.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -181,6 +183,10 @@ def test_a_checkpoint_of_each_rank_resumes_with_identical_numerics(two):
     ranks = two["resume"]
     assert any(r["state_names"] for r in ranks)  # the codec state is in the checkpoint
     assert ranks[0]["state_names"] and ranks[1]["state_names"]
+    # named <channel>.<state-name> (ccfx.codecs.state), the channel with the side keeping it
+    channel = re.compile(r"ccfx_codec_state\.graph0\.edge\d+\.hop0to1\.(fwd|bwd)\."
+                         r"(send|recv)\.\w+$")
+    assert all(channel.match(n) for r in ranks for n in r["state_names"]), ranks[0]["state_names"]
     for r in ranks:
         assert r["resumed"] == r["straight"]
         assert r["params_equal"]

@@ -76,12 +76,15 @@ class Codec:
 
     Two faces over one functional core:
 
-    * the object API, ``encode(x)`` / ``decode(enc)``, keeps a stateful codec's state on the
-      object (``state_dict()``), so repeated calls warm-start and feed back errors;
     * the functional core, ``encode_with(x, state)`` / ``decode_with(enc, state)``, takes the
-      state as a dict of tensors that it updates in place. The custom ops in
-      :mod:`ccfx.codecs.ops` and graph passes use this face, so the state can live in buffers of
-      the user's module.
+      state as a dict of tensors (made by ``init_state(shape, dtype, device)``) that it updates
+      in place. Everything in ccfx's runtime uses this face (the cut op, pipeline wires, bucket
+      exchanges, the custom ops in :mod:`ccfx.codecs.ops`): the state lives in tensors the
+      runtime owns and checkpoints under one naming scheme (:mod:`ccfx.codecs.state`), never on
+      a codec object;
+    * the object API, ``encode(x)`` / ``decode(enc)``, for a codec used by hand (tests, the
+      catalogue, a notebook): a stateful codec from ``codecs.get`` keeps its own state dict
+      (``state_dict()``), so repeated calls warm-start and feed back errors.
 
     ``payload_layout(shape, dtype)`` gives every payload tensor's shape and dtype from the input
     shape alone. ``wire_bytes`` is its sum, so it is exact by construction, and the receiving

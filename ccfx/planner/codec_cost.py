@@ -95,21 +95,22 @@ class CodecTimer:
         return hit
 
     def _measure(self, spec: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
-        wire = WireFormat(codecs.get(spec), shape, dtype)
+        wire = WireFormat(codecs.prototype(spec), shape, dtype)
         if self.throughput is not None:
             seconds = _numel(shape) * dtype.itemsize / self.throughput
             return {"encode_s": seconds, "decode_s": seconds, "wire_bytes": int(wire.nbytes)}
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(shape, generator=gen).to(device=self.device, dtype=dtype)
         out = torch.empty_like(x)
+        state = wire.init_state(self.device)  # explicit, as a pipeline stage keeps it
         enc, dec = [], []
         for i in range(self.repeats + 1):
             t0 = self._now()
-            buf = wire.encode(x)
+            buf = wire.encode(x, state)
             t1 = self._now()
-            wire.decode_into(buf, out)
+            wire.decode_into(buf, out, state)
             t2 = self._now()
-            if i:  # the first call allocates state and warms caches
+            if i:  # the first call warms caches
                 enc.append(t1 - t0)
                 dec.append(t2 - t1)
         return {"encode_s": statistics.median(enc), "decode_s": statistics.median(dec),

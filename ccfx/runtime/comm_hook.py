@@ -21,7 +21,10 @@ the same order on every rank. On NCCL ``Work.wait()`` only makes the current CUD
 the CPU goes on; on gloo the backward pauses while a bucket is exchanged.
 
 Buckets and state. Each bucket's codec state (PowerSGD's Q, error-feedback residuals, step
-counters) is keyed by ``bucket.index()`` and made at the bucket's first call. DDP regroups its
+counters) is keyed by ``bucket.index()`` and made at the bucket's first call (by the exchange's
+``init_state``, passed to every call). A checkpoint (``state_dict()``) names it as every ccfx
+checkpoint does (:mod:`ccfx.codecs.state`): ``state["state"]["ddp.bucket0.q0000"]``, beside
+``state["buckets"][0]``, the gradient shapes and dtype the bucket's state was made for. DDP regroups its
 buckets once, after its first iteration (unless ``find_unused_parameters=True``), so a bucket
 index can come back with other gradients in it: that bucket then starts from fresh state, since
 a Q or a residual belongs to the gradients it was made for. For the same reason a resumed run
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .. import codecs
+from ..codecs.state import SCHEME, check, ddp_channel, named, split_key
 from ..config import COLLECTIVES
 from ..errors import CcfxWarning, ConfigError
 from ..wire.comm import ProcessGroupComm
@@ -104,6 +108,9 @@ class CommHookState:
         saved = self._pending.get(index)
         if saved is not None and _saved_layout(saved) == layout:
             del self._pending[index]
+            channel = ddp_channel(index)
+            check(named(channel, tensors), named(channel, saved["state"]), {channel: self.spec},
+                  "DDP comm hook state")
             for name, t in tensors.items():
                 t.copy_(saved["state"][name])
         elif saved is not None:
@@ -125,29 +132,56 @@ class CommHookState:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of every bucket's state with the layout it belongs to; loaded entries not used
-        yet are included, so saving right after loading keeps them."""
+        """``{"spec", "steps", "buckets": {index: {"shapes", "dtype"}}, "state": {name:
+        tensor}}``: copies of every bucket's state, named ``ddp.bucket<index>.<state-name>``
+        (:mod:`ccfx.codecs.state`), with the layout it belongs to; loaded entries not used yet
+        are included, so saving right after loading keeps them."""
         live = {i: {"shapes": b.layout.shapes, "dtype": b.layout.dtype,
                     "state": {k: t.detach().clone() for k, t in b.tensors.items()}}
                 for i, b in self.buckets.items()}
-        pending = {i: _clone_entry(e) for i, e in self._pending.items() if i not in live}
-        return {"spec": self.spec, "steps": self.steps, "buckets": {**pending, **live}}
+        entries = {**{i: _clone_entry(e) for i, e in self._pending.items() if i not in live},
+                   **live}
+        return {"spec": self.spec, "steps": self.steps,
+                "buckets": {i: {"shapes": e["shapes"], "dtype": e["dtype"]}
+                            for i, e in entries.items()},
+                "state": {k: t for i, e in entries.items()
+                          for k, t in named(ddp_channel(i), e["state"]).items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copy saved state into the live buckets it fits; keep the rest for the first call of a
-        bucket with the saved layout."""
+        bucket with the saved layout. Checkpoints of the earlier layout (each bucket's state
+        nested in its entry) load too."""
         if codecs.canonical(state["spec"]) != self.spec:
             raise ConfigError(f"this hook state is for codec {self.spec!r}, the checkpoint's is "
                               f"for {state['spec']!r}: build the hook with the checkpoint's spec")
+        entries = _entries(state)
         self.steps = int(state["steps"])
         self._pending = {}
-        for index, entry in state["buckets"].items():
+        for index, entry in entries.items():
             live = self.buckets.get(index)
             if live is not None and live.layout == _saved_layout(entry):
+                channel = ddp_channel(index)
+                check(named(channel, live.tensors), named(channel, entry["state"]),
+                      {channel: self.spec}, "DDP comm hook state")
                 for name, t in live.tensors.items():
                     t.copy_(entry["state"][name])
             else:
                 self._pending[index] = _clone_entry(entry)
+
+
+def _entries(state: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each saved bucket as ``{"shapes", "dtype", "state": {state-name: tensor}}``."""
+    if "state" not in state:  # the earlier layout: the state inside each bucket's entry
+        return dict(state["buckets"])
+    entries = {i: {**e, "state": {}} for i, e in state["buckets"].items()}
+    by_channel = {ddp_channel(i): i for i in entries}
+    for k, t in state["state"].items():
+        channel, name = split_key(k)
+        if channel not in by_channel:
+            raise ConfigError(f"DDP comm hook state {k!r}: no bucket {channel!r} in the "
+                              f"checkpoint's 'buckets' (names are {SCHEME})")
+        entries[by_channel[channel]]["state"][name] = t
+    return entries
 
 
 def _saved_layout(entry: dict[str, Any]) -> BucketLayout:

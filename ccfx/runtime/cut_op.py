@@ -9,6 +9,12 @@ in the forward graph and in the backward graph.
 to the right ledger; an unknown uid still computes the round trip, it just is not counted.
 The table holds weak references: a :class:`Hop` belongs to the backend that registered it (one
 per ``torch.compile`` call), so hops, ledgers and codec state die with the compiled model.
+
+Codec state is explicit (:mod:`ccfx.codecs.state`): a stateful codec's tensors (error-feedback
+residual, PowerSGD's Q) are made by ``init_state``, registered in the backend's
+:class:`~ccfx.codecs.state.CodecState` (``ccfx.codec_state(compiled)``) under the hop's channel,
+``graph0.edge3.hop1to2.fwd`` / ``.bwd``, and passed to ``encode_with`` / ``decode_with`` at every
+call; no codec object keeps any.
 The op never aliases its input (the identity codec copies), as custom ops must not, and its
 output is always contiguous (a received buffer), whatever the input's strides.
 """
@@ -23,13 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from .. import codecs
+from ..codecs.state import CodecState, edge_channel
+from ..errors import CodecError
 from .ledger import Ledger
 
 
 @dataclass(frozen=True, eq=False)
 class Hop:
-    """One hop's runtime: where its bytes are counted and its own codec objects, which carry
-    the state of stateful codecs (error feedback residual, PowerSGD's Q) from step to step."""
+    """One hop's runtime: where its bytes are counted, its codecs (shared, stateless objects)
+    and where its codecs' state tensors live (``state``: the owning backend's holder)."""
 
     ledger: Ledger
     graph: int
@@ -37,6 +45,46 @@ class Hop:
     hop: tuple[int, int]
     codec: codecs.Codec | None = None
     grad_codec: codecs.Codec | None = None
+    state: CodecState | None = None
+
+    def codec_for(self, direction: str, dtype: torch.dtype) -> codecs.Codec | None:
+        """The codec of ``direction`` for a tensor of ``dtype`` (``none`` where it does not
+        apply, e.g. integer tensors)."""
+        codec = self.grad_codec if direction == "bwd" else self.codec
+        if codec is not None and not codec.applies_to(dtype):
+            codec = codecs.prototype("none")
+        return codec
+
+    def channel(self, direction: str) -> str:
+        return edge_channel(self.graph, self.edge, self.hop, direction)
+
+    def state_for(self, direction: str, shape, dtype: torch.dtype,
+                  device=None) -> dict[str, torch.Tensor]:
+        """The state tensors of ``direction`` for a tensor of ``shape``/``dtype``: registered
+        under the hop's channel at the first call (the backend allocates them when it compiles,
+        for static shapes), the same tensors from then on."""
+        codec = self.codec_for(direction, dtype)
+        if codec is None or not codec.stateful:
+            return {}
+        channel = self.channel(direction)
+        live = self.state.channel(channel) if self.state is not None else None
+        if live is None:
+            fresh = codec.init_state(tuple(shape), dtype, device)
+            if self.state is None:
+                return fresh
+            return self.state.add(channel, codec.spec, fresh,
+                                  legacy=f"graph{self.graph}_edge{self.edge}_hop{self.hop[0]}"
+                                         f"to{self.hop[1]}_{direction}_")
+        for k, (s, d) in codec.state_layout(tuple(shape), dtype).items():
+            have = live.get(k)
+            if have is None or tuple(have.shape) != tuple(s) or have.dtype != d:
+                got = None if have is None else (tuple(have.shape), have.dtype)
+                raise CodecError(
+                    f"cut edge {channel}: codec {codec.spec!r} keeps state {k!r} for {got}, "
+                    f"but this call's tensor needs {(tuple(s), d)}: a stateful codec's state "
+                    "has one shape; compile without dynamic shapes for it, or use a stateless "
+                    "codec on this edge")
+        return live
 
 
 _HOPS: weakref.WeakValueDictionary[int, Hop] = weakref.WeakValueDictionary()
@@ -69,13 +117,17 @@ def registered_hops() -> int:
 
 def _roundtrip(x: torch.Tensor, spec: str, uid: int, direction: str) -> torch.Tensor:
     hop = _HOPS.get(uid)
-    codec = getattr(hop, "grad_codec" if direction == "bwd" else "codec", None)
-    if codec is None:
-        codec = codecs.get(spec)
-    if not codec.applies_to(x.dtype):
-        codec = codecs.get("none")
-    enc = codec.encode(x)
-    out = codec.decode(enc).contiguous()  # what the fake kernel promises
+    codec = hop.codec_for(direction, x.dtype) if hop is not None else None
+    if codec is None:  # not registered: the codec with fresh state, counted nowhere
+        codec = codecs.prototype(spec)
+        if not codec.applies_to(x.dtype):
+            codec = codecs.prototype("none")
+        state = codec.init_state(tuple(x.shape), x.dtype, x.device) if codec.stateful else {}
+    else:
+        state = hop.state_for(direction, tuple(x.shape), x.dtype, x.device)
+    codec.check_input(x)
+    enc = codec.encode_with(x, state)
+    out = codec.decode_with(enc, state).contiguous()  # what the fake kernel promises
     if hop is not None:
         hop.ledger.record(hop.graph, hop.edge, hop.hop, direction,
                           x.numel() * x.element_size(), enc.nbytes)

@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from .. import codecs
+from ..codecs.state import CodecState, bucket_channel
 from ..config import AUTO, Config
 from ..errors import CollectiveError, ConfigError
 from ..passes.grad_buckets import find_param_grads, grad_buckets
@@ -85,17 +86,21 @@ def inside_ddp() -> bool:
 
 
 class DataParallel:
-    def __init__(self, config: Config, ledger: Ledger, decide_codecs: DecideCodecs | None = None):
+    def __init__(self, config: Config, ledger: Ledger, decide_codecs: DecideCodecs | None = None,
+                 state: CodecState | None = None):
         """``decide_codecs``: how ``gradient_codec="auto"`` picks each bucket's codec (see
-        :data:`DecideCodecs`); required with ``auto``."""
+        :data:`DecideCodecs`); required with ``auto``. ``state``: where the buckets' codec
+        state is registered (the backend's ``ccfx.codec_state``; default: a holder of its
+        own)."""
         if config.gradient_codec == AUTO and decide_codecs is None:
             raise ConfigError("gradient_codec='auto' needs the planner's decision: build "
                               "DataParallel through the ccfx backend, which passes it")
         self.config = config
         self.ledger = ledger
         self.decide_codecs = decide_codecs
-        #: Codec state of every bucket, as buffers: checkpoint ``state.state_dict()``.
-        self.state = torch.nn.Module()
+        #: Codec state of every bucket, as buffers named ``graph<g>.bucket<b>.<state-name>``
+        #: (:mod:`ccfx.codecs.state`): checkpoint ``state.state_dict()``.
+        self.state = state if state is not None else CodecState()
         self._graphs: dict[int, _GraphState] = {}
         dist = _dist()
         if dist is None:
@@ -164,10 +169,9 @@ class DataParallel:
             self._check_fingerprint(index, buckets)
             states = []
             for b, ex in zip(buckets, exchanges):
-                state = ex.init_state(_device_of(gm))
-                for name, tensor in state.items():
-                    self.state.register_buffer(f"graph{index}_bucket{b.index}_{name}", tensor)
-                states.append(state)
+                states.append(self.state.add(bucket_channel(index, b.index), b.spec,
+                                             ex.init_state(_device_of(gm)),
+                                             legacy=f"buckets.graph{index}_bucket{b.index}_"))
         compressed = grad_buckets(_copy(gm), buckets, states, self.comm, decompositions)
         if record is not None:
             record(compressed)

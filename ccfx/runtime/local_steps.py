@@ -32,7 +32,9 @@ the fragment and the step it started at. Making that group is itself bounded by 
 every replica calls :func:`local_steps` within ``collective_timeout_s`` of the others.
 
 State (:meth:`LocalSteps.state_dict`): the inner step count, per fragment the global parameters,
-the outer optimizer's momentum and the codec state (error-feedback residuals, PowerSGD's Q),
+the outer optimizer's momentum and the codec state (error-feedback residuals, PowerSGD's Q: each
+part's exchange makes it with ``init_state`` and updates it in place; saved under ``"codec"`` as
+``outer.fragment<f>.part<p>.<state-name>``, :mod:`ccfx.codecs.state`),
 the result of an exchange still in flight (so a checkpoint taken between a fragment's sync and
 its merge resumes with identical numerics), and this replica's own parameters: a new
 ``local_steps`` starts by giving every replica the first one's parameters, which between two
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..codecs.state import check, named, outer_channel
 from ..config import Config
 from ..errors import CollectiveError, ConfigError
 from ..wire.comm import LocalComm, ProcessGroupComm
@@ -314,12 +317,17 @@ class LocalSteps:
                 "global": [g.clone() for g in frag.global_],
                 "local": [p.detach().clone() for p in frag.local],
                 "outer": frag.outer.state_dict(),
-                "codec": [{k: t.clone() for k, t in part.state.items()} for part in frag.parts],
                 "pending": pending,
             })
         return {"step": self.step, "syncs": self.syncs, "raw_bytes": self.raw_bytes,
                 "wire_bytes": self.wire_bytes, "config": _outer_options(self.config),
-                "fragments": frags}
+                "fragments": frags,
+                "codec": {k: t.clone() for k, t in self._codec_state().items()}}
+
+    def _codec_state(self) -> dict[str, torch.Tensor]:
+        """Every part's codec state tensors (live), by checkpoint name."""
+        return {k: t for frag in self.fragments for p, part in enumerate(frag.parts)
+                for k, t in named(outer_channel(frag.index, p), part.state).items()}
 
     def load_state_dict(self, state: dict) -> None:
         saved, now = state["config"], _outer_options(self.config)
@@ -331,6 +339,15 @@ class LocalSteps:
                 s["names"] != f.names for s, f in zip(state["fragments"], self.fragments)):
             raise ConfigError("the checkpoint's fragments hold other parameters than this "
                               "model's: resume the same model with the same fragments")
+        codec = state.get("codec")
+        if codec is None:  # the earlier layout: a list of each fragment's parts' state
+            codec = {k: t for f, saved_frag in enumerate(state["fragments"])
+                     for p, part in enumerate(saved_frag["codec"])
+                     for k, t in named(outer_channel(f, p), part).items()}
+        live = self._codec_state()
+        check(live, codec, {outer_channel(f.index, p): part.exchange.spec
+                            for f in self.fragments for p, part in enumerate(f.parts)},
+              "local-steps codec state")
         self.step, self.syncs = int(state["step"]), int(state["syncs"])
         self.raw_bytes, self.wire_bytes = int(state["raw_bytes"]), int(state["wire_bytes"])
         for frag, saved_frag in zip(self.fragments, state["fragments"]):
@@ -340,9 +357,9 @@ class LocalSteps:
                 for p, s in zip(frag.local, saved_frag["local"]):
                     p.copy_(s)
             frag.outer.load_state_dict(saved_frag["outer"])
-            for part, codec_state in zip(frag.parts, saved_frag["codec"]):
-                for k, t in part.state.items():
-                    t.copy_(codec_state[k])
+        for k, t in live.items():
+            t.copy_(codec[k])
+        for frag, saved_frag in zip(self.fragments, state["fragments"]):
             pending = saved_frag["pending"]
             frag.in_flight = None if pending is None else _InFlight(
                 pending["started"], pending["merge_at"],

@@ -14,10 +14,13 @@ buffer just before the chunk's forward or backward runs. The payload's size foll
 shape, the dtype and the codec on both sides (``payload_layout``), so nothing else is
 exchanged. Codec ``none`` leaves torch's ops as they are.
 
-Which codec object holds which state (PowerSGD's warm-start Q, error-feedback residuals): the
-encoder's on the sending rank, the decoder's on the receiving rank, one object per hop and
-direction, registered as buffers of the stage module (``stage.submod.state_dict()`` holds them
-beside the parameters), so a checkpoint of each rank resumes with the same numerics. Per hop
+Codec state (PowerSGD's warm-start Q, error-feedback residuals) is explicit: per hop and
+direction, the sending rank keeps the encoder's tensors and the receiving rank the decoder's,
+made by the codec's ``init_state``, passed to every encode and decode, and registered in the
+stage module's :class:`~ccfx.codecs.state.CodecState` as ``ccfx_codec_state.<channel>.<name>``,
+channel ``graph0.edge3.hop1to2.fwd.send`` (``.recv``; ``.bwd.…`` for gradients; see
+:mod:`ccfx.codecs.state`). ``stage.submod.state_dict()`` holds them beside the parameters, so a
+checkpoint of each rank resumes with the same numerics. Per hop
 and direction, microbatches are encoded in the same order under every schedule (0, 1, …), so
 the single-process simulation, which runs the same encode and decode in that order, computes
 the same values: that is what tests/test_pipeline.py checks.
@@ -34,6 +37,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.profiler import record_function
 
 from .. import codecs
+from ..codecs.state import STAGE_ATTR, edge_channel, state_of
 from ..errors import ConfigError
 from ..passes.graph_utils import val
 from ..passes.split_stages import Port, StageInterface
@@ -64,15 +68,16 @@ class CompressedStage(PipelineStage):
                    else _last_outputs(submodule, d))
         super().__init__(submodule, interface.index, interface.num_stages, d,
                          input_args=inputs, output_args=outputs, group=group)
-        # One codec object per hop and direction, on the side that uses it.
+        # One wire format per hop and direction, on the side that uses it; its state tensors
+        # (stateful codecs) in self._state, under the same role.
         self._send_fwd = [_wire(p, p.codec) for p in interface.outputs]
         self._recv_bwd = [_wire(p, p.grad_codec) for p in interface.outputs]
         self._recv_fwd = [_wire(p, p.codec) for p in interface.inputs]
         self._send_bwd = [_wire(p, p.grad_codec) for p in interface.inputs]
         self._raw_recv_bwd = [_wire(p, "none") for p in interface.outputs]
         self._raw_send_bwd = [_wire(p, "none") for p in interface.inputs]
-        self._register_codec_state(d)
-        #: (kind, chunk) → [(torch's receive buffer, payload buffer, wire format)]
+        self._state = self._register_codec_state(d)
+        #: (kind, chunk) → [(torch's receive buffer, payload buffer, wire format, its state)]
         self._pending: dict[tuple[str, int], list] = {}
         #: Parameters other ranks' stages hold too (a tied embedding and LM head): name →
         #: (the process group of the ranks that hold it, their ranks). Set by build_stages.
@@ -81,20 +86,27 @@ class CompressedStage(PipelineStage):
 
     # -- state ------------------------------------------------------------------------------
 
-    def _register_codec_state(self, device: torch.device) -> None:
-        holder = torch.nn.Module()
+    def _register_codec_state(self, device: torch.device) -> dict[str, list[dict]]:
+        """Each wire's state tensors (empty dicts for stateless codecs), by role; stateful ones
+        registered in the stage module's codec state."""
+        out = {}
         for role, wires, ports in (("send_fwd", self._send_fwd, self.interface.outputs),
                                    ("recv_bwd", self._recv_bwd, self.interface.outputs),
                                    ("recv_fwd", self._recv_fwd, self.interface.inputs),
                                    ("send_bwd", self._send_bwd, self.interface.inputs)):
-            for w, p in zip(wires, ports):
-                if w is None or not w.codec.stateful:
-                    continue
-                state = w.codec.reset_state(w.shape, w.dtype, device)
-                for name, tensor in state.items():
-                    holder.register_buffer(f"edge{p.edge}_{role}_{name}", tensor)
-        if len(list(holder.buffers())):
-            self.submod.add_module("ccfx_codec_state", holder)
+            out[role] = []
+            for w, p in zip(wires, ports, strict=True):
+                state = w.init_state(device)
+                if state:
+                    side, direction = role.split("_")
+                    channel = edge_channel(self.graph, p.edge, p.hop, direction, side)
+                    state = state_of(self.submod).add(
+                        channel, w.codec.spec, state, legacy=f"{STAGE_ATTR}.edge{p.edge}_{role}_")
+                out[role].append(state)
+        # the raw variants (epilogue-only compression) are stateless
+        out["raw_recv_bwd"] = [{} for _ in self._raw_recv_bwd]
+        out["raw_send_bwd"] = [{} for _ in self._raw_send_bwd]
+        return out
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -103,13 +115,14 @@ class CompressedStage(PipelineStage):
         outputs, _ = self.fwd_cache[fwd_chunk_id]
         sends = [(k, out) for k, out in enumerate(outputs) for dst in self.act_send_info[k]
                  if dst is not None]
-        return [self._send(op, self._send_fwd[k], out, k, "fwd")
+        return [self._send(op, self._send_fwd[k], self._state["send_fwd"][k], out, k, "fwd")
                 for op, (k, out) in zip(ops, sends, strict=True)]
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
         infos = self.args_recv_info[fwd_chunk_id]
-        return self._recvs(ops, infos, self._recv_fwd, ("fwd", fwd_chunk_id))
+        return self._recvs(ops, infos, self._recv_fwd, self._state["recv_fwd"],
+                           ("fwd", fwd_chunk_id))
 
     def _prepare_forward_infra(self, num_microbatches: int, *args, **kwargs):
         if num_microbatches < self.num_stages:
@@ -140,9 +153,10 @@ class CompressedStage(PipelineStage):
             return ops
         sent = [k for k, stage in enumerate(self.grad_send_info)
                 if stage is not None and self._get_grad_send_meta(k) is not None]
-        wires = (self._send_bwd if self._compressed_bwd(bwd_chunk_id, self.stage_index)
-                 else self._raw_send_bwd)
-        return [self._send(op, wires[k], op.tensor, k, "bwd")
+        role = ("send_bwd" if self._compressed_bwd(bwd_chunk_id, self.stage_index)
+                else "raw_send_bwd")
+        wires, states = getattr(self, f"_{role}"), self._state[role]
+        return [self._send(op, wires[k], states[k], op.tensor, k, "bwd")
                 for op, k in zip(ops, sent, strict=True)]
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
@@ -150,9 +164,10 @@ class CompressedStage(PipelineStage):
         if not ops:
             return ops
         infos = self.grad_recv_info[bwd_chunk_id]
-        wires = (self._recv_bwd if self._compressed_bwd(bwd_chunk_id, self.stage_index + 1)
-                 else self._raw_recv_bwd)
-        return self._recvs(ops, infos, wires, ("bwd", bwd_chunk_id))
+        role = ("recv_bwd" if self._compressed_bwd(bwd_chunk_id, self.stage_index + 1)
+                else "raw_recv_bwd")
+        return self._recvs(ops, infos, getattr(self, f"_{role}"), self._state[role],
+                           ("bwd", bwd_chunk_id))
 
     def _compressed_bwd(self, chunk: int, sender: int) -> bool:
         """Whether the backward send of ``chunk`` from stage ``sender`` carries its codec:
@@ -182,13 +197,15 @@ class CompressedStage(PipelineStage):
 
     def set_local_fwd_input(self, prev_stage_outputs, mb_index: int) -> None:
         outs = prev_stage_outputs if isinstance(prev_stage_outputs, tuple) else (prev_stage_outputs,)
-        super().set_local_fwd_input(tuple(w.roundtrip(t) for w, t in
-                                          zip(self._recv_fwd, outs, strict=True)), mb_index)
+        super().set_local_fwd_input(tuple(
+            w.roundtrip(t, state) for w, state, t in
+            zip(self._recv_fwd, self._state["recv_fwd"], outs, strict=True)), mb_index)
 
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
         super().set_local_bwd_input(tuple(
-            None if g is None else w.roundtrip(g)
-            for w, g in zip(self._recv_bwd, next_stage_bwd_outputs, strict=True)), mb_index)
+            None if g is None else w.roundtrip(g, state)
+            for w, state, g in zip(self._recv_bwd, self._state["recv_bwd"],
+                                   next_stage_bwd_outputs, strict=True)), mb_index)
 
     def clear_runtime_states(self) -> None:
         super().clear_runtime_states()
@@ -206,7 +223,7 @@ class CompressedStage(PipelineStage):
 
     # -- the swap ---------------------------------------------------------------------------
 
-    def _send(self, op: dist.P2POp, wire: WireFormat, tensor: torch.Tensor, k: int,
+    def _send(self, op: dist.P2POp, wire: WireFormat, state: dict, tensor: torch.Tensor, k: int,
               direction: str) -> dist.P2POp:
         port = (self.interface.outputs if direction == "fwd" else self.interface.inputs)[k]
         if tuple(tensor.shape) != wire.shape:
@@ -218,11 +235,11 @@ class CompressedStage(PipelineStage):
             self._count(port, direction, wire.raw_bytes, wire.raw_bytes)
             return op
         with record_function(f"ccfx encode {direction} {port.name} ({wire.codec.spec})"):
-            payload = wire.encode(tensor)
+            payload = wire.encode(tensor, state)
         self._count(port, direction, wire.raw_bytes, payload.numel())
         return dist.P2POp(op.op, payload, op.peer, op.group, op.tag)
 
-    def _recvs(self, ops, infos, wires, key) -> list[dist.P2POp]:
+    def _recvs(self, ops, infos, wires, states, key) -> list[dist.P2POp]:
         by_buffer = {id(info.buffer): k for k, info in enumerate(infos)
                      if not info.is_root_arg and info.buffer is not None}
         out, pending = [], []
@@ -233,16 +250,16 @@ class CompressedStage(PipelineStage):
                 out.append(op)
                 continue
             payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=op.tensor.device)
-            pending.append((op.tensor, payload, wire))
+            pending.append((op.tensor, payload, wire, states[k]))
             out.append(dist.P2POp(op.op, payload, op.peer, op.group, op.tag))
         if pending:
             self._pending[key] = pending
         return out
 
     def _decode_pending(self, key) -> None:
-        for buffer, payload, wire in self._pending.pop(key, ()):
+        for buffer, payload, wire, state in self._pending.pop(key, ()):
             with record_function(f"ccfx decode {key[0]} mb{key[1]} ({wire.codec.spec})"):
-                wire.decode_into(payload, buffer)
+                wire.decode_into(payload, buffer, state)
 
     def _count(self, port: Port, direction: str, raw: int, wire: int) -> None:
         if self.ledger is not None:
@@ -250,9 +267,9 @@ class CompressedStage(PipelineStage):
 
 
 def _wire(port: Port, spec: str) -> WireFormat:
-    codec = codecs.get(spec)
+    codec = codecs.prototype(spec)  # shared: the state is the stage's (CompressedStage._state)
     if not codec.applies_to(port.dtype):
-        codec = codecs.get("none")
+        codec = codecs.prototype("none")
     return WireFormat(codec, port.shape, port.dtype)
 
 

@@ -16,8 +16,9 @@
    overlap the last microbatch's backward (torch's schedules give no hook between a stage's
    last backward and the end of the step that every schedule calls).
 
-The buckets' codec state is registered on the rank's first stage module (``ccfx_grad_state``),
-so a checkpoint of the stage's ``state_dict()`` holds it.
+The buckets' codec state is registered in the codec state of the rank's first stage module,
+as ``ccfx_codec_state.graph<g>.stage<s>.bucket<b>.<state-name>`` (:mod:`ccfx.codecs.state`), so
+a checkpoint of the stage's ``state_dict()`` holds it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..codecs.state import bucket_channel, state_of
 from ..errors import ConfigError
 from ..wire.comm import ProcessGroupComm
 from ..wire.exchange import BucketLayout, exchange_for
@@ -54,7 +56,6 @@ class StageGradSync:
         self.shared: dict[str, dist.ProcessGroup] = {
             name: pg for st in self.stages for name, (pg, _) in st.shared.items()}
         self.buckets = []
-        self.state = torch.nn.Module()
         # Local steps (sync_every) average parameters every H steps instead: no per-step buckets.
         if (dp_group is not None and dist.get_world_size(dp_group) > 1
                 and config.sync_every is None):
@@ -72,15 +73,16 @@ class StageGradSync:
         if tied:
             plan += assign_buckets(tied, "none", config.bucket_mb, 0, 1.0)
         device = next(iter(self.params.values())).device
+        first = self.stages[0]
         for i, b in enumerate(plan):
             layout = BucketLayout(tuple(s.shape for s in b.slots), b.slots[0].dtype)
             exchange = exchange_for(layout, b.spec, self._collective(config, b.spec, layout))
             tensors = exchange.init_state(device)
-            for key, t in tensors.items():
-                self.state.register_buffer(f"bucket{i}_{key}", t)
+            if tensors:
+                tensors = state_of(first.submod).add(
+                    bucket_channel(self.graph, i, first.stage_index), b.spec, tensors,
+                    legacy=f"ccfx_grad_state.bucket{i}_")
             self.buckets.append((i, [s.name for s in b.slots], exchange, tensors))
-        if len(list(self.state.buffers())):
-            self.stages[0].submod.add_module("ccfx_grad_state", self.state)
 
     def _collective(self, config, spec: str, layout: BucketLayout) -> str:
         """``gradient_collective``, "auto" resolved by cost over this data-parallel group (the

@@ -82,7 +82,11 @@ _ALIGN = 8  # every payload tensor of a hop starts at a multiple of 8 bytes: vie
 
 @dataclass(frozen=True)
 class WireFormat:
-    """How one tensor travels: the codec, and its payload packed into one uint8 buffer."""
+    """How one tensor travels: the codec, and its payload packed into one uint8 buffer.
+
+    A stateful codec's state is not kept here: ``init_state`` makes it, the owner (a pipeline
+    stage) registers it (:mod:`ccfx.codecs.state`) and passes it to every ``encode``,
+    ``decode_into`` and ``roundtrip``, which update it in place."""
 
     codec: codecs.Codec
     shape: tuple[int, ...]
@@ -91,6 +95,14 @@ class WireFormat:
     @property
     def raw(self) -> bool:
         return self.codec.spec == "none"
+
+    @property
+    def stateful(self) -> bool:
+        return self.codec.stateful
+
+    def init_state(self, device=None) -> dict[str, torch.Tensor]:
+        """Fresh state tensors for this tensor's codec (empty for stateless codecs)."""
+        return self.codec.init_state(self.shape, self.dtype, device) if self.stateful else {}
 
     # Computed once per hop (every microbatch's send and receive reads them).
 
@@ -111,22 +123,28 @@ class WireFormat:
     def raw_bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """``x`` through the codec, packed: what goes on the wire."""
         with torch.no_grad():
-            enc = self.codec.encode(x.detach())
+            x = x.detach()
+            self.codec.check_input(x)
+            enc = self.codec.encode_with(x, state)
             return pack(enc.payload, self.offsets, x.device)
 
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+    def roundtrip(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Encode and decode here (a hop between two stages of one rank)."""
         if self.raw:
             return x
         with torch.no_grad():
-            return self.codec.decode(self.codec.encode(x.detach())).to(x.dtype)
+            x = x.detach()
+            self.codec.check_input(x)
+            enc = self.codec.encode_with(x, state)
+            return self.codec.decode_with(enc, state).to(x.dtype)
 
-    def decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+    def decode_into(self, buf: torch.Tensor, out: torch.Tensor,
+                    state: dict[str, torch.Tensor]) -> None:
         """Unpack ``buf``, decode it and write the result into torch's receive buffer."""
         payload = tuple(unpack(buf, self.layout, self.offsets))
         with torch.no_grad():
             enc = codecs.Encoded(payload, codecs.Context(self.shape, self.dtype))
-            out.copy_(self.codec.decode(enc))
+            out.copy_(self.codec.decode_with(enc, state))

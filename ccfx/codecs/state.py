@@ -1,0 +1,274 @@
+"""Codec state: made one way, passed explicitly, named one way.
+
+Stateful codecs (error feedback's ``residual``, PowerSGD's ``q``, a stochastic codec's
+``step`` counter) keep their state in tensors that no codec object holds:
+
+* **made** by ``Codec.init_state(shape, dtype, device)``; a gradient bucket's or an outer-sync
+  part's by its exchange, ``Exchange.init_state(device)`` (which draws the bucket's PowerSGD
+  Q's as ``powerSGD_hook`` does);
+* **passed** to every call: ``codec.encode_with(x, state)`` / ``decode_with(enc, state)``, the
+  ``ccfx_codecs::encode`` / ``decode`` ops, an exchange's phases, ``WireFormat.encode(x,
+  state)``; they update it in place;
+* **owned** by the runtime piece that runs the codec, and **named** in every checkpoint
+
+      <channel>.<state-name>
+
+  ``state-name`` is the codec's (``q``, ``residual``, ``step``) or a bucket exchange's
+  (``q0003``, ``residual0003``: PowerSGD's, per tensor of the bucket). ``channel`` says where
+  the codec runs; the functions below build every one (:func:`key` joins the two):
+
+  ====================================  ===========================================================
+  channel                               whose state, and where it is checkpointed
+  ====================================  ===========================================================
+  ``graph0.edge3.hop1to2.fwd`` (``bwd``)  a cut edge's hop, forward (backward), in the simulation:
+                                        ``ccfx.codec_state(compiled).state_dict()``
+  ``graph0.edge3.hop1to2.fwd.send``     the same hop on a pipeline rank, sender's (``recv``:
+                                        receiver's) state: ``stage.submod.state_dict()``, under
+                                        ``ccfx_codec_state.``
+  ``graph0.bucket2``                    a data-parallel gradient bucket of the compiled backward:
+                                        ``ccfx.codec_state(compiled).state_dict()``
+  ``graph0.stage1.bucket0``             PP × DP: a bucket of the rank whose first stage is stage 1:
+                                        that stage's ``submod.state_dict()``, under
+                                        ``ccfx_codec_state.``
+  ``ddp.bucket0``                       the DDP comm hook's bucket 0:
+                                        ``hook_state.state_dict()["state"]``
+  ``outer.fragment0.part1``             local steps' outer sync, fragment 0's second exchange:
+                                        ``outer.state_dict()["codec"]``
+  ====================================  ===========================================================
+
+:class:`CodecState` is the ``nn.Module`` that holds a model's or a stage's channels as buffers
+(one submodule per name segment, so its ``state_dict()`` keys are exactly the names above).
+Loading a checkpoint whose codec state has other names, shapes or dtypes (another codec, other
+options, another model or pipeline split) raises :class:`ccfx.ConfigError` naming each channel
+and the option that sets its codec, not torch's ``load_state_dict`` error. Checkpoints saved
+before this scheme (``graph0_edge3_hop1to2_fwd_residual``, ``buckets.graph0_bucket2_q0000``,
+a stage's ``ccfx_codec_state.edge3_send_fwd_residual`` and ``ccfx_grad_state.bucket0_q0000``,
+the comm hook's and local steps' nested dicts) still load: their names are translated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import ConfigError
+
+Tensors = dict[str, torch.Tensor]
+
+#: The attribute a pipeline stage's module holds its :class:`CodecState` under.
+STAGE_ATTR = "ccfx_codec_state"
+
+SCHEME = ("<channel>.<state-name>, channel one of graph<g>.edge<e>.hop<a>to<b>.<fwd|bwd>[.<send|"
+          "recv>], graph<g>.bucket<b>, graph<g>.stage<s>.bucket<b>, ddp.bucket<b>, "
+          "outer.fragment<f>.part<p> (see ccfx.codecs.state)")
+
+
+# -- names ------------------------------------------------------------------------------------
+
+
+def edge_channel(graph: int, edge: int, hop: tuple[int, int], direction: str,
+                 role: str | None = None) -> str:
+    """A cut edge's hop: ``graph0.edge3.hop1to2.fwd``; on a pipeline rank with the side that
+    keeps it, ``graph0.edge3.hop1to2.fwd.send`` (``recv``)."""
+    if direction not in ("fwd", "bwd") or role not in (None, "send", "recv"):
+        raise ValueError(f"direction {direction!r}, role {role!r}")
+    name = f"graph{graph}.edge{edge}.hop{hop[0]}to{hop[1]}.{direction}"
+    return name if role is None else f"{name}.{role}"
+
+
+def bucket_channel(graph: int, bucket: int, stage: int | None = None) -> str:
+    """A gradient bucket: ``graph0.bucket2`` (compiled data parallel), ``graph0.stage1.bucket0``
+    (PP × DP, the buckets of the rank whose first stage is ``stage``)."""
+    return f"graph{graph}.bucket{bucket}" if stage is None else \
+        f"graph{graph}.stage{stage}.bucket{bucket}"
+
+
+def ddp_channel(bucket: int) -> str:
+    """The DDP comm hook's bucket: ``ddp.bucket0``."""
+    return f"ddp.bucket{bucket}"
+
+
+def outer_channel(fragment: int, part: int) -> str:
+    """Local steps' outer sync, one exchange of a fragment: ``outer.fragment0.part1``."""
+    return f"outer.fragment{fragment}.part{part}"
+
+
+def key(channel: str, name: str) -> str:
+    """The checkpoint name of state tensor ``name`` of ``channel``: ``<channel>.<name>``."""
+    return f"{channel}.{name}"
+
+
+def named(channel: str, tensors: Mapping[str, torch.Tensor]) -> Tensors:
+    """``tensors`` under their checkpoint names."""
+    return {key(channel, k): t for k, t in tensors.items()}
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """``(channel, state-name)`` of a checkpoint name."""
+    channel, _, state = name.rpartition(".")
+    return channel, state
+
+
+def option_of(channel: str) -> str:
+    """The option that sets the codec of ``channel`` (for error messages)."""
+    if channel.startswith("ddp."):
+        return "the hook's codec (ccfx.ddp_comm_hook(spec))"
+    if channel.startswith("outer."):
+        return "outer_codec"
+    if ".bucket" in channel:
+        return "gradient_codec"
+    if ".bwd" in channel:
+        return "activation_grad_codec"
+    return "activation_codec"
+
+
+# -- checking a checkpoint against the live state ---------------------------------------------
+
+
+def _describe(t) -> str:
+    shape, dtype = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+    return f"{tuple(shape)} {str(dtype).replace('torch.', '')}"
+
+
+def check(want: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor],
+          specs: Mapping[str, str] | None = None, what: str = "codec state",
+          strict: bool = True) -> None:
+    """Raise :class:`ccfx.ConfigError` unless ``got`` (a checkpoint's state, by name) has the
+    names, shapes and dtypes of ``want`` (the live state); ``specs``: each live channel's codec.
+    With ``strict=False`` only the names both have must agree."""
+    specs = specs or {}
+    by_channel: dict[str, list[str]] = {}
+    for k in sorted(set(want) | set(got)):
+        channel, name = split_key(k)
+        w, g = want.get(k), got.get(k)
+        if w is None and strict:
+            by_channel.setdefault(channel, []).append(f"the checkpoint has {name} "
+                                                      f"{_describe(g)}, this model none")
+        elif g is None and strict:
+            by_channel.setdefault(channel, []).append(f"this model needs {name} {_describe(w)}, "
+                                                      "the checkpoint has none")
+        elif w is not None and g is not None and (
+                tuple(w.shape) != tuple(g.shape) or w.dtype != g.dtype):
+            by_channel.setdefault(channel, []).append(
+                f"{name}: the checkpoint's is {_describe(g)}, this model needs {_describe(w)}")
+    if not by_channel:
+        return
+    lines = []
+    for channel, problems in by_channel.items():
+        spec = specs.get(channel)
+        codec = f", {option_of(channel)}={spec!r}" if spec else f", set by {option_of(channel)}"
+        lines.append(f"  {channel}{codec}: {'; '.join(problems)}")
+    options = sorted({option_of(split_key(k)[0]) for k in set(want) | set(got)})
+    hint = ""
+    if not want:
+        hint = (" This model has no codec state yet: ccfx makes it when it compiles the training "
+                "graph (run one forward with grad enabled first) or builds the stages.")
+    raise ConfigError(
+        f"the checkpoint's {what} does not fit this model's (names are {SCHEME}):\n"
+        + "\n".join(lines)
+        + f"\nResume with the options it was saved with ({', '.join(options)}, bucket_mb, "
+        "compress_min_numel), the same model, stages and world size." + hint)
+
+
+# -- the holder -------------------------------------------------------------------------------
+
+
+class CodecState(torch.nn.Module):
+    """Codec state tensors as buffers named ``<channel>.<state-name>`` (see the module
+    docstring): ``ccfx.codec_state(compiled)``, and a pipeline stage's ``ccfx_codec_state``.
+
+    ``add(channel, spec, tensors)`` registers a channel's tensors (the same objects, which the
+    runtime passes to the codec); ``channel(name)`` gives them back. Loading a ``state_dict``
+    checks the names, shapes and dtypes first (:func:`check`) and translates names of the
+    earlier schemes."""
+
+    def __init__(self):
+        super().__init__()
+        #: channel → the codec spec it runs
+        self._specs: dict[str, str] = {}
+        self._tensors: dict[str, Tensors] = {}
+        #: an earlier scheme's prefix of a channel's names → the channel (relative to the
+        #: module whose state_dict holds them: this one, or the stage module it is attached to)
+        self._legacy: dict[str, str] = {}
+        self._where = ""  # this module's path inside that module ("ccfx_codec_state.")
+        self._hook = self.register_load_state_dict_pre_hook(self._before_load)
+
+    # -- channels ---------------------------------------------------------------------------
+
+    def add(self, channel: str, spec: str, tensors: Mapping[str, torch.Tensor],
+            legacy: str | None = None) -> Tensors:
+        """Register ``tensors`` as ``channel``'s state (codec ``spec``); returns them.
+        ``legacy``: the prefix of these tensors' names in checkpoints of the earlier scheme.
+        A channel added again (a graph compiled anew) replaces its tensors."""
+        module: torch.nn.Module = self
+        for segment in channel.split("."):
+            child = module._modules.get(segment)
+            if child is None:
+                child = torch.nn.Module()
+                module.add_module(segment, child)
+            module = child
+        for name in self._tensors.get(channel, {}):
+            module._buffers.pop(name, None)
+        for name, t in tensors.items():
+            module.register_buffer(name, t)
+        self._specs[channel] = str(spec)
+        self._tensors[channel] = dict(tensors)
+        if legacy is not None:
+            self._legacy[legacy] = channel
+        return dict(tensors)
+
+    def channel(self, channel: str) -> Tensors | None:
+        """The state tensors of ``channel`` (None when it has none registered)."""
+        return self._tensors.get(channel)
+
+    def channels(self) -> dict[str, str]:
+        """Every channel with its codec spec."""
+        return dict(self._specs)
+
+    def attach(self, owner: torch.nn.Module, name: str = STAGE_ATTR) -> None:
+        """Make this a submodule of ``owner`` (a pipeline stage's module): its names are then
+        ``name.<channel>.<state-name>`` in ``owner.state_dict()``, checked when ``owner``
+        loads one."""
+        owner.add_module(name, self)
+        self._where = name + "."
+        self._hook.remove()
+        self._hook = owner.register_load_state_dict_pre_hook(self._before_load)
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if strict and not state_dict and self._tensors:
+            check(self._live(), {}, self._specs)  # names what is missing
+        return super().load_state_dict(state_dict, strict, assign)
+
+    def _live(self) -> Tensors:
+        return {key(c, k): t for c, ts in self._tensors.items() for k, t in ts.items()}
+
+    def _before_load(self, module, state_dict, prefix, *args) -> None:
+        at = prefix + self._where
+        self._translate(state_dict, prefix, at)
+        got = {k[len(at):]: v for k, v in state_dict.items() if k.startswith(at)}
+        if got:  # a checkpoint without codec state (parameters only) is torch's business
+            check(self._live(), got, self._specs)
+
+    def _translate(self, state_dict, prefix: str, at: str) -> None:
+        """Rename, in place, the names of the earlier schemes this holder knows."""
+        if not self._legacy:
+            return
+        for k in [k for k in state_dict if k.startswith(prefix)]:
+            rel = k[len(prefix):]
+            for old, channel in self._legacy.items():
+                name = rel[len(old):]
+                if rel.startswith(old) and name in self._tensors[channel]:
+                    state_dict[at + key(channel, name)] = state_dict.pop(k)
+                    break
+
+
+def state_of(module: torch.nn.Module) -> CodecState:
+    """The :class:`CodecState` of a pipeline stage's module, attached at the first call."""
+    holder = getattr(module, STAGE_ATTR, None)
+    if holder is None:
+        holder = CodecState()
+        holder.attach(module)
+    return holder

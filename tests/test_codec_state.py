@@ -1,0 +1,139 @@
+"""One story for codec state (ccfx.codecs.state): explicit tensors, one naming scheme
+``<channel>.<state-name>``, checkpoints of the earlier schemes still load, and a checkpoint that
+does not fit is a ccfx.ConfigError naming the option."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import ccfx
+from ccfx import codecs
+from ccfx.codecs import state as cs
+from ccfx.runtime.comm_hook import CommHookState
+from ccfx.wire.format import WireFormat
+
+from . import local_steps_workers as w
+from . import toy_models as models
+from .util import compile_ccfx, loss_of
+
+
+def _trained(codec="int8:block=32,ef", grad_codec="powersgd:rank=2", steps=2, **options):
+    model = models.MLP(depth=4)
+    compiled, _ = compile_ccfx(model, stages=2, activation_codec=codec,
+                               activation_grad_codec=grad_codec, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(steps):
+        opt.zero_grad()
+        loss_of(compiled(torch.randn(4, 32, generator=torch.Generator().manual_seed(i))))\
+            .backward()
+        opt.step()
+    return compiled
+
+
+def test_names_build_in_one_place():
+    assert cs.edge_channel(0, 3, (1, 2), "fwd") == "graph0.edge3.hop1to2.fwd"
+    assert cs.edge_channel(0, 3, (1, 2), "bwd", "send") == "graph0.edge3.hop1to2.bwd.send"
+    assert cs.bucket_channel(1, 2) == "graph1.bucket2"
+    assert cs.bucket_channel(0, 0, stage=1) == "graph0.stage1.bucket0"
+    assert cs.ddp_channel(4) == "ddp.bucket4"
+    assert cs.outer_channel(0, 1) == "outer.fragment0.part1"
+    assert cs.key("graph0.bucket2", "q0003") == "graph0.bucket2.q0003"
+    assert cs.split_key("outer.fragment0.part1.residual") == ("outer.fragment0.part1", "residual")
+
+
+def test_cut_edge_state_is_named_by_channel_and_lives_in_no_codec_object():
+    compiled = _trained()
+    names = list(ccfx.codec_state(compiled).state_dict())
+    assert names, "stateful codecs both ways"
+    pattern = re.compile(r"graph0\.edge\d+\.hop0to1\.(fwd\.residual|bwd\.q)$")
+    assert all(pattern.match(n) for n in names), names
+    assert any(n.endswith("fwd.residual") for n in names)
+    assert any(n.endswith("bwd.q") for n in names)
+    # the shared codec objects hold nothing: the state is the holder's
+    assert codecs.prototype("int8:block=32,ef").__dict__.get("_ccfx_state", {}) == {}
+    assert codecs.prototype("powersgd:rank=2").__dict__.get("_ccfx_state", {}) == {}
+
+
+def test_the_earlier_names_still_load():
+    compiled = _trained()
+    saved = {k: v.clone() for k, v in ccfx.codec_state(compiled).state_dict().items()}
+    # graph0.edge3.hop0to1.fwd.residual was graph0_edge3_hop0to1_fwd_residual
+    old = {k.replace(".", "_"): v + 1 for k, v in saved.items()}
+    again = _trained()
+    ccfx.codec_state(again).load_state_dict(old)
+    live = ccfx.codec_state(again).state_dict()
+    assert sorted(live) == sorted(saved)
+    assert all(torch.equal(v, saved[k] + 1) for k, v in live.items())
+
+
+def test_a_checkpoint_of_another_codec_is_a_config_error_naming_the_option():
+    saved = ccfx.codec_state(_trained()).state_dict()
+    other = _trained(codec="topk:ratio=0.5,ef", grad_codec="powersgd:rank=3")
+    with pytest.raises(ccfx.ConfigError, match=r"activation_grad_codec='powersgd:rank=3': q: "
+                                               r"the checkpoint's is \(\d+, 2\)"):
+        ccfx.codec_state(other).load_state_dict(saved)
+    stateless = _trained(codec="int8", grad_codec="none")
+    with pytest.raises(ccfx.ConfigError, match="(?s)set by activation_codec.*no codec state"):
+        ccfx.codec_state(stateless).load_state_dict(saved)
+
+
+def test_wire_format_state_is_explicit():
+    wire = WireFormat(codecs.prototype("topk:ratio=0.25,ef"), (4, 8), torch.float32)
+    state = wire.init_state()
+    assert sorted(state) == ["residual"]
+    x = torch.randn(4, 8)
+    out = torch.empty(4, 8)
+    wire.decode_into(wire.encode(x, state), out, state)
+    assert torch.equal(state["residual"], x - out)  # updated in place, by the caller's tensors
+    reference = codecs.get("topk:ratio=0.25,ef")  # the object face, for comparison
+    y = reference.roundtrip(x)
+    fresh = wire.init_state()
+    assert torch.equal(wire.roundtrip(x, fresh), y)
+    assert torch.equal(fresh["residual"], reference.state_dict()["residual"])
+
+
+def test_local_steps_codec_state_names_and_the_earlier_layout():
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = {"sync_every": 2, "outer_codec": "topk:ratio=0.2,ef", "compress_min_numel": 0}
+    outer = ccfx.local_steps(model, opt, **options)
+    for i in range(2):
+        w.loss_of(model, 0, i).backward()
+        opt.step()
+        opt.zero_grad()
+    state = outer.state_dict()
+    outer.close()
+    assert state["codec"] and all(re.match(r"outer\.fragment0\.part\d+\.residual$", k)
+                                  for k in state["codec"]), list(state["codec"])
+    # the earlier layout: each fragment's list of parts' state
+    old = {**state, "fragments": [dict(f) for f in state["fragments"]]}
+    del old["codec"]
+    parts: dict[int, dict] = {}
+    for k, t in state["codec"].items():
+        channel, name = cs.split_key(k)
+        parts.setdefault(int(channel.rsplit("part", 1)[1]), {})[name] = t
+    old["fragments"][0]["codec"] = [parts[p] for p in sorted(parts)]
+    again = ccfx.local_steps(model, opt, **options)
+    again.load_state_dict(old)
+    assert all(torch.equal(t, state["codec"][k]) for k, t in again.state_dict()["codec"].items())
+    bad = {**state, "codec": {k: t[:1] for k, t in state["codec"].items()}}
+    with pytest.raises(ccfx.ConfigError, match="outer_codec='topk"):
+        again.load_state_dict(bad)
+    again.close()
+
+
+def test_comm_hook_state_is_named_like_every_other():
+    state = CommHookState("powersgd:ef")
+    saved = {"spec": "powersgd:rank=4,ef", "steps": 3,
+             "buckets": {0: {"shapes": ((8, 16),), "dtype": torch.float32}},
+             "state": {"ddp.bucket0.q0000": torch.randn(16, 4),
+                       "ddp.bucket0.residual0000": torch.randn(8, 16)}}
+    state.load_state_dict(saved)
+    again = state.state_dict()
+    assert sorted(again["state"]) == sorted(saved["state"])
+    assert all(torch.equal(again["state"][k], t) for k, t in saved["state"].items())
+    with pytest.raises(ccfx.ConfigError, match="ddp.bucket1"):
+        state.load_state_dict({**saved, "state": {"ddp.bucket1.q0000": torch.randn(16, 4)}})
