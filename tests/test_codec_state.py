@@ -137,3 +137,30 @@ def test_comm_hook_state_is_named_like_every_other():
     assert all(torch.equal(again["state"][k], t) for k, t in saved["state"].items())
     with pytest.raises(ccfx.ConfigError, match="ddp.bucket1"):
         state.load_state_dict({**saved, "state": {"ddp.bucket1.q0000": torch.randn(16, 4)}})
+
+
+def test_a_stage_module_loads_the_earlier_names_and_refuses_misfits():
+    """A pipeline stage's module: ``ccfx_codec_state.edge3_send_fwd_residual`` and
+    ``ccfx_grad_state.bucket0_q0000`` were the earlier names."""
+    stage = torch.nn.Linear(2, 2)
+    holder = cs.state_of(stage)
+    assert cs.state_of(stage) is holder and stage.ccfx_codec_state is holder
+    edge = holder.add(cs.edge_channel(0, 3, (0, 1), "fwd", "send"), "topk:ef",
+                      {"residual": torch.zeros(4)}, legacy="ccfx_codec_state.edge3_send_fwd_")
+    bucket = holder.add(cs.bucket_channel(0, 0, stage=0), "powersgd", {"q0000": torch.zeros(3, 1)},
+                        legacy="ccfx_grad_state.bucket0_")
+    names = sorted(stage.state_dict())
+    assert names == ["bias", "ccfx_codec_state.graph0.edge3.hop0to1.fwd.send.residual",
+                     "ccfx_codec_state.graph0.stage0.bucket0.q0000", "weight"]
+    old = {"weight": stage.weight.detach().clone(), "bias": stage.bias.detach().clone(),
+           "ccfx_codec_state.edge3_send_fwd_residual": torch.ones(4),
+           "ccfx_grad_state.bucket0_q0000": torch.full((3, 1), 2.0)}
+    stage.load_state_dict(old)
+    assert torch.equal(edge["residual"], torch.ones(4))
+    assert torch.equal(bucket["q0000"], torch.full((3, 1), 2.0))
+    new = dict(stage.state_dict())
+    new["ccfx_codec_state.graph0.stage0.bucket0.q0000"] = torch.zeros(3, 2)
+    with pytest.raises(ccfx.ConfigError, match=r"graph0\.stage0\.bucket0, gradient_codec="):
+        stage.load_state_dict(new)
+    # a checkpoint of the parameters alone is torch's business (strict=False loads it)
+    stage.load_state_dict({"weight": old["weight"], "bias": old["bias"]}, strict=False)
