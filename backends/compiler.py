@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import sys
 import weakref
@@ -63,6 +62,10 @@ class CompiledGraph:
     #: The parameters and buffers among the graph's inputs (placeholder index → a weak
     #: reference): what ``split`` gives each pipeline stage, without keeping the model alive.
     state_inputs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict)
+    #: What the graph was compiled for, the same on every rank that compiles it (its code's
+    #: hash, its inputs, the options, the grad mode): what ranks agree on about it
+    #: (:mod:`ccfx.wire.agree`), never its index or the backend's place among others.
+    desc: dict = dataclasses.field(default_factory=dict)
 
     def split(self) -> torch.fx.GraphModule:
         """The stage modules of this graph (``passes.split_stages``) over the live parameters."""
@@ -94,8 +97,6 @@ class CcfxBackend:
         self.option_sources = dict(option_sources or {})
         self.mode = mode
         self.ledger = Ledger()
-        #: this process's n-th backend: names its compile-time exchanges between ranks
-        self.serial = next(_SERIALS)
         self.graphs: list[CompiledGraph] = []
         #: The hops this backend registered (the cut op's table refers to them weakly).
         self.hops: list[Hop] = []
@@ -156,7 +157,21 @@ class CcfxBackend:
             for direction in ("fwd", "bwd"):  # registered in self.codec_state
                 hop.state_for(direction, tuple(value.shape), value.dtype, value.device)
 
-    def _plan_auto(self, gm: torch.fx.GraphModule):
+    def _describe(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> dict:
+        """The graph as Dynamo captured it, its inputs, the options (``collective_timeout_s``
+        apart: how long a rank waits is its own business) and the grad mode: equal on every
+        rank that compiles the same model with the same options at the same step."""
+        from ccfx.wire.agree import code_hash
+
+        code = "\n".join(line for line in gm.code.splitlines()
+                         if line.strip() and not line.strip().startswith("#"))
+        inputs = [[[str(d) for d in t.shape], str(t.dtype), bool(t.requires_grad)]
+                  if isinstance(t, torch.Tensor) else type(t).__name__ for t in example_inputs]
+        options = {k: v for k, v in self.config.to_dict().items() if k != "collective_timeout_s"}
+        return {"code": code_hash(code), "inputs": inputs, "options": options,
+                "grad": torch.is_grad_enabled()}
+
+    def _plan_auto(self, gm: torch.fx.GraphModule, desc: dict):
         """``auto`` activation codecs: the planner's choice for every cut edge of ``gm``
         (partitioned, not yet cut), the same on every rank (rank 0's, where a process group
         exists: measured timings differ between ranks, the payloads must not)."""
@@ -167,11 +182,13 @@ class CcfxBackend:
         from ccfx.wire.agree import from_rank0
 
         num_stages = 1 + max((stage_of(n) or 0 for n in gm.graph.nodes), default=0)
-        decided = plan_edge_codecs(gm, cfg, num_stages) if _rank() == 0 else None
-        # every rank compiles the same torch.compile calls in the same order: the serial and
-        # the graph index name this compile on all of them
-        return from_rank0(f"ccfx/auto/backend{self.serial}/graph{len(self.graphs)}", decided,
-                          cfg.collective_timeout_s, "rank 0's codec choice for the cut edges")
+        # keyed by the graph and the options, never by how many models this rank compiled:
+        # an extra model compiled on rank 0 asks another question, or this one (same graph,
+        # same options: the same answer)
+        return from_rank0(
+            "activation_codec='auto' for a graph's cut edges", desc,
+            lambda: plan_edge_codecs(gm, cfg, num_stages), timeout_s=cfg.collective_timeout_s,
+            hint="Every rank must compile the same model with the same ccfx options.")
 
     def stage_gradient_codecs(self, parent: torch.fx.GraphModule, dp_group=None,
                               graph: int = 0) -> list[str]:
@@ -191,17 +208,19 @@ class CcfxBackend:
         if dp_group is None or dist.get_world_size(dp_group) < 2:
             return ["none"] * count
         from ccfx.planner.plan_stages import plan_stage_codecs
+        from ccfx.wire.agree import from_rank0
         from ccfx.wire.policy import compressible
 
-        decided = None
-        if dist.get_rank() == 0:
-            shapes = [[tuple(p.shape) for p in getattr(parent, f"stage_{s}").parameters()
-                       if compressible(tuple(p.shape), cfg.compress_min_numel)]
-                      for s in range(count)]
-            decided = plan_stage_codecs(self.plan, cfg, dist.get_world_size(dp_group), shapes)
-        box = [decided]
-        dist.broadcast_object_list(box, src=0)
-        chosen, decisions = box[0]
+        shapes = [[tuple(p.shape) for p in getattr(parent, f"stage_{s}").parameters()
+                   if compressible(tuple(p.shape), cfg.compress_min_numel)]
+                  for s in range(count)]
+        dp_world = dist.get_world_size(dp_group)
+        chosen, decisions = from_rank0(
+            "gradient_codec='auto' for pipeline stages",
+            {"graph": self.graphs[graph].desc, "shapes": shapes, "dp_world": dp_world},
+            lambda: plan_stage_codecs(self.plan, cfg, dp_world, shapes),
+            timeout_s=cfg.collective_timeout_s,
+            hint="Every rank must build the stages of the same model with the same options.")
         g = self.graphs[graph].plan
         g.decisions = [d for d in g.decisions if not d.what.startswith("stage ")] + decisions
         return list(chosen)
@@ -239,12 +258,13 @@ class CcfxBackend:
         dp = self._setup_data_parallel()
         self._check_local_steps()
         captured = gm.code
+        desc = self._describe(gm, example_inputs)
         gm = run_passes(gm, [
             functools.partial(annotate, example_inputs=example_inputs),
             functools.partial(partition, stages=cfg.stages, balance=cfg.balance,
                               split_points=cfg.split_points),
         ])
-        decided = self._plan_auto(gm)
+        decided = self._plan_auto(gm, desc)
         chosen = ((lambda edge, _stage: decided.choice[edge]) if decided is not None
                   else cfg.codecs_for)
 
@@ -268,13 +288,14 @@ class CcfxBackend:
         rewrite = None
         if dp is not None:
             params, synced = _parameter_inputs(gm)
-            dp.add_graph(index, params, synced)
+            dp.add_graph(index, params, synced, desc)
             rewrite = functools.partial(_rewrite_backward, weakref.ref(dp), index)
         compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode),
                                   rewrite_backward=rewrite)
         state_inputs = {k: weakref.ref(example_inputs[k]) for k, n in enumerate(placeholders)
                         if kind_of(n) in ("param", "buffer")}
-        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs))
+        self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs,
+                                         desc=desc))
         if dp is not None:  # the backward compiled with the forward: its buckets are decided
             _record_buckets(graph_plan, dp)
         if dp is not None and dp.buckets(index):
@@ -333,12 +354,6 @@ def _rewrite_backward(dp_ref, index, gm, compile_fn, decompositions, record):
         raise _through_dynamo(e) from e
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _parameter_inputs(gm: torch.fx.GraphModule) -> tuple[dict[int, str], list[int]]:
     """Forward inputs that are parameters (index → name), and those to broadcast from rank 0
     at the first call (parameters and buffers)."""
@@ -354,8 +369,6 @@ def _parameter_inputs(gm: torch.fx.GraphModule) -> tuple[dict[int, str], list[in
 
 
 # -- one backend per torch.compile call -------------------------------------------------------
-
-_SERIALS = itertools.count()
 
 #: Every live backend, weakly (tests check that compiled models free theirs).
 _LIVE: weakref.WeakSet[CcfxBackend] = weakref.WeakSet()

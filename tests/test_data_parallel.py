@@ -2,10 +2,10 @@
 
 Starting ranks is what costs, so the scenarios run in one spawn per world size (module-scoped
 fixtures ``two``, ``four``: tests/ranks.py) and each test asserts on what one scenario
-returned; scenarios that break a rank on purpose run last. World size 1 (torch's PowerSGD
-hook), the inductor lowering, the goldens (their graphs name the process group, whose name
-counts the groups made before it) and the tests of how a failure itself is reported (a rank
-that dies, a rank that raises first) spawn their own ranks. The workers live in tests/dp_workers.py;
+returned; scenarios that break a rank on purpose run last. The goldens run in the shared spawn
+too (their graphs name their process group by its fingerprint, whatever the process made
+before). World size 1 (torch's PowerSGD hook), the inductor lowering and the tests of how a
+failure itself is reported (a rank that dies, a rank that raises first) spawn their own ranks. The workers live in tests/dp_workers.py;
 they return data, the assertions are here."""
 
 import pytest
@@ -31,6 +31,7 @@ def two(tmp_path_factory):
         scenario("train", dp_workers.train_steps, "powersgd:rank=4,ef", 4),
         scenario("warmup", dp_workers.train_steps, "int8", 4, warmup_steps=2),
         scenario("resume", dp_workers.checkpoint_resume, "powersgd:rank=4,ef", str(checkpoint)),
+        *[scenario(f"golden {codec}", dp_workers.backward_graph, codec) for codec in GOLDEN],
         scenario("mismatched models", dp_workers.mismatched_models),
         scenario("inside ddp", dp_workers.inside_ddp),
         scenario("stall", dp_workers.stalls_mid_step, 8.0),
@@ -148,15 +149,14 @@ def test_compiled_model_inside_ddp_with_data_parallel_is_refused(two):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("codec, name", list(GOLDEN.items()))
-def test_golden_backward_issues_each_collective_early_and_waits_late(codec, name):
+def test_golden_backward_issues_each_collective_early_and_waits_late(two, codec, name):
     from pathlib import Path
 
     from ccfx.testing import assert_golden
 
-    # Fresh ranks for each golden: the graph names its process group, and group names count
-    # the groups a process has made (another scenario first would make it '12', not '1').
-    result, _ = ranks.run_scenarios(2, [scenario("graph", dp_workers.backward_graph, codec)],
-                                    timeout_s=180)["graph"]
+    # In the shared spawn, after other scenarios: the graph names its process group by the
+    # fingerprint of what the ranks agreed on, never by how many groups the process made.
+    result, _ = two[f"golden {codec}"]
     assert_golden(Path(__file__).parent / "golden" / f"{name}.txt", result["text"])
     targets = result["targets"]
     issued = [i for i, t in enumerate(targets) if "all_gather" in t or "all_reduce" in t]

@@ -5,35 +5,41 @@ process group run the whole model and average parameter gradients from inside th
 backward (``passes.grad_buckets``); there is no DDP wrapper. This object holds what that needs
 for one compiled model:
 
-* the process group: a group of its own over every rank, created at the first compile with
+* per graph, a process group of its own over every rank (:func:`ccfx.wire.agree.group`),
+  named by the fingerprint of the graph, the options, the bucket plan and the ranks
+  (``ccfx-<fingerprint>``, never a count of the groups a process made before), with
   ``collective_timeout_s`` as its timeout, so a dead or diverged peer in the middle of training
-  becomes an error within that time instead of a hang (the compile-time check and the first
-  call's broadcast use the default group and its timeout: ranks reach them at moments that
-  differ by however long each takes to start and compile); without a process group, world
-  size 1 (codecs as local round trips), and the plan says so;
+  becomes an error within that time instead of a hang. The backward names it when it compiles;
+  the ranks make it (after agreeing on the fingerprint) where they first need it: the first
+  call's broadcast, else the first backward. A graph compiled on some ranks only (an eval copy,
+  a rank-0-only evaluation that recompiles) never makes it, so never waits for the others;
+  without a process group, world size 1 (codecs as local round trips), and the plan says so;
 * per graph, the buckets (recorded in the plan, each with its collective: ``gradient_collective``
   "ring" or "all_gather" for non-summable codecs, "auto" resolved per bucket by
   :func:`ccfx.wire.link.choose_collective`) and their codec state, which lives in
   :attr:`state` (an ``nn.Module`` of buffers, ``ccfx.codec_state(compiled)``) so a checkpoint
   resumes with identical numerics;
-* the first call's broadcast of parameters and buffers from rank 0 (as DDP does; afterwards
-  buffers such as BatchNorm statistics stay per rank, as DDP with ``broadcast_buffers=False``);
+* the first call's broadcast of parameters and buffers from rank 0 on the graph's own group
+  (as DDP does; afterwards buffers such as BatchNorm statistics stay per rank, as DDP with
+  ``broadcast_buffers=False``): once per tensor (a recompile of the same model broadcasts
+  nothing), and not for a graph compiled under ``no_grad`` (no gradients to synchronize: an
+  evaluation communicates nothing);
 * ``gradient_codec="auto"``: the codec of each bucket comes from ``decide_codecs``, the
   planner's pricing handed in by the backend (the compile layer is the only caller of the
-  planner): rank 0 calls it and every rank takes its answer;
+  planner): rank 0 calls it and every rank takes its answer (:func:`ccfx.wire.agree.from_rank0`,
+  keyed by the fingerprint of the backward's buckets and options);
 * the step count that ends ``warmup_steps`` (an uncompressed variant of the backward runs
   until then), and the ledger rows of each bucket every time a backward runs;
-* the compile-time fingerprint check: ranks whose bucket plans or options differ fail with a
-  clear error before their first gradient collective (gloo would abort or hang otherwise).
+* the fingerprint agreement before the group is made: ranks whose graphs, bucket plans or
+  options differ fail with a clear error naming both fingerprints and what differs, before
+  their first collective (gloo would abort, hang, or pair different tensors otherwise).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import hashlib
-import json
 import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,7 +52,7 @@ from ..config import AUTO, Config
 from ..errors import CollectiveError, ConfigError
 from ..passes.grad_buckets import find_param_grads, grad_buckets
 from ..plan import Bucket, DataParallelInfo
-from ..wire.agree import StoreTimeout, exchange, from_rank0
+from ..wire import agree
 from ..wire.comm import FunctionalComm, LocalComm
 from ..wire.exchange import exchange_for
 from ..wire.link import configured_link, resolve_collective
@@ -70,6 +76,10 @@ class _GraphState:
     buckets: list = field(default_factory=list)
     decisions: list = field(default_factory=list)  # what gradient_codec="auto" chose
     prediction: object = None  # and the step it predicted (a ccfx.plan.Prediction)
+    desc: dict = field(default_factory=dict)  # the graph (and options) it was compiled for
+    agreed: dict = field(default_factory=dict)  # what the ranks agree on: desc and buckets
+    group_name: str | None = None  # its process group's name, from the fingerprint of agreed
+    group: object = None  # the group, made where it is first needed
 
 
 def _dist():
@@ -111,10 +121,12 @@ class DataParallel:
         else:
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
             self.backend_name = str(dist.get_backend())
-            timeout = datetime.timedelta(seconds=config.collective_timeout_s)
-            self.group = dist.new_group(timeout=timeout)
-            self.comm = FunctionalComm(self.group.group_name, self.world)
+            # each graph's own (its group's name); one rank: local round trips
+            self.comm = LocalComm() if self.world == 1 else None
             self.note = ""
+        #: Tensors broadcast from rank 0 already, by id (a recompile does not broadcast them
+        #: again).
+        self._synced: dict[int, weakref.ref] = {}
 
     def info(self) -> DataParallelInfo:
         return DataParallelInfo(self.world, self.backend_name, self.config.gradient_codec,
@@ -122,8 +134,12 @@ class DataParallel:
 
     # -- forward side ---------------------------------------------------------------------
 
-    def add_graph(self, index: int, param_names: Mapping[int, str], sync_inputs: Sequence[int]):
-        self._graphs[index] = _GraphState(dict(param_names), list(sync_inputs))
+    def add_graph(self, index: int, param_names: Mapping[int, str], sync_inputs: Sequence[int],
+                  desc: Mapping | None = None):
+        """``desc``: the graph's description (its code hash, inputs, options, grad mode: what
+        the backend fingerprints), part of what the ranks agree on."""
+        self._graphs[index] = _GraphState(dict(param_names), list(sync_inputs),
+                                          desc=dict(desc or {"graph": index}))
 
     def before_call(self, index: int, args: Sequence) -> None:
         """At a graph's first call: parameters and buffers take rank 0's values."""
@@ -132,15 +148,31 @@ class DataParallel:
             return
         g.synced = True
         dist = _dist()
-        if dist is None or self.world == 1:
-            return
+        if dist is None or self.world == 1 or not torch.is_grad_enabled():
+            return  # under no_grad (an evaluation): no gradients to synchronize
+        todo = [args[k] for k in g.sync_inputs
+                if isinstance(args[k], torch.Tensor) and not self._was_synced(args[k])]
+        if not todo:
+            return  # a recompile of a model whose tensors were broadcast already
+        group = self._ensure_group(index)
+        # the n-th broadcast on this group, of these shapes: ranks that pair two different
+        # broadcasts (a copy of the model with grad on one rank only) fail here, not in gloo
+        n = _BROADCASTS.get(g.group_name, 0)
+        _BROADCASTS[g.group_name] = n + 1
+        agree.meet("a first-call broadcast", {
+            "group": g.group_name, "n": n,
+            "shapes": [[list(t.shape), str(t.dtype)] for t in todo]},
+            timeout_s=self.config.collective_timeout_s, hint=_HINT, about=(_WHAT, g.agreed))
+        src = dist.get_global_rank(group, 0)
         with torch.no_grad():
-            for k in g.sync_inputs:
-                t = args[k]
-                if isinstance(t, torch.Tensor):
-                    self._wait(lambda t=t: dist.broadcast(t.detach(), src=0),
-                               f"the broadcast of parameters from rank 0 (graph {index})",
-                               default_group=True)
+            for t in todo:
+                self._wait(lambda t=t: dist.broadcast(t.detach(), src=src, group=group),
+                           f"the broadcast of parameters from rank 0 (graph {index})")
+                self._synced[id(t)] = weakref.ref(t)
+
+    def _was_synced(self, t: torch.Tensor) -> bool:
+        ref = self._synced.get(id(t))
+        return ref is not None and ref() is t
 
     # -- backward side --------------------------------------------------------------------
 
@@ -166,20 +198,20 @@ class DataParallel:
                 buckets = self._choose(index, gm, buckets)
             buckets = self._collectives(buckets)
             exchanges = [exchange_for(b.layout, b.spec, b.collective) for b in buckets]
-            self._check_fingerprint(index, buckets)
+            comm = self._name_group(index, buckets)
             states = []
             for b, ex in zip(buckets, exchanges):
                 states.append(self.state.add(bucket_channel(index, b.index), b.spec,
                                              ex.init_state(_device_of(gm)),
                                              legacy=f"buckets.graph{index}_bucket{b.index}_"))
-        compressed = grad_buckets(_copy(gm), buckets, states, self.comm, decompositions)
+        compressed = grad_buckets(_copy(gm), buckets, states, comm, decompositions)
         if record is not None:
             record(compressed)
         variants = [(compile_fn(compressed), [t for s in states for _, t in sorted(s.items())])]
         warm = None
         if cfg.warmup_steps and any(b.spec != "none" for b in buckets):
             plain = [type(b)(b.index, b.slots, "none", "warm-up") for b in buckets]
-            warm = compile_fn(grad_buckets(_copy(gm), plain, [{} for _ in plain], self.comm,
+            warm = compile_fn(grad_buckets(_copy(gm), plain, [{} for _ in plain], comm,
                                            decompositions))
         g.buckets = [self._plan_bucket(index, b, ex) for b, ex in zip(buckets, exchanges)]
         plain_rows = [(b.index, b.raw_bytes, b.raw_bytes) for b in g.buckets]
@@ -188,6 +220,8 @@ class DataParallel:
                               f"{ex.collective}" for b, ex in zip(buckets, exchanges))
 
         def run(args):
+            if g.group is None and self.world > 1:
+                self._ensure_group(index)  # its first backward: the ranks agree, then make it
             step = g.backward_calls
             g.backward_calls += 1
             fn, extra, counted = (warm, [], plain_rows) if (
@@ -214,9 +248,11 @@ class DataParallel:
         """``gradient_codec="auto"``: rank 0 prices every bucket (``decide_codecs``, the
         planner's) and every rank takes its choice (the payloads must agree)."""
         g = self._graphs[index]
-        planned = self.decide_codecs(gm, buckets, self.config, self.world) if self.rank == 0 \
-            else None
-        choice, g.decisions, g.prediction = self._agree(index, planned)
+        choice, g.decisions, g.prediction = agree.from_rank0(
+            "gradient_codec='auto' for a graph's buckets",
+            {"graph": g.desc, "buckets": self._describe(buckets)},
+            lambda: self.decide_codecs(gm, buckets, self.config, self.world),
+            timeout_s=self.config.collective_timeout_s, ranks=self._ranks(), hint=_HINT)
         return [type(b)(b.index, b.slots, choice.get(b.index, b.spec), b.reason)
                 if b.spec != "none" else b for b in buckets]
 
@@ -234,20 +270,6 @@ class DataParallel:
                                    b.layout.dtype, self.world, link)
             out.append(dataclasses.replace(b, collective=c))
         return out
-
-    def _agree(self, index: int, value):
-        """Rank 0's ``value`` on every rank."""
-        if _dist() is None or self.world == 1:
-            return value
-        try:
-            return from_rank0(self._key(f"graph{index}/auto"), value,
-                              self.config.collective_timeout_s,
-                              f"rank 0's gradient codec choice for graph {index}")
-        except StoreTimeout as e:
-            raise CollectiveError(str(e)) from e
-
-    def _key(self, what: str) -> str:
-        return f"ccfx/dp{self.group.group_name}/{what}"
 
     def decisions(self, index: int) -> list:
         g = self._graphs.get(index)
@@ -270,47 +292,60 @@ class DataParallel:
                       collective=ex.collective, raw_bytes=ex.raw_bytes,
                       wire_bytes=ex.wire_bytes(), reason=b.reason)
 
-    def _fingerprint(self, index: int, buckets) -> str:
+    @staticmethod
+    def _describe(buckets) -> list:
+        return [[b.spec, b.collective, [[s.name, list(s.shape), str(s.dtype)] for s in b.slots]]
+                for b in buckets]
+
+    def _ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.world))
+
+    def _name_group(self, index: int, buckets):
+        """What the ranks agree on for graph ``index`` (its description, the options that shape
+        the gradient collectives, the buckets), the name of its group, and the comm the
+        backward issues its collectives through (naming that group)."""
+        g = self._graphs[index]
         keys = ("gradient_codec", "gradient_collective", "bucket_mb", "compress_min_numel",
                 "min_compression_rate", "warmup_steps")
-        desc = {"graph": index, "options": {k: getattr(self.config, k) for k in keys},
-                "buckets": [[b.spec, b.collective,
-                             [[s.name, list(s.shape), str(s.dtype)] for s in b.slots]]
-                            for b in buckets]}
-        text = json.dumps(desc, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16] + " " + text
+        g.agreed = {"graph": g.desc, "options": {k: getattr(self.config, k) for k in keys},
+                    "buckets": self._describe(buckets)}
+        if _dist() is None or self.world == 1:
+            return self.comm
+        g.group_name = agree.group_name(_WHAT, g.agreed, self._ranks())
+        agree.reserve(g.group_name, self._ranks())  # inductor reads it while compiling
+        return FunctionalComm(g.group_name, self.world)
 
-    def _check_fingerprint(self, index: int, buckets) -> None:
-        dist = _dist()
-        if dist is None or self.world == 1:
-            return
-        mine = self._fingerprint(index, buckets).encode()
-        try:
-            everyone = [v.decode() for v in exchange(
-                self._key(f"graph{index}/fingerprint"), mine, self.rank, range(self.world),
-                self.config.collective_timeout_s,
-                f"the bucket-plan check of graph {index} (every rank compiles graph {index} at "
-                "its first call)")]
-        except StoreTimeout as e:
-            raise CollectiveError(str(e)) from e
-        differ = [r for r, fp in enumerate(everyone) if fp != everyone[0]]
-        if differ:
-            raise ConfigError(
-                f"rank {self.rank}: ranks {differ} planned different gradient buckets or "
-                f"options than rank 0 for graph {index}; every rank must run the same model with "
-                f"the same ccfx options (a parameter used on some ranks only, or different "
-                f"options, makes the collectives differ).\n  rank 0: {everyone[0][17:]}\n"
-                f"  rank {differ[0]}: {everyone[differ[0]][17:]}")
+    def _ensure_group(self, index: int):
+        """Graph ``index``'s process group, made the first time a rank needs it (its first
+        broadcast or backward): the ranks agree on its fingerprint first."""
+        g = self._graphs[index]
+        if g.group is None:
+            if not g.agreed:  # no backward compiled (no parameter requires grad)
+                g.agreed = {"graph": g.desc}
+                g.group_name = agree.group_name(_WHAT, g.agreed, self._ranks())
+            g.group = agree.group(_WHAT, g.agreed, self._ranks(),
+                                  timeout_s=self.config.collective_timeout_s, hint=_HINT)
+            assert g.group.group_name == g.group_name
+        return g.group
 
-    def _wait(self, fn, what: str, default_group: bool = False):
+    def _wait(self, fn, what: str):
         try:
             return fn()
         except RuntimeError as e:
-            timeout = ("the default process group's timeout" if default_group else
-                       f"group timeout {self.config.collective_timeout_s:g} s")
+            timeout = f"group timeout {self.config.collective_timeout_s:g} s"
             raise CollectiveError(
                 f"rank {self.rank} of {self.world}: {what} failed ({timeout}): "
                 f"{_first_line(e)}. A peer rank died, hung or diverged.") from e
+
+
+_WHAT = "the data-parallel plan of a graph"
+_HINT = ("The ranks planned different gradient buckets or options for this graph: every rank "
+         "must run the same model with the same ccfx options (a parameter used on some ranks "
+         "only, or different options, makes the collectives differ). A model compiled on some "
+         "ranks only (an eval copy) must run under torch.no_grad() there, or without "
+         "data_parallel.")
+#: First-call broadcasts made on each group (by name): the n-th pairs with the peers' n-th.
+_BROADCASTS: dict[str, int] = {}
 
 
 def _first_line(e: BaseException) -> str:

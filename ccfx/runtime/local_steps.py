@@ -45,7 +45,6 @@ optimizer, call ``local_steps``, then load the optimizer's state and this one.
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import logging
 import weakref
 from collections.abc import Sequence
@@ -57,6 +56,7 @@ import torch.distributed as dist
 from ..codecs.state import check, named, outer_channel
 from ..config import Config
 from ..errors import CollectiveError, ConfigError
+from ..wire import agree
 from ..wire.comm import LocalComm, ProcessGroupComm
 from ..wire.exchange import BucketLayout, Exchange, exchange_for
 from ..wire.link import resolve_collective
@@ -121,8 +121,8 @@ class LocalSteps:
         self.raw_bytes = 0  # pseudo-gradient bytes averaged, raw (fp32) and on the wire
         self.wire_bytes = 0
         started = dist.is_available() and dist.is_initialized()
-        self.group = self._own_group(group) if started else None
-        self.world = dist.get_world_size(self.group) if started else 1
+        self.group = self._own_group(group, named_params) if started else None
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank() if started else 0
         self._broadcast_from_first([p for _, p in named_params])
         h, count = config.sync_every, config.fragments
@@ -147,15 +147,20 @@ class LocalSteps:
 
     # -- setup ----------------------------------------------------------------------------------
 
-    def _own_group(self, group):
+    def _own_group(self, group, named_params):
         """A process group over the replicas for the sync alone: a background exchange must not
-        interleave with collectives the training loop issues on its own groups."""
-        ranks = list(range(dist.get_world_size())) if group is None else \
-            dist.get_process_group_ranks(group)
-        timeout = datetime.timedelta(seconds=self.config.collective_timeout_s)
-        if group is None:
-            return dist.new_group(ranks, timeout=timeout)
-        return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        interleave with collectives the training loop issues on its own groups. The replicas
+        agree on what they sync (the parameters' names and shapes, the outer options) and the
+        group is named by its fingerprint (:func:`ccfx.wire.agree.group`), made by the replicas
+        only: it does not depend on the groups or models a rank made before. None for a single
+        replica."""
+        desc = {"params": [[n, list(p.shape), str(p.dtype)] for n, p in named_params],
+                "options": _outer_options(self.config)}
+        return agree.group(
+            "the replicas of local steps", desc, agree.world_ranks(group),
+            timeout_s=self.config.collective_timeout_s,
+            hint="Every replica must call ccfx.local_steps on the same model with the same "
+                 "options.")
 
     def _collective(self, spec: str, numel: int) -> str:
         """``outer_collective``, "auto" resolved by bytes (the same answer on every replica)."""

@@ -313,21 +313,20 @@ def fingerprint(interfaces: Sequence[StageInterface]) -> str:
 
 
 def check_same_plan(interfaces: Sequence[StageInterface], group: dist.ProcessGroup | None,
-                    rank: int) -> None:
+                    rank: int, timeout_s: float = 300.0) -> str:
+    """The ranks of ``group`` agree on the stage plan (:func:`ccfx.wire.agree.meet`, keyed by
+    its fingerprint: ranks with different plans fail naming both fingerprints and the stages
+    that differ); returns the plan's fingerprint."""
+    from ..wire import agree
+
+    desc = {"stages": {f"stage {i.index}": fingerprint([i]) for i in interfaces},
+            "num_stages": len(interfaces)}
     if not dist.is_initialized():
-        return
-    mine = fingerprint(interfaces)
-    world = dist.get_world_size(group)
-    mine_t = torch.tensor([int(mine, 16) & (2**62 - 1)], dtype=torch.int64)
-    gathered = [torch.zeros_like(mine_t) for _ in range(world)]
-    dist.all_gather(gathered, mine_t, group=group)
-    values = [int(t.item()) for t in gathered]
-    if len(set(values)) > 1:
-        differ = [r for r, v in enumerate(values) if v != values[0]]
-        raise ConfigError(
-            f"rank {rank}: the pipeline ranks planned different stages (fingerprints "
-            f"{[hex(v) for v in values]}; ranks {differ} differ from rank 0): every rank must "
-            "compile the same model with the same options and the same microbatch shape")
+        return agree.fingerprint(desc)
+    return agree.meet(
+        "a pipeline's stage plan", desc, agree.world_ranks(group), timeout_s=timeout_s,
+        hint="The pipeline ranks planned different stages: every rank must compile the same "
+             "model with the same options and the same microbatch shape.")
 
 
 #: ``gradient_codecs(parent) -> per-stage codecs``: the data-parallel gradient codec of each
@@ -354,8 +353,9 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
                           "pipeline needs one; compile with fullgraph=True and fix the breaks")
     parent = graphs[graph].split()
     interfaces = parent.meta["ccfx"]["interfaces"]
+    plan_fp = fingerprint(interfaces)
     if check:
-        check_same_plan(interfaces, group, rank)
+        check_same_plan(interfaces, group, rank, backend.config.collective_timeout_s)
     mine = stage_indices(rank, world, len(interfaces), style)
     cfg = backend.config
     epilogue = cfg.pipeline_schedule if cfg.epilogue_only else None
@@ -364,7 +364,7 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
         child = lower_stage(getattr(parent, f"stage_{s}"), cfg.lowering)
         out.append(CompressedStage(child, interfaces[s], device, group, backend.ledger, graph,
                                    compiled=cfg.lowering == "inductor", epilogue_only=epilogue))
-    _share(out, interfaces, rank, world, style, group)
+    _share(out, interfaces, rank, world, style, group, plan_fp, cfg.collective_timeout_s)
     codec = _rank_codec(gradient_codecs, parent, mine, cfg, dp_group)
     sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph, codec)
     for st in out:
@@ -388,9 +388,12 @@ def _rank_codec(gradient_codecs: GradientCodecs | None, parent, mine: list[int],
 
 
 def _share(stages: list[CompressedStage], interfaces, rank: int, world: int, style: str,
-           group) -> None:
+           group, plan_fp: str = "", timeout_s: float = 300.0) -> None:
     """A process group per parameter that several ranks' stages hold, made by those ranks
-    only (``use_local_synchronization``), in name order."""
+    only, in name order, named by the plan's fingerprint and the parameter
+    (:func:`ccfx.wire.agree.group`: not by how many groups the process made before)."""
+    from ..wire import agree
+
     owner = {s: r for r in range(world) for s in stage_indices(r, world, len(interfaces), style)}
     holders: dict[str, set[int]] = {}
     for i in interfaces:
@@ -404,7 +407,8 @@ def _share(stages: list[CompressedStage], interfaces, rank: int, world: int, sty
                         else list(ranks))
         if rank not in ranks:
             continue
-        pg = dist.new_group(global_ranks, use_local_synchronization=True)
+        pg = agree.group("a parameter held by several pipeline ranks",
+                         {"plan": plan_fp, "param": name}, global_ranks, timeout_s=timeout_s)
         for st in stages:
             if name in st.interface.params:
                 st.shared[name] = (pg, ranks)

@@ -1,53 +1,403 @@
-"""Values exchanged between ranks through the c10d store, for what ranks agree on while a
-graph compiles.
+"""What ranks agree on, and the process groups ccfx makes: one mechanism, keyed by what is
+agreed.
 
-Ranks reach a compile at moments that differ by however long each takes, and one rank may
-compile more graphs than another (a graph break, a recompile). A collective on the default
-group issued from inside a compile can then pair with a different collective on another rank:
-gloo hangs, or aborts on the size mismatch. A store key names what it is for (the graph, the
-check), so it cannot be mistaken for another, and a rank that never comes is an error naming
-it after ``timeout_s``.
+Every agreement is about a description: a small JSON-able dict (a graph's code hash and input
+shapes, the options, the participating ranks, a bucket plan, the stage interfaces). Its
+**fingerprint** (:func:`fingerprint`, 16 hex digits of a SHA-256 of the canonical JSON) is the
+key under which ranks meet in the c10d store, and the name of any process group made for it.
+Nothing is keyed by a process-wide counter (a backend's serial, a graph's index, torch's own
+group count): a rank that compiles an extra model (an eval copy, a ``no_grad`` helper, a
+rank-0-only evaluation) publishes other fingerprints and shifts nothing its peers wait on.
+
+Three operations:
+
+* :func:`meet`: every participating rank publishes the fingerprint and waits for the others'.
+  Equal descriptions meet; different ones are a :class:`Diverged` error naming both
+  fingerprints and what differs.
+* :func:`from_rank0`: the first participant's answer to a question (``auto``'s codec choice,
+  measured on that rank), keyed by the fingerprint of the question; asked twice (a second model
+  with the same graph and options), the same answer. The first participant never waits.
+* :func:`group`: a process group for a description, named ``ccfx-<fingerprint>``, made by the
+  participants only (a ``PrefixStore`` under that name), registered under the name for
+  functional collectives (``_c10d_functional`` ops in compiled graphs name their group), and
+  made once per process (a second model with the same fingerprint shares it). The name is
+  known before the group exists (:func:`group_name`): a compiled backward can name its group
+  at compile time and the ranks make it at its first run.
+
+Waiting. Each rank keeps a record under ``ccfx/agree/at/<rank>``: what it is waiting at now
+(the fingerprint and description), or the last agreements it reached, or the one it gave up on.
+A waiting rank polls its peers' records: a peer waiting at the same kind of agreement with
+another fingerprint, or at an agreement this rank has not reached while this rank waits too (a
+deadlock), or a peer that gave up on one involving this rank, is an error within a poll or two,
+naming both sides. A peer that is merely busy (still compiling: the ranks reach a compile
+moments apart, by however long each compile takes, seconds to minutes) is waited for up to the
+timeout, ``collective_timeout_s`` (default 300 s): a short fixed timeout would fail a slow but
+healthy compile, and the divergences it would catch are caught by the records instead. When it
+runs out, the error says what the peer last published.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import pickle
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
-from ..errors import CcfxError
+from ..errors import CollectiveError, ConfigError
+
+#: Seconds between two looks at the store while waiting (each is one round trip).
+POLL_S = 0.1
+#: Agreements a rank's record remembers (what it reached last), newest first.
+RECENT = 6
+
+_PREFIX = "ccfx/agree"
 
 
-class StoreTimeout(CcfxError):
-    """Some ranks did not publish a value within the timeout."""
+#: Some ranks did not reach an agreement within the timeout (a :class:`CollectiveError`).
+StoreTimeout = CollectiveError
+#: Ranks reached different agreements: they compile different graphs or options (a
+#: :class:`ConfigError`, the error of every other option that does not fit).
+Diverged = ConfigError
 
 
-def exchange(key: str, value: bytes, rank: int, ranks: Sequence[int], timeout_s: float,
-             what: str) -> list[bytes]:
-    """Publish ``value`` under ``key`` for ``rank``; the values of ``ranks``, in order."""
+def fingerprint(desc) -> str:
+    """16 hex digits of the canonical JSON of ``desc`` (the same on every rank and run)."""
+    text = json.dumps(desc, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def code_hash(text: str) -> str:
+    """A short hash of a graph's code (what a description carries instead of the code)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _dist():
     import torch.distributed as dist
 
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"{key}/{rank}", value)
-    keys = [f"{key}/{r}" for r in ranks]
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def world_ranks(group=None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (default: every rank); ``(0,)`` without a process group."""
+    dist = _dist()
+    if dist is None:
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist is not None else 0
+
+
+def _store():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def _full(what: str, desc: dict, ranks: Sequence[int]) -> dict:
+    return {"what": what, "ranks": list(ranks), "desc": desc}
+
+
+def group_name(what: str, desc: dict, ranks: Sequence[int]) -> str:
+    """The name of :func:`group`'s process group for this description (known before it exists)."""
+    return f"ccfx-{fingerprint(_full(what, desc, ranks))}"
+
+
+# -- a rank's record ---------------------------------------------------------------------------
+
+
+def _record_key(rank: int) -> str:
+    return f"{_PREFIX}/at/{rank}"
+
+
+def _read_record(store, rank: int) -> dict | None:
+    key = _record_key(rank)
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
-        text = str(e).strip().splitlines()
+        if not store.check([key]):
+            return None
+        return json.loads(store.get(key).decode())
+    except (RuntimeError, ValueError):  # a peer's record is a diagnostic: never fail on it
+        return None
+
+
+class _Record:
+    """This rank's record (see the module docstring), kept in memory and mirrored to the store."""
+
+    def __init__(self):
+        self.recent: list[dict] = []
+
+    def write(self, store, rank: int, state: str, at: dict | None = None, **extra) -> None:
+        value = {"state": state, "at": at, "recent": self.recent, "time": time.time(), **extra}
+        store.set(_record_key(rank), json.dumps(value, default=str).encode())
+
+    def reached(self, at: dict) -> None:
+        brief = {k: at[k] for k in ("what", "fp", "ranks")}
+        self.recent = [brief] + [r for r in self.recent if r["fp"] != at["fp"]][:RECENT - 1]
+
+
+_RECORD = _Record()
+
+
+# -- waiting -----------------------------------------------------------------------------------
+
+
+def _wait(store, rank: int, at: dict, needs: dict[int, str], timeout_s: float, hint: str):
+    """Wait until every key of ``needs`` (peer rank → the key it must set) exists, watching the
+    peers' records (see the module docstring)."""
+    needs_ = {str(r): k for r, k in needs.items()}
+    _RECORD.write(store, rank, "waiting", at, needs=needs_)
+    start = time.monotonic()
+    try:
+        while True:
+            missing = {r: k for r, k in needs.items() if not store.check([k])}
+            if not missing:
+                break
+            for peer, key in missing.items():
+                _check_peer(store, rank, peer, key, at, hint)
+            if time.monotonic() - start > timeout_s:
+                raise _timed_out(store, rank, at, missing, timeout_s, hint)
+            time.sleep(POLL_S)
+    except (Diverged, StoreTimeout) as e:
+        _RECORD.write(store, rank, "failed", at, needs=needs_, reason=str(e).splitlines()[0])
+        raise
+    except RuntimeError as e:  # the store itself is gone (the rank hosting it ended)
         raise StoreTimeout(
-            f"rank {rank}: {what}: ranks {missing} did not reach it within {timeout_s:g} s: "
-            "they died, hang, or compiled a different model or different graphs "
-            f"({text[0] if text else type(e).__name__})") from e
-    return [store.get(k) for k in keys]
+            f"rank {rank}: the c10d store went away while this rank waited at {at['what']} "
+            f"(fingerprint {at['fp']}): {_first_line(e)}. The rank hosting it (rank 0) ended "
+            f"or died; see its own error. {hint}".rstrip()) from e
+    _RECORD.reached(at)
+    _RECORD.write(store, rank, "running")
 
 
-def from_rank0(key: str, obj, timeout_s: float, what: str):
-    """Rank 0's ``obj`` on every rank (``obj`` itself without a process group)."""
-    import torch.distributed as dist
+def _check_peer(store, rank: int, peer: int, key: str, at: dict, hint: str) -> None:
+    """Raise if ``peer`` cannot reach this agreement (``key``: what it would set)."""
+    rec = _read_record(store, peer)
+    if rec is None or rec.get("at") is None:
+        return
+    theirs = rec["at"]
+    if theirs.get("fp") == at["fp"]:
+        return  # on its way: it is at this very agreement
+    involved = rank in theirs.get("ranks", ())
+    if not involved:
+        return
+    same_kind = theirs.get("what") == at["what"]
+    if rec["state"] == "waiting":
+        need = (rec.get("needs") or {}).get(str(rank))
+        if (same_kind or (need is not None and not store.check([need]))) \
+                and not store.check([key]):  # it has not passed this one meanwhile
+            raise _diverged(rank, peer, at, theirs, hint, same_kind)
+    elif rec["state"] == "failed" and not store.check([key]):
+        need = (rec.get("needs") or {}).get(str(rank))
+        if not same_kind and (need is None or store.check([need])):
+            return  # it gave up on something else
+        raise _diverged(rank, peer, at, theirs, hint, same_kind,
+                        f" (rank {peer} gave up: {_short(rec.get('reason', ''), 200)})")
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
+
+def _subject(at: dict) -> dict:
+    """What an agreement is about (``about`` where given: a broadcast is about its graph)."""
+    return at.get("about") or at
+
+
+def _diverged(rank: int, peer: int, at: dict, theirs: dict, hint: str, same_kind: bool,
+              extra: str = "") -> Diverged:
+    mine, other = _subject(at), _subject(theirs)
+    if same_kind or mine.get("what") == other.get("what"):
+        head = (f"rank {rank}: ranks {rank} and {peer} disagree on {mine['what']}: rank {rank} "
+                f"has fingerprint {mine['fp']}, rank {peer} has {other.get('fp')}")
+        differ = diff(mine.get("desc"), other.get("desc"))
+        what = ("; they differ in " + ", ".join(differ)) if differ else ""
+    else:
+        head = (f"rank {rank}: waits at {at['what']} (fingerprint {at['fp']}) for rank {peer}, "
+                f"which waits at {theirs.get('what')} (fingerprint {theirs.get('fp')}) for this "
+                "rank: neither can go on (a deadlock)")
+        what = ""
+    hint = hint or "Every rank must compile the same model with the same ccfx options."
+    if what:  # what differs says it: the descriptions themselves are noise
+        return Diverged(f"{head}{what}. {hint}")
+    return Diverged(
+        f"{head}{extra}. {hint}\n  rank {rank}: {_brief(mine.get('desc'))}"
+        f"\n  rank {peer}: {_brief(other.get('desc'))}")
+
+
+def _timed_out(store, rank: int, at: dict, missing: dict[int, str], timeout_s: float,
+               hint: str) -> StoreTimeout:
+    lines = []
+    for peer in missing:
+        rec = _read_record(store, peer)
+        if rec is None:
+            lines.append(f"rank {peer} has published nothing (it never reached a ccfx "
+                         "agreement: it died, hangs, or has not compiled yet)")
+            continue
+        ago = time.time() - float(rec.get("time", time.time()))
+        now = rec.get("at") or {}
+        recent = ", ".join(f"{r['what']} {r['fp']}" for r in rec.get("recent", [])) or "none"
+        if rec["state"] == "waiting":
+            state = f"waiting at {now.get('what')} {now.get('fp')} for {ago:.0f} s"
+        elif rec["state"] == "failed":
+            state = f"gave up on {now.get('what')} {now.get('fp')} {ago:.0f} s ago"
+        else:
+            state = f"running (its last agreement {ago:.0f} s ago)"
+        lines.append(f"rank {peer} is {state}; its latest agreements: {recent}")
+    return StoreTimeout(
+        f"rank {rank}: {at['what']} (fingerprint {at['fp']}): ranks {sorted(missing)} did not "
+        f"reach it within {timeout_s:g} s: " + "; ".join(lines) + ". They died, hang, or "
+        f"compiled a different model or options. {hint}".rstrip())
+
+
+def diff(a, b, path: str = "", limit: int = 6) -> list[str]:
+    """Where two descriptions differ: dotted paths with both values (at most ``limit``)."""
+    out: list[str] = []
+
+    def walk(x, y, p):
+        if len(out) >= limit or x == y:
+            return
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y), key=str):
+                walk(x.get(k), y.get(k), f"{p}.{k}" if p else str(k))
+            return
+        out.append(f"{p or 'the description'} ({_short(x)} vs {_short(y)})")
+
+    walk(a, b, path)
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _short(v, n: int = 60) -> str:
+    text = json.dumps(v, default=str)
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def _brief(desc, n: int = 300) -> str:
+    return _short(desc, n)
+
+
+# -- the operations ----------------------------------------------------------------------------
+
+
+def meet(what: str, desc: dict, ranks: Sequence[int] | None = None, *, timeout_s: float,
+         hint: str = "", about: tuple[str, dict] | None = None) -> str:
+    """Every rank of ``ranks`` (global ranks, default: all) reaches the agreement ``what`` on
+    ``desc``; returns its fingerprint. Raises :class:`Diverged` when ranks reach different
+    descriptions, :class:`StoreTimeout` when a peer does not come within ``timeout_s``.
+    ``about``: the agreement (what, desc) this one belongs to (a graph's first-call broadcast
+    belongs to the graph's plan), which an error compares with the peer's."""
+    dist = _dist()
+    ranks = tuple(ranks) if ranks is not None else world_ranks()
+    fp = fingerprint(_full(what, desc, ranks))
+    if dist is None or len(ranks) < 2:
+        return fp
     rank = dist.get_rank()
-    mine = pickle.dumps(obj) if rank == 0 else b""
-    return pickle.loads(exchange(key, mine, rank, [0], timeout_s, what)[0])
+    store = _store()
+    base = f"{_PREFIX}/{fp}"
+    store.set(f"{base}/{rank}", b"1")
+    at = {"what": what, "fp": fp, "desc": desc, "ranks": list(ranks)}
+    if about is not None:
+        at["about"] = {"what": about[0], "desc": about[1],
+                       "fp": fingerprint(_full(about[0], about[1], ranks))}
+    _wait(store, rank, at, {r: f"{base}/{r}" for r in ranks if r != rank}, timeout_s, hint)
+    return fp
+
+
+def from_rank0(what: str, desc: dict, decide: Callable[[], object], *, timeout_s: float,
+               ranks: Sequence[int] | None = None, hint: str = ""):
+    """The first of ``ranks``'s (default: rank 0's) ``decide()`` on every rank of ``ranks``,
+    keyed by the fingerprint of ``what`` and ``desc`` (the question): the first rank answers
+    once and never waits; a second question with the same fingerprint gets the same answer."""
+    dist = _dist()
+    ranks = tuple(ranks) if ranks is not None else world_ranks()
+    if dist is None or len(ranks) < 2:
+        return decide()
+    rank, source = dist.get_rank(), ranks[0]
+    fp = fingerprint(_full(what, desc, ranks))
+    key = f"{_PREFIX}/{fp}/answer"
+    store = _store()
+    if rank == source:
+        if not store.check([key]):
+            store.set(key, pickle.dumps(decide()))
+        at = {"what": what, "fp": fp, "ranks": list(ranks)}
+        _RECORD.reached(at)
+        _RECORD.write(store, rank, "running")
+    else:
+        at = {"what": what, "fp": fp, "desc": desc, "ranks": list(ranks)}
+        _wait(store, rank, at, {source: key}, timeout_s, hint)
+    return pickle.loads(store.get(key))
+
+
+_GROUPS: dict = {}
+
+
+def group(what: str, desc: dict, ranks: Sequence[int] | None = None, *, timeout_s: float,
+          hint: str = ""):
+    """The process group of ``ranks`` for ``desc`` (None without a process group or for one
+    rank): the ranks :func:`meet` first, then make it under :func:`group_name`, once per
+    process. Only the participants call it."""
+    dist = _dist()
+    ranks = tuple(sorted(ranks)) if ranks is not None else world_ranks()
+    if dist is None or len(ranks) < 2:
+        return None
+    name = group_name(what, desc, ranks)
+    pg = _GROUPS.get(name)
+    if pg is not None and name in dist.distributed_c10d._world.pg_names.values():
+        return pg
+    meet(what, desc, ranks, timeout_s=timeout_s, hint=hint)
+    pg = _make_group(name, ranks, timeout_s, what)
+    _GROUPS[name] = pg
+    return pg
+
+
+#: Stand-ins by name (the registry holds groups weakly: they are kept alive here).
+_RESERVED: dict = {}
+
+
+def torch_c10d_unregister(name: str) -> None:
+    from torch._C import _distributed_c10d as c
+
+    c._unregister_process_group(name)
+
+
+def reserve(name: str, ranks: Sequence[int]) -> None:
+    """Register a stand-in under ``name`` until :func:`group` makes the group: inductor reads
+    the rank and size of a group that a graph names while it compiles the graph (a backward
+    compiles before its ranks make the group). The stand-in has no backend: a collective on
+    it fails loudly, never silently."""
+    dist = _dist()
+    if dist is None or len(ranks) < 2 or name in _RESERVED or name in _GROUPS:
+        return
+    from torch._C import _distributed_c10d as c
+
+    stand_in = c.ProcessGroup(c.HashStore(), list(ranks).index(dist.get_rank()), len(ranks))
+    c._register_process_group(name, stand_in)
+    _RESERVED[name] = stand_in
+
+
+def _make_group(name: str, ranks: tuple[int, ...], timeout_s: float, what: str):
+    """A process group over ``ranks`` named ``name``: torch's own construction
+    (``_new_process_group_helper``: a ``PrefixStore`` under the name, the backend of the
+    default group, registered for ``_c10d_functional``), with a name of ccfx's choosing
+    (``dist.new_group`` names groups by a process-wide count, or by a hash of the ranks and the
+    number of groups made so far: either depends on what the process made before)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if name in _RESERVED:  # the stand-in makes way for the group
+        torch_c10d_unregister(name)
+        del _RESERVED[name]
+    default = c10d._get_default_group()
+    backend, store = c10d._world.pg_map[default]
+    rank = dist.get_rank()
+    pg, _ = c10d._new_process_group_helper(
+        len(ranks), ranks.index(rank), list(ranks), c10d.Backend(backend), store, name,
+        timeout=datetime.timedelta(seconds=timeout_s), group_desc=f"ccfx {what}")
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
