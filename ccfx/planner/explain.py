@@ -17,8 +17,8 @@ def explain_plan(plan: Plan) -> str:
     for g in plan.graphs:
         out += _graph(g, plan)
     if not out:
-        out = ["ccfx explain: nothing was chosen by the planner (no option is 'auto'); "
-               "set activation_codec, activation_grad_codec or gradient_codec to 'auto'"]
+        out = [("ccfx explain: nothing was chosen by the planner (no option is 'auto'); "
+               "set activation_codec, activation_grad_codec or gradient_codec to 'auto'")]
     return "\n".join(out + measured_loss_costs(plan))
 
 
@@ -44,8 +44,8 @@ def measured_loss_costs(plan: Plan) -> list[str]:
         rows.append(f"  {ROLES[role]}: {spec}: {what}{better}")
     if not rows:
         return []
-    return ["loss cost of the codecs in this plan (bench/convergence.py: tiny GPT, 300 steps, "
-            "paired mean over 3 seeds):", *rows]
+    return [("loss cost of the codecs in this plan (bench/convergence.py: tiny GPT, 300 steps, "
+            "paired mean over 3 seeds):"), *rows]
 
 
 def _measured(role: str, spec: str) -> float | None:
