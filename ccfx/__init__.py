@@ -29,9 +29,14 @@ def backend(config: Config | None = None, **options):
 
 
 def plan_of(compiled) -> Plan:
-    """The Plan of a model compiled with ccfx (all of its graphs)."""
+    """The Plan of a model compiled with ccfx (all of its graphs); of a DDP model with ccfx's
+    comm hook (:func:`ddp_comm_hook`), the hook's buckets: parameters, codec, bytes per step."""
     from ccfx.backends.compiler import backend_of
+    from ccfx.runtime.comm_hook import hook_state_of, plan_of_hook
 
+    hooked = hook_state_of(compiled)
+    if hooked is not None:
+        return plan_of_hook(hooked, compiled)
     return backend_of(compiled).plan
 
 
@@ -54,9 +59,15 @@ def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather")
 
 
 def ledger_of(compiled):
-    """The byte ledger of a model compiled with ccfx."""
+    """The byte ledger of a model compiled with ccfx; of a DDP model with ccfx's comm hook
+    (:func:`ddp_comm_hook`), the hook's: bytes per bucket per step (its state's ``ledger``).
+    A ccfx-compiled model inside DDP keeps its own: ``ledger_of(ddp_model.module)``."""
     from ccfx.backends.compiler import backend_of
+    from ccfx.runtime.comm_hook import hook_state_of
 
+    hooked = hook_state_of(compiled)
+    if hooked is not None:
+        return hooked.ledger
     return backend_of(compiled).ledger
 
 

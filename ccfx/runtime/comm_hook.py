@@ -49,6 +49,7 @@ from ..errors import CcfxWarning, ConfigError
 from ..wire.comm import ProcessGroupComm
 from ..wire.exchange import BucketLayout, Exchange, exchange_for
 from ..wire.link import resolve_collective
+from .ledger import Ledger
 
 Hook = Callable[["CommHookState", dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -86,6 +87,11 @@ class CommHookState:
         #: loaded entries whose bucket has not been seen yet with the layout they were saved for
         self._pending: dict[int, dict[str, Any]] = {}
         self._warned_mismatch = False
+        #: bytes per bucket per step, counted as the hook runs (``ccfx.ledger_of(ddp_model)``)
+        self.ledger = Ledger()
+        #: bucket index -> (the step of its latest call, the ids of its parameters), for
+        #: plan_of_hook (DDP regroups its buckets after the first step)
+        self._bucket_params: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     # -- per-bucket state ---------------------------------------------------------------------
 
@@ -202,8 +208,13 @@ def codec_hook(state: CommHookState,
     averaged = live.exchange.run(bucket.gradients(), live.tensors, comm)
     buffer = bucket.buffer()
     flat = torch.cat([t.reshape(-1) for t in averaged]).to(buffer.dtype).view(buffer.shape)
+    state.ledger.record_bucket(0, bucket.index(), live.exchange.raw_bytes,
+                              live.exchange.wire_bytes())
+    state._bucket_params[bucket.index()] = (state.steps,
+                                            tuple(id(p) for p in bucket.parameters()))
     if bucket.is_last():
         state.steps += 1
+        state.ledger.count_call(0)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(flat)
     return fut
@@ -219,3 +230,60 @@ def ddp_comm_hook(spec: str, process_group=None,
     ``collective``: how non-summable payloads are averaged, ``"all_gather"``, ``"ring"``
     (:mod:`ccfx.wire.ring`) or ``"auto"`` (the ring from 3 ranks, by bytes)."""
     return CommHookState(spec, process_group, collective), codec_hook
+
+
+def hook_state_of(model) -> CommHookState | None:
+    """The :class:`CommHookState` of the ccfx hook registered on a DDP model, or None (not a
+    DDP model, or no ccfx hook on it). DDP keeps its ``(hook, state)`` pairs in
+    ``_comm_hooks``, whoever registered them (``ddp.register_comm_hook(*ccfx.ddp_comm_hook(...))``,
+    a framework, :mod:`ccfx.integrations`): so ``ccfx.ledger_of(ddp_model)`` needs nothing
+    attached to the model. A state itself is returned as it is."""
+    if isinstance(model, CommHookState):
+        return model
+    for hook, state in getattr(model, "_comm_hooks", None) or ():
+        if hook is codec_hook and isinstance(state, CommHookState):
+            return state
+    return None
+
+
+def plan_of_hook(state: CommHookState, model=None):
+    """A :class:`~ccfx.Plan` of the hook's buckets as DDP made them (as of the latest step:
+    DDP rebuilds its buckets after the first one): one row per bucket with its parameters
+    (named from ``model``, the DDP model or its module, when given), the codec, the collective
+    and raw / wire bytes per step. Empty before the first backward."""
+    from ..config import Config
+    from ..plan import Bucket, DataParallelInfo, GraphPlan, Plan, Stage
+
+    names: dict[int, str] = {}
+    if model is not None:
+        inner = getattr(model, "module", model)
+        names = {id(p): n for n, p in inner.named_parameters()}
+    buckets = []
+    latest = max((step for step, _ in state._bucket_params.values()), default=0)
+    for index in sorted(state.buckets):
+        live = state.buckets[index]
+        step, ids = state._bucket_params.get(index, (latest, ()))
+        if step != latest:  # a bucket of DDP's first grouping, gone since
+            continue
+        params = [names.get(i, f"param{k}") for k, i in enumerate(ids)]
+        buckets.append(Bucket(graph=0, index=index, params=params, numel=live.layout.numel,
+                              dtype=str(live.layout.dtype), codec=state.spec,
+                              collective=live.exchange.collective,
+                              raw_bytes=live.exchange.raw_bytes,
+                              wire_bytes=live.exchange.wire_bytes()))
+    note = ("DDP's own buckets (bucket_cap_mb), each averaged by ccfx's comm hook "
+            "(ccfx.ddp_comm_hook); no stages: the model runs as DDP runs it")
+    if not buckets:
+        note += "; no bucket reduced yet (run one backward)"
+    whole = Stage(graph=0, index=0, nodes=[], cost=0.0, cost_expr="0", flops=0,
+                  param_bytes=sum(b.raw_bytes for b in buckets),
+                  params=[p for b in buckets for p in b.params])
+    graph = GraphPlan(index=0, requested_stages=1, num_stages=1, balance="ddp", stages=[whole],
+                      edges=[], shared=[], notes=[note], buckets=buckets)
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(state.process_group) if initialized else 1
+    backend = str(dist.get_backend(state.process_group)) if initialized else "none"
+    config = Config(gradient_codec=state.spec, gradient_collective=state.collective)
+    return Plan(config.to_dict(), [graph], option_sources={"gradient_codec": "ddp_comm_hook"},
+                data_parallel=DataParallelInfo(world, backend, state.spec,
+                                               note="DDP comm hook (ccfx.ddp_comm_hook)"))

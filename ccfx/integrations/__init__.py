@@ -1,0 +1,159 @@
+"""ccfx where you already train: Hugging Face Trainer, Accelerate and Lightning.
+
+These frameworks wrap the model in ``DistributedDataParallel`` themselves, so ccfx joins in as
+DDP's communication hook (:func:`ccfx.ddp_comm_hook`): DDP keeps its buckets and its
+overlap, and each bucket is averaged through a ccfx codec. What a user writes::
+
+    # Hugging Face Trainer (one line after building the Trainer)
+    ccfx.integrations.register_codec(trainer, "powersgd:rank=4,ef")
+    # Accelerate, without the Trainer: the model accelerator.prepare returned
+    model, opt, data = accelerator.prepare(model, opt, data)
+    ccfx.integrations.register_codec(model, "powersgd:rank=4,ef")
+    # Lightning (on CPU too, where DDPStrategy(ddp_comm_hook=...) is ignored)
+    pl.Trainer(strategy="ddp", callbacks=[ccfx.integrations.LightningCodecCallback("int8")])
+
+Then ``ccfx.ledger_of(ddp_model)`` / ``ccfx.plan_of(ddp_model)`` (or ``ccfx.ledger_of(state)``
+with the state :func:`register_codec` returned) count the bytes per bucket per step.
+
+Pipeline stages and activation codecs are a compile of the model itself, before the framework
+sees it: ``model.compile(backend="ccfx", options={...})``. Frameworks that take only a backend
+*name* do not work: accelerate accepts only the names of its ``DynamoBackend`` enum
+(``TrainingArguments(torch_compile_backend="ccfx")`` raises accelerate's ``ValueError: 'CCFX'
+is not a valid DynamoBackend`` inside ``Trainer(...)``, before any ccfx code runs), and it would
+compile ``DDP(model)`` with no options.
+
+This package sits at the top of ccfx's layers (beside ``backends``): it imports
+:mod:`ccfx.runtime`, nothing in ccfx imports it. transformers and Lightning are imported only
+when their callback is asked for.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import CcfxWarning, ConfigError
+from ..runtime.comm_hook import CommHookState, codec_hook, hook_state_of, plan_of_hook
+
+__all__ = ["HFCodecCallback", "LightningCodecCallback", "find_ddp", "register_codec"]
+
+
+def _world(process_group=None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def find_ddp(target: Any) -> DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` model behind ``target``: a DDP model; a compiled one
+    (``torch.compile(DDP(model))``, as accelerate compiles); a Hugging Face ``Trainer`` during
+    ``train()``
+    (``trainer.model_wrapped``); a Lightning ``Trainer`` during ``fit()``
+    (``trainer.strategy.model``). None when there is no DDP (one process)."""
+    seen = 0
+    while target is not None and seen < 8:
+        seen += 1
+        if isinstance(target, DistributedDataParallel):
+            return target
+        if isinstance(getattr(target, "_orig_mod", None), torch.nn.Module):  # OptimizedModule
+            target = target._orig_mod
+        elif hasattr(target, "_models") and hasattr(target, "prepare"):  # accelerate.Accelerator
+            # it keeps the models it was given, not their DDP wrappers: the caller holds those
+            raise ConfigError(
+                "ccfx.integrations: pass the model accelerator.prepare() returned (the "
+                "DistributedDataParallel one), not the Accelerator: accelerate keeps the "
+                "unwrapped model only")
+        elif hasattr(target, "model_wrapped"):  # transformers.Trainer
+            target = target.model_wrapped
+        elif hasattr(target, "strategy") and hasattr(target.strategy, "model"):  # pl.Trainer
+            target = target.strategy.model
+        else:
+            return None
+    return None
+
+
+def register_codec(target: Any, spec: str | CommHookState, process_group=None,
+                   collective: str = "all_gather") -> CommHookState | None:
+    """Average the gradients of ``target``'s DDP model through the codec ``spec``
+    (``"powersgd:rank=4,ef"``, ``"int8"``, ``"fp16"``, ...): DDP's comm hook becomes ccfx's
+    (:func:`ccfx.ddp_comm_hook`). Returns the hook's state: its ``ledger`` counts bytes per
+    bucket per step, ``state_dict()`` belongs in the checkpoint.
+
+    ``target``: a DDP model (or ``torch.compile(DDP(model))``), such as the model
+    ``accelerator.prepare`` returned; a Hugging Face ``Trainer`` (before ``train()``: the hook is registered
+    at train begin by an :class:`HFCodecCallback` added to it, since the Trainer makes its DDP
+    model inside ``train()``). ``spec`` may be a :class:`~ccfx.runtime.comm_hook.CommHookState`
+    (a resumed one). Registering the same state twice is a no-op; a DDP model that already has
+    another comm hook is a :class:`~ccfx.ConfigError` (DDP takes one).
+
+    With one process there is nothing to average: a :class:`~ccfx.CcfxWarning`, and None
+    (the same script runs on 1 and N processes). A model that is not DDP-wrapped while
+    several ranks run is a :class:`~ccfx.ConfigError`: its gradients would not be averaged.
+    """
+    state = spec if isinstance(spec, CommHookState) else CommHookState(spec, process_group,
+                                                                         collective)
+    if _is_hf_trainer(target):
+        from ._hf import HFCodecCallback
+
+        target.add_callback(HFCodecCallback(state, trainer=target))
+        return state
+    ddp = find_ddp(target)
+    if ddp is None:
+        if _world(state.process_group) > 1:
+            raise ConfigError(
+                f"ccfx.integrations.register_codec: {type(target).__name__} is not (and holds "
+                "no) DistributedDataParallel model while "
+                f"{_world(state.process_group)} ranks run: pass the DDP model "
+                "(what accelerator.prepare returned, a Hugging Face Trainer, "
+                "trainer.strategy.model in Lightning)")
+        warnings.warn(f"ccfx.integrations.register_codec: one process, no DDP model in "
+                      f"{type(target).__name__}: no gradients to average, codec "
+                      f"{state.spec!r} not registered", CcfxWarning, stacklevel=2)
+        return None
+    return _register(ddp, state)
+
+
+def _register(ddp: DistributedDataParallel, state: CommHookState) -> CommHookState:
+    existing = hook_state_of(ddp)
+    if existing is state:
+        return state
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if hooks:
+        names = ", ".join(getattr(h, "__qualname__", repr(h)) for h, _ in hooks)
+        raise ConfigError(
+            f"this DDP model already has a comm hook ({names}) and DDP takes one: register "
+            "ccfx's codec instead of it, not beside it (a DDPStrategy(ddp_comm_hook=...) or an "
+            "accelerate DistributedDataParallelKwargs(comm_hook=...) registers one on CUDA)")
+    ddp.register_comm_hook(state, codec_hook)
+    return state
+
+
+def _is_hf_trainer(target: Any) -> bool:
+    return hasattr(target, "add_callback") and hasattr(target, "model_wrapped")
+
+
+def plan(target: Any):
+    """The plan of the ccfx hook on ``target``'s DDP model (see :func:`register_codec` for
+    what ``target`` may be): ``ccfx.plan_of(ddp_model)``, reachable through a framework."""
+    ddp = find_ddp(target)
+    state = hook_state_of(ddp) if ddp is not None else None
+    if state is None:
+        raise ConfigError(f"no ccfx comm hook on {type(target).__name__}'s DDP model")
+    return plan_of_hook(state, ddp)
+
+
+def __getattr__(name: str):
+    # the callbacks subclass the frameworks' classes: imported when asked for
+    if name == "HFCodecCallback":
+        from ._hf import HFCodecCallback
+
+        return HFCodecCallback
+    if name == "LightningCodecCallback":
+        from ._lightning import LightningCodecCallback
+
+        return LightningCodecCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

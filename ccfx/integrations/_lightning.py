@@ -1,0 +1,69 @@
+"""The Lightning callback: ccfx's codec as DDP's comm hook on every device."""
+
+from __future__ import annotations
+
+import warnings
+
+try:  # the standalone package first; the unified ``lightning`` package otherwise
+    import pytorch_lightning as pl
+except ImportError:  # pragma: no cover (CI installs pytorch-lightning)
+    import lightning.pytorch as pl
+
+from ..errors import CcfxWarning
+from ..runtime.comm_hook import CommHookState
+
+
+class LightningCodecCallback(pl.Callback):
+    """Registers ccfx's codec (:func:`ccfx.ddp_comm_hook`) on the strategy's DDP model in
+    ``on_train_start``, whatever the device::
+
+        trainer = pl.Trainer(strategy="ddp", callbacks=[LightningCodecCallback("int8")])
+
+    Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers hooks only on CUDA devices:
+    on CPU it trains uncompressed and says nothing. This callback registers on CPU and CUDA;
+    when it finds a ``ddp_comm_hook`` the strategy ignored (not CUDA), it warns. A strategy
+    that did register a hook (CUDA) conflicts with this one: :class:`~ccfx.ConfigError` (DDP
+    takes one hook; pass ccfx's here, not there). ``state``: the hook's state
+    (``ccfx.ledger_of(callback.state)``; ``state_dict()`` for checkpoints). A strategy without
+    DDP (one device) gets a :class:`~ccfx.CcfxWarning` and trains uncompressed.
+    """
+
+    def __init__(self, spec: str | CommHookState, process_group=None,
+                 collective: str = "all_gather"):
+        self.state = spec if isinstance(spec, CommHookState) else CommHookState(
+            spec, process_group, collective)
+        self.ddp_model = None
+
+    def on_train_start(self, trainer, pl_module):
+        from . import _register, _world, find_ddp
+
+        strategy = trainer.strategy
+        ignored = getattr(strategy, "_ddp_comm_hook", None)
+        device = getattr(strategy, "root_device", None)
+        if ignored is not None and getattr(device, "type", None) != "cuda":
+            warnings.warn(
+                f"Lightning ignores DDPStrategy(ddp_comm_hook={getattr(ignored, '__name__', ignored)}) "
+                f"on {getattr(device, 'type', device)} (it registers comm hooks on CUDA only); "
+                f"ccfx's callback registers its own codec {self.state.spec!r} instead",
+                CcfxWarning, stacklevel=2)
+        ddp = find_ddp(strategy.model)
+        if ddp is None:
+            if _world(self.state.process_group) > 1:
+                from ..errors import ConfigError
+
+                raise ConfigError(
+                    f"ccfx: Lightning's strategy {type(strategy).__name__} holds no "
+                    "DistributedDataParallel model while several ranks run: "
+                    "LightningCodecCallback needs strategy='ddp' (DDPStrategy)")
+            warnings.warn(f"ccfx.integrations.LightningCodecCallback: no DDP model (one "
+                          f"process): codec {self.state.spec!r} not registered",
+                          CcfxWarning, stacklevel=2)
+            return
+        _register(ddp, self.state)
+        self.ddp_model = ddp
+
+    def plan(self):
+        """The plan of the hook's buckets."""
+        from ..runtime.comm_hook import plan_of_hook
+
+        return plan_of_hook(self.state, self.ddp_model)
