@@ -174,11 +174,15 @@ def accelerate_loop(rank: int, world: int, spec: str, steps: int) -> dict:
     again = caught(lambda: integrations.register_codec(ddp, state)).get("error")
     other = caught(lambda: integrations.register_codec(ddp, "fp16"))
     whole = caught(lambda: integrations.register_codec(accelerator, spec))
+    wrapped = torch.compile(ddp)  # what accelerate returns with a dynamo backend (not run here)
+    found = (integrations.register_codec(wrapped, state) is state
+             and ccfx.ledger_of(wrapped) is state.ledger)
     return {"losses": losses, "max_rel_error": max(errors), "min_local_spread": min(spread),
             "ledger": _ledger(state, ddp),
             "ledger_of_ddp_is_state": ccfx.ledger_of(ddp) is state.ledger,
             "plan": str(ccfx.plan_of(ddp)), "digest": digest(ddp.parameters()),
-            "register_again": again, "second_hook": other, "accelerator": whole}
+            "register_again": again, "second_hook": other, "accelerator": whole,
+            "compiled_ddp_found": found}
 
 
 # -- Lightning ------------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ def test_accelerate_two_ranks_codec_hook_averages_once(two):
         assert r["max_rel_error"] < 0.1 < r["min_local_spread"], r
         _falls(r["losses"], 0.3)  # 1.89 -> 0.64 over 30 steps (measured)
         assert r["register_again"] is None  # the same state twice: a no-op
+        assert r["compiled_ddp_found"]  # torch.compile(DDP(model)): the DDP inside
         assert r["second_hook"]["error"] == "ConfigError"
         assert "already has a comm hook" in r["second_hook"]["message"]
         assert r["accelerator"]["error"] == "ConfigError"
