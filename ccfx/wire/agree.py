@@ -164,7 +164,10 @@ def _wait(store, rank: int, at: dict, needs: dict[int, str], timeout_s: float, h
                 raise _timed_out(store, rank, at, missing, timeout_s, hint)
             time.sleep(POLL_S)
     except (Diverged, StoreTimeout) as e:
-        _RECORD.write(store, rank, "failed", at, needs=needs_, reason=str(e).splitlines()[0])
+        # seen: the agreement each peer was waiting at when this rank gave up on it: that
+        # peer (and only while it still waits there) fails too
+        _RECORD.write(store, rank, "failed", at, reason=str(e).splitlines()[0],
+                      seen=getattr(e, "ccfx_seen", {}))
         raise
     except RuntimeError as e:  # the store itself is gone (the rank hosting it ended)
         raise StoreTimeout(
@@ -191,11 +194,11 @@ def _check_peer(store, rank: int, peer: int, key: str, at: dict, hint: str) -> N
         need = (rec.get("needs") or {}).get(str(rank))
         if (same_kind or (need is not None and not store.check([need]))) \
                 and not store.check([key]):  # it has not passed this one meanwhile
-            raise _diverged(rank, peer, at, theirs, hint, same_kind)
-    elif rec["state"] == "failed" and not store.check([key]):
-        need = (rec.get("needs") or {}).get(str(rank))
-        if not same_kind and (need is None or store.check([need])):
-            return  # it gave up on something else
+            e = _diverged(rank, peer, at, theirs, hint, same_kind)
+            e.ccfx_seen = {str(peer): theirs.get("fp")}
+            raise e
+    elif (rec["state"] == "failed" and (rec.get("seen") or {}).get(str(rank)) == at["fp"]
+          and not store.check([key])):  # it gave up because of this very wait
         raise _diverged(rank, peer, at, theirs, hint, same_kind,
                         f" (rank {peer} gave up: {_short(rec.get('reason', ''), 200)})")
 
