@@ -199,7 +199,7 @@ class PowerSGD(Codec):
 
 
 # -- the two halves as custom ops, for graphs that all-reduce P and Q in between ----------------
-# (data-parallel gradient buckets: see ccfx.runtime.bucket_exchange). Functional, like
+# (data-parallel gradient buckets: see ccfx.wire.exchange). Functional, like
 # ccfx_codecs::encode: the caller copies the returned Q into the state it owns.
 
 
