@@ -22,8 +22,13 @@ COMMANDS = {
 }
 
 
+#: what ``ccfx --help`` says above and below the command list (whole sentences)
+DESCRIPTION = "ccfx: a torch.compile backend for compressed distributed training."
+EPILOG = "Run `ccfx <command> --help` for the options of one command."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ccfx", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ccfx", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (module, add_args, _, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

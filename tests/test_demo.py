@@ -59,3 +59,14 @@ def test_cli_arguments_default_to_the_main_job():
     assert (args.stages, args.codec, args.lowering, args.baseline) == (4, "int8", "eager", "eager")
     assert args.progress
     assert not parser.parse_args(["--no-progress"]).progress
+
+
+def test_ccfx_help_is_whole_sentences(capsys):
+    from ccfx import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    assert "this\n" not in text and not text.rstrip().endswith("this")
+    assert "torch.compile backend for compressed distributed training." in text
+    assert "ccfx <command> --help" in text
