@@ -132,6 +132,36 @@ def _register(ddp: DistributedDataParallel, state: CommHookState) -> CommHookSta
     return state
 
 
+class _HookAttacher:
+    """What the framework callbacks share: the hook's state, made at construction (so it can
+    be checkpointed or counted before training starts), and attaching it to the DDP model the
+    framework built, or saying why not."""
+
+    def __init__(self, spec: str | CommHookState, process_group=None,
+                 collective: str = "all_gather"):
+        self.state = spec if isinstance(spec, CommHookState) else CommHookState(
+            spec, process_group, collective)
+        self.ddp_model = None
+
+    def _attach(self, ddp: DistributedDataParallel | None, no_ddp_on_ranks: str) -> None:
+        """Register on ``ddp``; without one, a ConfigError on several ranks (``no_ddp_on_ranks``
+        says why there is no DDP model), a warning on one process (nothing to average)."""
+        if ddp is None:
+            if _world(self.state.process_group) > 1:
+                raise ConfigError(f"ccfx: {no_ddp_on_ranks}: ccfx's gradient codec cannot be "
+                                  "registered")
+            warnings.warn(f"ccfx.integrations.{type(self).__name__}: one process, no DDP "
+                          f"model: no gradients to average, codec {self.state.spec!r} not "
+                          "registered", CcfxWarning, stacklevel=3)
+            return
+        _register(ddp, self.state)
+        self.ddp_model = ddp
+
+    def plan(self):
+        """The plan of the hook's buckets (parameters, codec, collective, bytes)."""
+        return plan_of_hook(self.state, self.ddp_model)
+
+
 def _is_hf_trainer(target: Any) -> bool:
     return hasattr(target, "add_callback") and hasattr(target, "model_wrapped")
 

@@ -10,10 +10,10 @@ except ImportError:  # pragma: no cover (CI installs pytorch-lightning)
     import lightning.pytorch as pl
 
 from ..errors import CcfxWarning
-from ..runtime.comm_hook import CommHookState
+from . import _HookAttacher, find_ddp
 
 
-class LightningCodecCallback(pl.Callback):
+class LightningCodecCallback(_HookAttacher, pl.Callback):
     """Registers ccfx's codec (:func:`ccfx.ddp_comm_hook`) on the strategy's DDP model in
     ``on_train_start``, whatever the device::
 
@@ -28,15 +28,7 @@ class LightningCodecCallback(pl.Callback):
     DDP (one device) gets a :class:`~ccfx.CcfxWarning` and trains uncompressed.
     """
 
-    def __init__(self, spec: str | CommHookState, process_group=None,
-                 collective: str = "all_gather"):
-        self.state = spec if isinstance(spec, CommHookState) else CommHookState(
-            spec, process_group, collective)
-        self.ddp_model = None
-
     def on_train_start(self, trainer, pl_module):
-        from . import _register, _world, find_ddp
-
         strategy = trainer.strategy
         ignored = getattr(strategy, "_ddp_comm_hook", None)
         device = getattr(strategy, "root_device", None)
@@ -46,24 +38,7 @@ class LightningCodecCallback(pl.Callback):
                 f"on {getattr(device, 'type', device)} (it registers comm hooks on CUDA only); "
                 f"ccfx's callback registers its own codec {self.state.spec!r} instead",
                 CcfxWarning, stacklevel=2)
-        ddp = find_ddp(strategy.model)
-        if ddp is None:
-            if _world(self.state.process_group) > 1:
-                from ..errors import ConfigError
-
-                raise ConfigError(
-                    f"ccfx: Lightning's strategy {type(strategy).__name__} holds no "
-                    "DistributedDataParallel model while several ranks run: "
-                    "LightningCodecCallback needs strategy='ddp' (DDPStrategy)")
-            warnings.warn(f"ccfx.integrations.LightningCodecCallback: no DDP model (one "
-                          f"process): codec {self.state.spec!r} not registered",
-                          CcfxWarning, stacklevel=2)
-            return
-        _register(ddp, self.state)
-        self.ddp_model = ddp
-
-    def plan(self):
-        """The plan of the hook's buckets."""
-        from ..runtime.comm_hook import plan_of_hook
-
-        return plan_of_hook(self.state, self.ddp_model)
+        self._attach(find_ddp(strategy.model),
+                     f"Lightning's strategy {type(strategy).__name__} holds no "
+                     "DistributedDataParallel model while several ranks run: "
+                     "LightningCodecCallback needs strategy='ddp' (DDPStrategy)")
