@@ -275,7 +275,15 @@ def format_plan(plan: Plan) -> str:
     overrides = plan.config.get("codec_overrides")
     if overrides:
         codec += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(overrides.items())) + ")"
-    out = [f"ccfx plan: {len(plan.graphs)} graph(s), codec {codec}"]
+    dp = plan.data_parallel
+    head = f"ccfx plan: {len(plan.graphs)} graph(s)"
+    if dp is None or any(g.edges for g in plan.graphs):
+        head += f", codec {codec}"  # an activation codec means something only between stages
+    if dp is not None:
+        head += f", gradient codec {dp.gradient_codec}, world size {dp.world_size}"
+        backend = _backend_text(dp)
+        head += f" ({backend})" if backend else ""
+    out = [head]
     if len(plan.graphs) > 1:
         out.append(
             "  (graph breaks split the model; each graph is its own pipeline. "
@@ -336,7 +344,9 @@ def format_plan(plan: Plan) -> str:
     if plan.data_parallel is not None:
         dp = plan.data_parallel
         out.append("")
-        out.append(f"data parallel: world size {dp.world_size} ({dp.backend}), gradient codec "
+        backend = _backend_text(dp)
+        out.append(f"data parallel: world size {dp.world_size}"
+                   + (f" ({backend})" if backend else "") + f", gradient codec "
                    f"{dp.gradient_codec}" + (f", {dp.warmup_steps} uncompressed warm-up steps"
                                              if dp.warmup_steps else ""))
         if dp.note:
@@ -345,6 +355,15 @@ def format_plan(plan: Plan) -> str:
     if changed:
         out.append("options from: " + ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
     return "\n".join(out)
+
+
+def _backend_text(dp: DataParallelInfo) -> str:
+    """The process group's backend as the plan shows it: nothing when unknown (torch says
+    "undefined" for a group it cannot name) or when there is no process group."""
+    backend = (dp.backend or "").strip()
+    if backend.lower() in ("", "undefined", "none"):
+        return "no process group" if dp.world_size == 1 and backend.lower() == "none" else ""
+    return backend
 
 
 def _param_summary(names: list[str]) -> str:

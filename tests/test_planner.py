@@ -276,3 +276,20 @@ def test_profile_stages_times_each_stage_forward_and_backward():
     times = profile_stages(compiled, x, repeats=2)
     assert len(times) == 2
     assert all(t.forward_s > 0 and t.backward_s > 0 and t.source == "profile" for t in times)
+
+
+def test_a_data_parallel_plan_header_names_the_gradient_codec_and_the_world():
+    """Not "codec none" (the activation codec, which no stage boundary uses) nor
+    "world size 2 (undefined)" (torch's name for a group whose backend it cannot say)."""
+    from ccfx.plan import DataParallelInfo, GraphPlan, Plan, Stage
+
+    stage = Stage(graph=0, index=0, nodes=["x"], cost=1.0, cost_expr="1", flops=1,
+                  param_bytes=4)
+    graph = GraphPlan(index=0, requested_stages=1, num_stages=1, balance="flops",
+                      stages=[stage], edges=[], shared=[])
+    for backend, shown in [("undefined", ""), ("gloo", " (gloo)")]:
+        plan = Plan({"activation_codec": "none"}, [graph],
+                    data_parallel=DataParallelInfo(2, backend, "powersgd:ef"))
+        head = str(plan).splitlines()[0]
+        assert head == f"ccfx plan: 1 graph(s), gradient codec powersgd:ef, world size 2{shown}"
+        assert "undefined" not in str(plan) and "codec none" not in str(plan)
