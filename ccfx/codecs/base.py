@@ -189,20 +189,24 @@ class Codec:
         if not self.stateful:
             return {}
         live = self._state()
-        want = self.state_layout(shape, dtype)
         if not live:
             live.update(self.init_state(shape, dtype, device))
             return live
-        for k, (s, d) in want.items():
+        misfit = self.state_misfit(live, shape, dtype)
+        if misfit:
+            raise CodecError(
+                f"codec {self.spec!r} holds {misfit}: use one codec object per tensor "
+                "(registry.get returns a fresh one each call), or call reset_state().")
+        return live
+
+    def state_misfit(self, live: dict[str, torch.Tensor], shape, dtype) -> str:
+        """What of ``live`` does not fit a tensor of ``shape``/``dtype`` ("" when it all fits)."""
+        for k, (s, d) in self.state_layout(tuple(shape), dtype).items():
             have = live.get(k)
             if have is None or tuple(have.shape) != tuple(s) or have.dtype != d:
                 got = None if have is None else (tuple(have.shape), have.dtype)
-                raise CodecError(
-                    f"codec {self.spec!r} holds state {k!r} for {got}, but this tensor needs "
-                    f"{(tuple(s), d)}: use one codec object per tensor (registry.get returns a "
-                    "fresh one each call), or call reset_state()."
-                )
-        return live
+                return f"state {k!r} for {got}, but this tensor needs {(tuple(s), d)}"
+        return ""
 
     # -- naming ---------------------------------------------------------------------------
 

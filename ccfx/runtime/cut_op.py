@@ -75,15 +75,12 @@ class Hop:
             return self.state.add(channel, codec.spec, fresh,
                                   legacy=f"graph{self.graph}_edge{self.edge}_hop{self.hop[0]}"
                                          f"to{self.hop[1]}_{direction}_")
-        for k, (s, d) in codec.state_layout(tuple(shape), dtype).items():
-            have = live.get(k)
-            if have is None or tuple(have.shape) != tuple(s) or have.dtype != d:
-                got = None if have is None else (tuple(have.shape), have.dtype)
-                raise CodecError(
-                    f"cut edge {channel}: codec {codec.spec!r} keeps state {k!r} for {got}, "
-                    f"but this call's tensor needs {(tuple(s), d)}: a stateful codec's state "
-                    "has one shape; compile without dynamic shapes for it, or use a stateless "
-                    "codec on this edge")
+        misfit = codec.state_misfit(live, shape, dtype)
+        if misfit:
+            raise CodecError(
+                f"cut edge {channel}: codec {codec.spec!r} keeps {misfit}: a stateful codec's "
+                "state has one shape; compile without dynamic shapes for it, or use a "
+                "stateless codec on this edge")
         return live
 
 
