@@ -189,15 +189,16 @@ def mismatched_models(rank, world):
     return got
 
 
-def dies_mid_step(rank, world, timeout_s):
-    """Rank 1 exits after compiling; rank 0's backward must fail within the timeout."""
+def dies_mid_step(rank, world, timeout_s, dead=1):
+    """Rank ``dead`` exits after compiling; the others' backward must fail within the timeout
+    (naming the dead rank)."""
     import os
     import time
 
     model = mlp(seed=0)
     compiled = compile_dp(model, "int8", collective_timeout_s=timeout_s)
     out = compiled(batch(rank))  # compiles (and checks the bucket plan) on both ranks
-    if rank == 1:
+    if rank == dead:
         os._exit(0)
     time.sleep(0.5)
     return _timed_backward(out)

@@ -129,6 +129,20 @@ def test_a_dead_rank_is_an_error_within_the_timeout_not_a_hang():
     assert survivor["elapsed"] < 60
 
 
+@pytest.mark.slow
+def test_a_dead_rank_among_three_is_named_by_rank_not_only_by_address():
+    with pytest.raises(RankFailed) as e:
+        spawn(dp_workers.dies_mid_step, 3, (20.0, 2), timeout_s=180, grace_s=60)
+    for r in (0, 1):
+        survivor = e.value.results[r]
+        assert survivor["error"] == "CollectiveError", survivor
+        assert f"rank {r} of 3" in survivor["message"], survivor["message"]
+        # gloo names an address; ccfx names the rank behind it (and keeps the address)
+        assert "Rank 2 (" in survivor["message"] and "has exited" in survivor["message"], \
+            survivor["message"]
+        assert survivor["elapsed"] < 60
+
+
 def test_without_a_process_group_data_parallel_is_world_size_one():
     model = dp_workers.mlp(seed=0)
     compiled = dp_workers.compile_dp(model, "int8")

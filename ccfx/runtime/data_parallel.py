@@ -229,11 +229,14 @@ class DataParallel:
             try:
                 out = fn(list(args) + extra)
             except RuntimeError as e:
+                agree.gave_up(f"the gradient collectives of graph {index}", _first_line(e))
+                who = agree.blame(e)
+                who = f" {who[0].upper()}{who[1:]}." if who else ""
                 raise CollectiveError(
                     f"rank {self.rank} of {self.world}: the backward of graph {index} failed while "
                     f"its gradient collectives were in flight ({described}; group timeout "
-                    f"{cfg.collective_timeout_s:g} s): {_first_line(e)}. A peer rank died, hung, "
-                    "or is running a different model; see that rank's own error.") from e
+                    f"{cfg.collective_timeout_s:g} s): {_first_line(e)}.{who} A peer rank died, "
+                    "hung, or is running a different model; see that rank's own error.") from e
             finally:
                 if isinstance(args, list):
                     args.clear()  # the boxed convention: the callee frees its inputs
@@ -333,9 +336,12 @@ class DataParallel:
             return fn()
         except RuntimeError as e:
             timeout = f"group timeout {self.config.collective_timeout_s:g} s"
+            agree.gave_up(what, _first_line(e))
+            who = agree.blame(e)
+            who = f" {who[0].upper()}{who[1:]}." if who else ""
             raise CollectiveError(
                 f"rank {self.rank} of {self.world}: {what} failed ({timeout}): "
-                f"{_first_line(e)}. A peer rank died, hung or diverged.") from e
+                f"{_first_line(e)}.{who} A peer rank died, hung or diverged.") from e
 
 
 _WHAT = "the data-parallel plan of a graph"

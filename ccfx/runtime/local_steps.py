@@ -262,9 +262,14 @@ class LocalSteps:
         if isinstance(e, CollectiveError):
             return e
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        from ..wire import agree
+
+        agree.gave_up(f"the outer sync of fragment {frag.index}", text)
+        who = agree.blame(e)
+        who = f" {who[0].upper()}{who[1:]}." if who else ""
         return CollectiveError(
             f"rank {self.rank}: the outer sync of fragment {frag.index} (started at inner step "
-            f"{flight.started}) failed: {text}. A replica died, hung past "
+            f"{flight.started}) failed: {text}.{who} A replica died, hung past "
             f"collective_timeout_s={self.config.collective_timeout_s:g} s, or took a different "
             "number of optimizer steps")
 

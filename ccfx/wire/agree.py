@@ -34,6 +34,13 @@ moments apart, by however long each compile takes, seconds to minutes) is waited
 timeout, ``collective_timeout_s`` (default 300 s): a short fixed timeout would fail a slow but
 healthy compile, and the divergences it would catch are caught by the records instead. When it
 runs out, the error says what the peer last published.
+
+Naming the dead. A rank publishes where it runs (host, addresses, pid) under
+``ccfx/agree/proc/<rank>`` when it makes its first group. gloo names a dead peer by an
+address only (``Connection closed by peer [127.0.0.1]:40123``); :func:`blame` turns that into
+ranks: a peer on this host whose process is gone, or a peer whose host has the address gloo
+names and that did not report the failure itself within a moment (a survivor writes a
+``failed`` record, :func:`gave_up`), is named with its address.
 """
 
 from __future__ import annotations
@@ -384,6 +391,131 @@ def reserve(name: str, ranks: Sequence[int]) -> None:
     _RESERVED[name] = stand_in
 
 
+# -- naming the dead ----------------------------------------------------------------------------
+
+
+def _proc_key(rank: int) -> str:
+    return f"{_PREFIX}/proc/{rank}"
+
+
+_PUBLISHED: set = set()
+
+
+def publish_process(store=None) -> None:
+    """This rank's host, addresses and pid under ``ccfx/agree/proc/<rank>`` (once)."""
+    dist = _dist()
+    if dist is None or "done" in _PUBLISHED:
+        return
+    import os
+    import socket
+
+    host = socket.gethostname()
+    addrs = {"127.0.0.1"}
+    try:
+        addrs |= {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        pass
+    for var in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME_ADDR"):
+        if os.environ.get(var):
+            addrs.add(os.environ[var])
+    store = store if store is not None else _store()
+    store.set(_proc_key(dist.get_rank()), json.dumps(
+        {"host": host, "pid": os.getpid(), "addrs": sorted(addrs)}).encode())
+    _PUBLISHED.add("done")
+
+
+def gave_up(what: str, reason: str, ranks: Sequence[int] = ()) -> None:
+    """Record that this rank's collective ``what`` failed (peers' :func:`blame` reads it:
+    a rank that says so is alive)."""
+    dist = _dist()
+    if dist is None:
+        return
+    try:
+        _RECORD.write(_store(), dist.get_rank(), "failed",
+                      {"what": what, "fp": "collective", "ranks": list(ranks)},
+                      reason=_short(reason, 200), seen={})
+    except RuntimeError:
+        pass  # the store is gone too
+
+
+def _gloo_address(text: str) -> str | None:
+    import re
+
+    m = re.search(r"\[([0-9a-fA-F:.]+)\]:(\d+)", text)
+    return f"{m.group(1)}:{m.group(2)}" if m else None
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:  # an exited child its parent has not reaped yet (a launcher's rank) is a zombie
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def blame(error: BaseException | str, ranks: Sequence[int] | None = None,
+          settle_s: float = 1.0) -> str:
+    """A sentence naming the peer ranks a collective failure points at (see the module
+    docstring), e.g. ``"rank 2 (127.0.0.1:40123, pid 4242 on host n1) has exited"``; ``""``
+    when nothing can be told (no process group, or no peer stands out)."""
+    dist = _dist()
+    if dist is None:
+        return ""
+    import socket
+
+    text = str(error)
+    address = _gloo_address(text)
+    rank = dist.get_rank()
+    peers = [r for r in (ranks if ranks is not None else world_ranks()) if r != rank]
+    try:
+        store = _store()
+        procs = {}
+        for r in peers:
+            key = _proc_key(r)
+            if store.check([key]):
+                procs[r] = json.loads(store.get(key).decode())
+    except (RuntimeError, ValueError):
+        host0 = "rank 0, which hosts the c10d store"
+        where = f" ({address})" if address else ""
+        return (f"the c10d store is unreachable too: {host0}{where} has most likely exited "
+                "or lost its network")
+    here = socket.gethostname()
+    dead = [r for r, p in procs.items() if p.get("host") == here and not _alive(p["pid"])]
+    if not dead:  # elsewhere: the peers with gloo's address that do not report a failure
+        candidates = [r for r, p in procs.items()
+                      if address is None or address.rsplit(":", 1)[0] in p.get("addrs", ())]
+        deadline = time.monotonic() + settle_s
+        while candidates and time.monotonic() < deadline:
+            candidates = [r for r in candidates
+                          if ((_read_record(store, r) or {}).get("state") != "failed")]
+            time.sleep(POLL_S)
+        if len(candidates) < len(peers):
+            dead = candidates
+        if not dead:
+            return f"gloo names the peer at {address}" if address else ""
+        verb = "did not report this failure itself (it died, hangs or lost its network)"
+    else:
+        verb = "has exited"
+
+    def one(r):
+        p = procs[r]
+        where = f"{address}, " if address and len(dead) == 1 else ""
+        return f"rank {r} ({where}pid {p['pid']} on host {p['host']})"
+
+    names = ", ".join(one(r) for r in dead)
+    if len(dead) > 1:
+        verb = verb.replace("has exited", "have exited")
+    return f"{names} {verb}"
+
+
 def _make_group(name: str, ranks: tuple[int, ...], timeout_s: float, what: str):
     """A process group over ``ranks`` named ``name``: torch's own construction
     (``_new_process_group_helper``: a ``PrefixStore`` under the name, the backend of the
@@ -399,6 +531,7 @@ def _make_group(name: str, ranks: tuple[int, ...], timeout_s: float, what: str):
     default = c10d._get_default_group()
     backend, store = c10d._world.pg_map[default]
     rank = dist.get_rank()
+    publish_process()
     pg, _ = c10d._new_process_group_helper(
         len(ranks), ranks.index(rank), list(ranks), c10d.Backend(backend), store, name,
         timeout=datetime.timedelta(seconds=timeout_s), group_desc=f"ccfx {what}")
