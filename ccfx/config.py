@@ -217,7 +217,7 @@ class Config:
             if not isinstance(value, str) or value.count("/") > 1:
                 raise ConfigError(f"codec_overrides[{key!r}] = {value!r}: give a codec spec, or "
                                   "'forward/backward' such as 'none/powersgd:rank=16'")
-            specs = "/".join(codecs.canonical(v) for v in value.split("/"))
+            specs = "/".join(codecs.canonical_as_written(v) for v in value.split("/"))
             out.append((f"{where.group(1)} {int(where.group(2))}", specs))
         object.__setattr__(self, "codec_overrides", tuple(sorted(out)))
 
@@ -328,7 +328,7 @@ class Config:
                               f"{self.fragment_alpha} and {self.outer_momentum}")
         from . import codecs
 
-        object.__setattr__(self, "outer_codec", codecs.canonical(self.outer_codec))
+        object.__setattr__(self, "outer_codec", codecs.canonical_as_written(self.outer_codec))
         h = self.sync_every
         if h is None:
             return
@@ -425,4 +425,6 @@ def _spec(spec: str) -> str:
     """A codec option's canonical spec; ``"auto"`` stays as it is."""
     from . import codecs
 
-    return AUTO if isinstance(spec, str) and spec.strip().lower() == AUTO else codecs.canonical(spec)
+    if isinstance(spec, str) and spec.strip().lower() == AUTO:
+        return AUTO
+    return codecs.canonical_as_written(spec)

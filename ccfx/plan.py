@@ -268,19 +268,23 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 
 def format_plan(plan: Plan) -> str:
-    codec = plan.config.get("activation_codec")
-    grad_codec = plan.config.get("activation_grad_codec")
+    """The plan as text. Codec specs appear as the user wrote them where this process saw it
+    (:func:`ccfx.codecs.spelled`); the JSON keeps the canonical form."""
+    from .codecs import spelled
+
+    codec = spelled(plan.config.get("activation_codec"))
+    grad_codec = spelled(plan.config.get("activation_grad_codec"))
     if grad_codec and grad_codec != codec:
         codec = f"{codec} forward, {grad_codec} backward"
     overrides = plan.config.get("codec_overrides")
     if overrides:
-        codec += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(overrides.items())) + ")"
+        codec += " (" + ", ".join(f"{k}: {spelled(v)}" for k, v in sorted(overrides.items())) + ")"
     dp = plan.data_parallel
     head = f"ccfx plan: {len(plan.graphs)} graph(s)"
     if dp is None or any(g.edges for g in plan.graphs):
         head += f", codec {codec}"  # an activation codec means something only between stages
     if dp is not None:
-        head += f", gradient codec {dp.gradient_codec}, world size {dp.world_size}"
+        head += f", gradient codec {spelled(dp.gradient_codec)}, world size {dp.world_size}"
         backend = _backend_text(dp)
         head += f" ({backend})" if backend else ""
     out = [head]
@@ -311,7 +315,8 @@ def format_plan(plan: Plan) -> str:
                 rows.append([
                     e.index, e.source, f"{e.source_stage}->{','.join(map(str, e.dest_stages))}",
                     len(e.hops), "x".join(map(str, e.shape)), e.dtype.replace("torch.", ""),
-                    e.codec if e.grad_codec in (None, e.codec) else f"{e.codec} / {e.grad_codec}",
+                    spelled(e.codec) if e.grad_codec in (None, e.codec)
+                    else f"{spelled(e.codec)} / {spelled(e.grad_codec)}",
                     raw, e.wire_bytes_fwd, e.wire_bytes_bwd,
                 ])
             out += ["  " + r for r in _table(
@@ -331,7 +336,7 @@ def format_plan(plan: Plan) -> str:
         if g.buckets:
             out.append("")
             out.append("  gradient buckets (in the order backward makes them):")
-            rows = [[b.index, len(b.params), b.numel, b.codec, b.collective,
+            rows = [[b.index, len(b.params), b.numel, spelled(b.codec), b.collective,
                      human_bytes(b.raw_bytes), human_bytes(b.wire_bytes), f"{b.ratio:.4f}",
                      b.reason or _param_summary(b.params)] for b in g.buckets]
             out += ["  " + r for r in _table(
@@ -347,7 +352,7 @@ def format_plan(plan: Plan) -> str:
         backend = _backend_text(dp)
         out.append(f"data parallel: world size {dp.world_size}"
                    + (f" ({backend})" if backend else "") + f", gradient codec "
-                   f"{dp.gradient_codec}" + (f", {dp.warmup_steps} uncompressed warm-up steps"
+                   f"{spelled(dp.gradient_codec)}" + (f", {dp.warmup_steps} uncompressed warm-up steps"
                                              if dp.warmup_steps else ""))
         if dp.note:
             out.append(f"  note: {dp.note}")

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -62,3 +64,17 @@ def test_bad_options_through_torch_compile_raise_a_ccfx_error():
     compiled = torch.compile(model, backend="ccfx", options={"stagez": 2})
     with pytest.raises(ccfx.CcfxError, match="unknown ccfx option"):
         compiled(torch.randn(2, 4))
+
+
+def test_the_plan_shows_a_codec_spec_as_the_user_wrote_it_and_stores_it_canonical():
+    from ccfx.plan import DataParallelInfo, Plan
+
+    cfg = Config(data_parallel=True, gradient_codec="powersgd:rank=4,ef")
+    assert cfg.gradient_codec == "powersgd:ef"  # compared and stored canonical
+    plan = Plan(cfg.to_dict(), [], data_parallel=DataParallelInfo(2, "gloo", cfg.gradient_codec))
+    stored = json.loads(plan.to_json())
+    assert stored["config"]["gradient_codec"] == stored["data_parallel"]["gradient_codec"] \
+        == "powersgd:ef"
+    assert "gradient codec powersgd:rank=4,ef" in str(plan)
+    Config(activation_codec="int8")  # written canonical: shown canonical
+    assert codecs.spelled("int8") == "int8"

@@ -149,7 +149,7 @@ def test_explain_names_the_measured_loss_cost_of_a_hand_picked_codec():
     compiled(torch.randn(4, 256)).sum().backward()
     text = ccfx.explain(compiled)
     plain, ef = MEASURED["gradient"]["powersgd:rank=4"], MEASURED["gradient"]["powersgd:rank=4,ef"]
-    assert f"gradient buckets: powersgd: {plain:+.1%} final loss" in text
+    assert f"gradient buckets: powersgd:rank=4: {plain:+.1%} final loss" in text  # as written
     assert f"with error feedback (powersgd:ef) {ef:+.1%}" in text
 
 
@@ -291,5 +291,6 @@ def test_a_data_parallel_plan_header_names_the_gradient_codec_and_the_world():
         plan = Plan({"activation_codec": "none"}, [graph],
                     data_parallel=DataParallelInfo(2, backend, "powersgd:ef"))
         head = str(plan).splitlines()[0]
-        assert head == f"ccfx plan: 1 graph(s), gradient codec powersgd:ef, world size 2{shown}"
+        codec = ccfx.codecs.spelled("powersgd:ef")  # as a user in this process wrote it
+        assert head == f"ccfx plan: 1 graph(s), gradient codec {codec}, world size 2{shown}"
         assert "undefined" not in str(plan) and "codec none" not in str(plan)

@@ -16,9 +16,19 @@ from . import (  # noqa: F401  (each module registers its codecs)
 )
 from .base import Codec, Context, Encoded
 from .dispatch import implementation
-from .registry import available, canonical, get, names, parse_spec, prototype, register
+from .registry import (
+    available,
+    canonical,
+    canonical_as_written,
+    get,
+    names,
+    parse_spec,
+    prototype,
+    register,
+    spelled,
+)
 
 __all__ = [
-    "Codec", "Context", "Encoded", "available", "canonical", "get", "implementation", "names",
-    "parse_spec", "prototype", "register",
+    "Codec", "Context", "Encoded", "available", "canonical", "canonical_as_written", "get",
+    "implementation", "names", "parse_spec", "prototype", "register", "spelled",
 ]

@@ -118,3 +118,29 @@ def available() -> dict[str, dict[str, object]]:
 
 def canonical(spec: str) -> str:
     return prototype(spec).spec
+
+
+#: canonical spec → how the user wrote it, where the two differ by more than case and spaces
+#: (``powersgd:ef`` → ``powersgd:rank=4,ef``): for display only; plans compare and store the
+#: canonical form.
+_SPELLED: dict[str, str] = {}
+
+
+def canonical_as_written(spec: str) -> str:
+    """:func:`canonical`, remembering the user's spelling for :func:`spelled` (call it on
+    specs a user wrote, not on ones ccfx derives)."""
+    canon = canonical(spec)
+    written = spec.strip() if isinstance(spec, str) else canon
+    if written.lower().replace(" ", "") != canon:
+        _SPELLED[canon] = written
+    else:
+        _SPELLED.pop(canon, None)
+    return canon
+
+
+def spelled(spec: str | None) -> str | None:
+    """How the user wrote the canonical ``spec`` (``powersgd:rank=4,ef`` for ``powersgd:ef``)
+    where this process saw them write it, else ``spec``; ``"a/b"`` pairs part by part."""
+    if not isinstance(spec, str):
+        return spec
+    return "/".join(_SPELLED.get(part, part) for part in spec.split("/"))

@@ -41,7 +41,7 @@ def measured_loss_costs(plan: Plan) -> list[str]:
         what = (f"{change:+.1%} final loss vs uncompressed" if change is not None
                 else "not measured by bench/convergence.py")
         better = _with_error_feedback(role, spec, change)
-        rows.append(f"  {ROLES[role]}: {spec}: {what}{better}")
+        rows.append(f"  {ROLES[role]}: {codecs.spelled(spec)}: {what}{better}")
     if not rows:
         return []
     return [("loss cost of the codecs in this plan (bench/convergence.py: tiny GPT, 300 steps, "
