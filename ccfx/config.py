@@ -365,8 +365,9 @@ class Config:
         unknown = sorted(set(options) - set(cls.keys()))
         if unknown:
             raise ConfigError(
-                f"unknown ccfx option(s) {', '.join(map(repr, unknown))}; "
-                f"valid options: {', '.join(cls.keys())}"
+                f"unknown ccfx option(s) {', '.join(map(repr, unknown))}"
+                + "".join(closest(str(u), cls.keys()) for u in unknown)
+                + f"; valid options: {', '.join(cls.keys())}"
             )
         return cls(**options)
 
@@ -402,7 +403,11 @@ class Config:
                     f"options must be a dict of ccfx options, got {type(options).__name__}")
             merged.update(options)
             sources.update({k: "options" for k in options})
-        return cls.from_options(merged or None), {k: v for k, v in sources.items() if k in names}
+        try:
+            config = cls.from_options(merged or None)
+        except ConfigError as e:
+            raise ConfigError(f"{_blame(cls, from_env if text else None, options)}: {e}") from None
+        return config, {k: v for k, v in sources.items() if k in names}
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -419,6 +424,31 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+
+
+def closest(name: str, valid) -> str:
+    """" (did you mean 'x'?)" for the valid name nearest ``name`` (difflib), else ""."""
+    import difflib
+
+    near = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _blame(cls, from_env: dict | None, options: dict | None) -> str:
+    """Where a bad option came from: ``$CCFX_OPTIONS``, the compile call's options, or the two
+    together (each valid alone)."""
+    env_call = f"${OPTIONS_ENV}"
+    call = "torch.compile(options=...)"
+    if not from_env:
+        return call
+    if not options:
+        return env_call
+    for where, given in ((env_call, from_env), (call, options)):
+        try:
+            cls.from_options(given)
+        except ConfigError:
+            return where
+    return f"{env_call} together with {call}"
 
 
 def _spec(spec: str) -> str:

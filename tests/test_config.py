@@ -78,3 +78,22 @@ def test_the_plan_shows_a_codec_spec_as_the_user_wrote_it_and_stores_it_canonica
     assert "gradient codec powersgd:rank=4,ef" in str(plan)
     Config(activation_codec="int8")  # written canonical: shown canonical
     assert codecs.spelled("int8") == "int8"
+
+
+@pytest.mark.parametrize("env, options, words", [
+    ('{"stage": 2}', None, ["$CCFX_OPTIONS: unknown ccfx option", "did you mean 'stages'?"]),
+    (None, {"stagez": 2}, ["torch.compile(options=...): unknown", "did you mean 'stages'?"]),
+    ('{"stages": 0}', {"lowering": "eager"}, ["$CCFX_OPTIONS: stages must be"]),
+    ('{"lowering": "eager"}', {"balance": "speed"}, ["torch.compile(options=...): balance"]),
+    ('{"split_points": ["a"]}', {"stages": 3},
+     ["$CCFX_OPTIONS together with torch.compile(options=...)"]),
+    (None, {"activation_codec": "int8,ef"}, ["did you mean 'int8:ef'?"]),
+    (None, {"gradient_codec": "in8"}, ["unknown codec 'in8' (did you mean 'int8'?)"]),
+    (None, {"activation_codec": "int8:blok=3"}, ["no parameter 'blok' (did you mean 'block'?)"]),
+])
+def test_an_option_error_says_where_the_option_came_from_and_the_closest_name(env, options,
+                                                                              words):
+    with pytest.raises(ConfigError) as e:
+        Config.resolve(options, {"CCFX_OPTIONS": env} if env else {})
+    for w in words:
+        assert w in str(e.value)

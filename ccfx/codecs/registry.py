@@ -42,6 +42,24 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str | bool]]:
     return name.strip().lower(), params
 
 
+def _near(word: str, valid) -> str:
+    """" (did you mean 'x'?)" for the valid word nearest ``word`` (difflib), else ""."""
+    import difflib
+
+    near = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _suggest(spec: str, name: str) -> str:
+    """For an unknown codec name: the spec the user probably meant. ``int8,ef`` is ``int8:ef``
+    (a name's parameters follow a colon); else the nearest codec name."""
+    head, comma, _ = name.partition(",")
+    if comma and head.strip() in _CODECS:
+        tail = spec.strip().partition(",")[2]
+        return f" (did you mean {head.strip() + ':' + tail.strip()!r}? parameters follow a colon)"
+    return _near(name, names())
+
+
 def _convert(name: str, key: str, value, typ):
     if typ is bool:
         if isinstance(value, bool):
@@ -67,7 +85,8 @@ def _build(name: str, frozen_params: tuple) -> Codec:
         if key not in types:
             valid = ", ".join([*types, "ef"])
             raise ConfigError(
-                f"codec {name!r} has no parameter {key!r}; its parameters: {valid}"
+                f"codec {name!r} has no parameter {key!r}{_near(key, [*types, 'ef'])}; "
+                f"its parameters: {valid}"
             )
         kwargs[key] = _convert(name, key, value, types[key])
     try:
@@ -83,7 +102,8 @@ def prototype(spec: str | Codec) -> Codec:
         return spec
     name, params = parse_spec(spec)
     if name not in _CODECS:
-        raise ConfigError(f"unknown codec {name!r}; available: {', '.join(names())}")
+        raise ConfigError(f"unknown codec {name!r}{_suggest(spec, name)}; "
+                          f"available: {', '.join(names())}")
     ef = params.pop("ef", False)
     ef = _convert(name, "ef", ef, bool)
     codec = _build(name, tuple(sorted(params.items())))
