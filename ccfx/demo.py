@@ -320,8 +320,9 @@ def add_arguments(parser) -> None:
                              "(codecs run their Triton kernels there); not with --dp")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bars")
-    parser.add_argument("--report", default="ccfx-demo-report.html", metavar="PATH",
-                        help="self-contained HTML report to write ('' for none)")
+    parser.add_argument("--report", default=None, metavar="PATH",
+                        help=f"self-contained HTML report to write (default {REPORT}, with "
+                             f"--dp {DP_REPORT}; '' for none)")
     parser.add_argument("--dp", type=int, default=0, metavar="N",
                         help="train data-parallel on N spawned gloo ranks instead (gradient "
                              "codec beside uncompressed; --stages and --codec do not apply)")
@@ -332,6 +333,19 @@ def add_arguments(parser) -> None:
                              "steps per replica between syncs, DiLoCo), beside per-step DP")
     parser.add_argument("--outer-codec", default="int8",
                         help="with --sync-every: the pseudo-gradient codec (default int8)")
+
+
+#: Where each demo writes its report unless --report says otherwise: one file per demo, so
+#: ``ccfx demo --dp`` does not overwrite the pipeline demo's.
+REPORT = "ccfx-demo-report.html"
+DP_REPORT = "ccfx-demo-dp-report.html"
+
+
+def report_path(args) -> str:
+    """The report file for parsed demo arguments: --report, else the demo's own default."""
+    if args.report is not None:
+        return args.report
+    return DP_REPORT if getattr(args, "dp", 0) else REPORT
 
 
 def _main_dp(args) -> int:
@@ -355,8 +369,8 @@ def _main_dp(args) -> int:
                          lowering=args.lowering, seed=args.seed, lr=args.lr,
                          eval_batches=4 if args.sync_every is not None else 0)
     print(format_dp_demo(result))
-    if args.report:
-        path = write_dp_report(result, args.report)
+    if report_path(args):
+        path = write_dp_report(result, report_path(args))
         print(f"\nreport: {path} (plan with gradient buckets, loss curves, wire bytes per step)")
     return 0
 
@@ -374,8 +388,8 @@ def main(args) -> int:
         lr=args.lr, device=args.device,
     )
     print(format_demo(result))
-    if args.report:
-        path = write_demo_report(result, args.report)
+    if report_path(args):
+        path = write_demo_report(result, report_path(args))
         print(f"\nreport: {path} (plan, drawing, loss curves, wire bytes per step)")
     return 0
 

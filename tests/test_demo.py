@@ -70,3 +70,40 @@ def test_ccfx_help_is_whole_sentences(capsys):
     assert "this\n" not in text and not text.rstrip().endswith("this")
     assert "torch.compile backend for compressed distributed training." in text
     assert "ccfx <command> --help" in text
+
+
+def test_each_demo_writes_its_own_report_file():
+    from ccfx.demo import DP_REPORT, REPORT, report_path
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert report_path(parser.parse_args([])) == REPORT
+    assert report_path(parser.parse_args(["--dp", "2"])) == DP_REPORT != REPORT
+    assert report_path(parser.parse_args(["--dp", "2", "--report", "x.html"])) == "x.html"
+    assert report_path(parser.parse_args(["--report", ""])) == ""
+
+
+def test_a_data_parallel_report_headline_shows_the_gradient_buckets_and_their_saving():
+    import re
+
+    from ccfx.plan import Bucket, DataParallelInfo, GraphPlan, Plan, Stage
+    from ccfx.viz.report import report_html
+
+    buckets = [Bucket(graph=0, index=0, params=["b"], numel=64, dtype="torch.float32",
+                      codec="none", collective="all_reduce", raw_bytes=256, wire_bytes=256),
+               Bucket(graph=0, index=1, params=["w"], numel=1 << 20, dtype="torch.float32",
+                      codec="powersgd:ef", collective="powersgd", raw_bytes=4 << 20,
+                      wire_bytes=64 << 10)]
+    stage = Stage(graph=0, index=0, nodes=["x"], cost=1.0, cost_expr="1", flops=1,
+                  param_bytes=4 << 20)
+    graph = GraphPlan(index=0, requested_stages=1, num_stages=1, balance="flops",
+                      stages=[stage], edges=[], shared=[], buckets=buckets)
+    plan = Plan({"activation_codec": "none"}, [graph],
+                data_parallel=DataParallelInfo(2, "gloo", "powersgd:ef"))
+    page = report_html(plan, wire_per_step={"uncompressed (none)": [4 << 20] * 3,
+                                            "powersgd:ef": [64 << 10] * 3})
+    cards = re.search(r'<div class="cards">(.*?)</div></div>', page).group(1)
+    assert "gradient buckets (compressed / all)" in cards and "1 / 2" in cards
+    assert "4.0 MiB → 64.2 KiB" in cards and "63.8×" in cards
+    assert "64× less" in cards
+    assert "cut edges" not in cards and "stages" not in cards

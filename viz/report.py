@@ -117,7 +117,34 @@ def _cards(items: Sequence[tuple[str, str]]) -> str:
     ) + "</div>"
 
 
-def _summary(plan: Plan, ledger) -> str:
+def _dp_summary(plan: Plan, wire_series: Mapping[str, list[float]]) -> list[tuple[str, str]]:
+    """The headline of a data-parallel plan without stage boundaries: its gradient buckets and
+    what they save (the pipeline's cards would all be zeros)."""
+    from ccfx.codecs import spelled
+
+    dp, buckets = plan.data_parallel, plan.buckets
+    raw = sum(b.raw_bytes for b in buckets)
+    wire = sum(b.wire_bytes for b in buckets)
+    items = [("ranks", str(dp.world_size) if dp is not None else "1"),
+             ("gradient codec", spelled(dp.gradient_codec) if dp is not None else "?"),
+             ("gradient buckets (compressed / all)",
+              f"{sum(b.codec != 'none' for b in buckets)} / {len(buckets)}"),
+             ("gradient bytes per rank per step, raw → wire",
+              f"{human_bytes(raw)} → {human_bytes(wire)}"),
+             ("gradient saving (raw / wire)", f"{raw / wire:.1f}×" if wire else "–")]
+    runs = {k: [x for x in v if math.isfinite(x)] for k, v in wire_series.items()}
+    means = {k: sum(v) / len(v) for k, v in runs.items() if v}
+    if len(means) > 1:
+        (first, base), (last, comp) = next(iter(means.items())), list(means.items())[-1]
+        items.append((f"measured per rank per step: {first} → {last}",
+                      f"{human_bytes(base)} → {human_bytes(comp)}"
+                      + (f" ({base / comp:.0f}× less)" if comp and base / comp > 1.01 else "")))
+    return items
+
+
+def _summary(plan: Plan, ledger, wire_series: Mapping[str, list[float]] | None = None) -> str:
+    if plan.buckets and not plan.edges:
+        return _cards(_dp_summary(plan, wire_series or {}))
     raw = sum(e.total_raw_bytes for e in plan.edges)
     wire_f = sum(e.total_wire_fwd for e in plan.edges)
     wire_b = sum(e.total_wire_bwd for e in plan.edges)
@@ -249,14 +276,21 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
     backend, plan = _resolve(backend_or_plan)
     ledger = getattr(backend, "ledger", None)
     codec = plan.config.get("activation_codec", "?")
-    title = title or f"ccfx report · {plan.num_stages} stages · activations {codec}"
+    if plan.buckets and not plan.edges and plan.data_parallel is not None:
+        from ccfx.codecs import spelled
+
+        default = (f"ccfx report · data parallel on {plan.data_parallel.world_size} rank(s) · "
+                   f"gradients {spelled(plan.data_parallel.gradient_codec)}")
+    else:
+        default = f"ccfx report · {plan.num_stages} stages · activations {codec}"
+    title = title or default
     import ccfx
 
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = [f"<h1>{escape(title)}</h1>",
             f'<p class="muted">ccfx {escape(ccfx.__version__)} · written {escape(when)}</p>']
     body += [f'<p class="note">{escape(n)}</p>' for n in notes]
-    body.append(_summary(plan, ledger))
+    body.append(_summary(plan, ledger, _series(wire_per_step, "wire bytes")))
     body.append("<h2>Drawing</h2>")
     if backend is not None:
         d = normalize_depth(depth)
