@@ -134,8 +134,9 @@ def test_drawing_shows_stages_costs_codecs_bytes_and_tied_params(tiny):
     assert 'shape="cds"' in text and 'fillcolor="#fbd9b0"' in text  # codec ops look distinct
     for e in plan.edges:  # every cut edge: source, shape, dtype, codec, raw → wire
         row = (f"<TD ALIGN=\"LEFT\">e{e.index}</TD><TD ALIGN=\"LEFT\">{e.source}</TD>"
-               f"<TD ALIGN=\"LEFT\">{'×'.join(map(str, e.shape))} float32</TD>"
-               f"<TD ALIGN=\"LEFT\">int8</TD><TD ALIGN=\"RIGHT\">4.0 KiB → 1.0 KiB</TD>")
+               f"<TD ALIGN=\"LEFT\">{'×'.join(map(str, e.shape))}</TD>"
+               "<TD ALIGN=\"LEFT\">float32</TD><TD ALIGN=\"LEFT\"><B>int8</B></TD>"
+               "<TD ALIGN=\"RIGHT\">4.0 KiB → 1.0 KiB</TD>")
         assert row in text
     assert 'label="tied: tok_emb.weight\\nstages 0, 1 · 8.0 KiB", shape="cylinder"' in text
     assert text.count('label="tied"') == 2  # dashed arrows to its two users
@@ -455,3 +456,32 @@ def test_install_registers_ccfx_with_torch_logging():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         viz.emit_plan_artifact("{}", 0)  # without TORCH_TRACE: nothing happens
+
+
+def test_boundary_tables_give_dtype_and_codec_columns_of_their_own(tiny):
+    """Not one word ("float32int8"): a header row names the columns, each value in its own."""
+    dot = viz.to_dot(tiny[1], which="plan")
+    assert "<I>dtype</I>" in dot and "<I>codec</I>" in dot
+    assert re.search(r'<TD ALIGN="LEFT">float32</TD><TD ALIGN="LEFT"><B>int8</B></TD>', dot)
+    assert "float32 int8" not in dot and "float32int8" not in dot
+
+
+def test_one_colour_per_meaning_across_the_report_charts(tiny):
+    from ccfx.viz.report import UNCOMPRESSED_COLOUR, WIRE_COLOUR, run_colours
+
+    # the pipeline demo's charts: the baseline first in the loss chart, last in the wire chart
+    assert run_colours(["baseline (eager, uncompressed)", "ccfx 4 stages, int8"]) == {
+        "baseline (eager, uncompressed)": UNCOMPRESSED_COLOUR, "ccfx 4 stages, int8": WIRE_COLOUR}
+    assert run_colours(["on the wire (int8)", "uncompressed"]) == {
+        "on the wire (int8)": WIRE_COLOUR, "uncompressed": UNCOMPRESSED_COLOUR}
+    page = report_html(tiny[1], losses={"baseline (eager, uncompressed)": [3.0, 2.0],
+                                     "ccfx int8": [3.1, 2.1]},
+                       wire_per_step={"on the wire (int8)": [1.0, 1.0], "uncompressed": [4.0, 4.0]})
+    charts = re.findall(r"<svg.*?</svg>", page, flags=re.DOTALL)
+    loss = next(c for c in charts if "Training loss" in c)
+    wire = next(c for c in charts if "Bytes on the wire per step" in c)
+    for chart in (loss, wire):
+        assert UNCOMPRESSED_COLOUR in chart and WIRE_COLOUR in chart
+    edges = next(c for c in charts if "per edge" in c)
+    assert f'fill="{UNCOMPRESSED_COLOUR}"><title>' in edges
+    assert f'fill="{WIRE_COLOUR}"><title>' in edges

@@ -83,12 +83,21 @@ def _new_graph(title: str) -> Digraph:
 # -- codec tables (plan view and module view) ----------------------------------------------
 
 
+#: The columns of a boundary's table: (heading, alignment).
+TABLE_HEADER = [("edge", "LEFT"), ("tensor", "LEFT"), ("shape", "LEFT"), ("dtype", "LEFT"),
+                ("codec", "LEFT"), ("raw → wire", "RIGHT")]
+TABLE_COLUMNS = len(TABLE_HEADER)
+
+
 def codec_table(hop: tuple[int, int], direction: str, edges: list[CutEdge]) -> Html:
     """An HTML table: one row per edge crossing ``hop`` in ``direction``, and the total."""
     src, dst = (hop[1], hop[0]) if direction == "bwd" else hop
     what = "gradients" if direction == "bwd" else "activations"
     n = len(edges)
-    rows = [f'<TR><TD COLSPAN="5"><B>stage {src} → {dst}</B> · {n} {what}</TD></TR>']
+    rows = [f'<TR><TD COLSPAN="{TABLE_COLUMNS}"><B>stage {src} → {dst}</B> · {n} {what}</TD></TR>',
+            # a header row: shape, dtype and codec are columns of their own, never read as one
+            # word ("float32int8")
+            "<TR>" + "".join(f'<TD ALIGN="{a}"><I>{h}</I></TD>' for h, a in TABLE_HEADER) + "</TR>"]
     raw_total = wire_total = 0
     for i, e in enumerate(edges):
         codec = e.grad_codec if direction == "bwd" else e.codec
@@ -97,18 +106,20 @@ def codec_table(hop: tuple[int, int], direction: str, edges: list[CutEdge]) -> H
         wire_total += wire
         if i >= MAX_TABLE_ROWS:
             continue
-        cells = [f"e{e.index}", e.source, f"{fmt_shape(e.shape)} {_dtype(e.dtype)}",
+        cells = [f"e{e.index}", e.source, fmt_shape(e.shape), _dtype(e.dtype),
                  codec or "none", f"{human_bytes(e.raw_bytes)} → {human_bytes(wire)}"]
-        aligns = ["LEFT", "LEFT", "LEFT", "LEFT", "RIGHT"]
-        rows.append("<TR>" + "".join(f'<TD ALIGN="{a}">{html_text(c)}</TD>'
-                                     for a, c in zip(aligns, cells)) + "</TR>")
+        rows.append("<TR>" + "".join(
+            f'<TD ALIGN="{a}">' + (f"<B>{html_text(c)}</B>" if h == "codec" else html_text(c))
+            + "</TD>" for (h, a), c in zip(TABLE_HEADER, cells)) + "</TR>")
     if n > MAX_TABLE_ROWS:
-        rows.append(f'<TR><TD COLSPAN="5">… {n - MAX_TABLE_ROWS} more (see the report)</TD></TR>')
+        rows.append(f'<TR><TD COLSPAN="{TABLE_COLUMNS}">… {n - MAX_TABLE_ROWS} more (see the '
+                    "report)</TD></TR>")
     if n > 1:
         ratio = wire_total / raw_total if raw_total else 1.0
-        rows.append(f'<TR><TD COLSPAN="5" ALIGN="RIGHT">total {html_text(human_bytes(raw_total))}'
-                    f" → {html_text(human_bytes(wire_total))} (×{ratio:.3f})</TD></TR>")
-    return Html('<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="2">'
+        rows.append(f'<TR><TD COLSPAN="{TABLE_COLUMNS}" ALIGN="RIGHT">total '
+                    f"{html_text(human_bytes(raw_total))} → {html_text(human_bytes(wire_total))}"
+                    f" (×{ratio:.3f})</TD></TR>")
+    return Html('<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2" CELLPADDING="2">'
                 + "".join(rows) + "</TABLE>")
 
 

@@ -25,7 +25,7 @@ from ccfx.errors import CcfxWarning
 from ccfx.plan import Plan, human_bytes
 
 from . import svgplot
-from .drawing import fmt_cost, fmt_shape, stage_border, stage_colour
+from .drawing import CODEC_BORDER, fmt_cost, fmt_shape, stage_border, stage_colour
 from .render import INSTALL_HINT, GraphvizNotFoundError, svg_text
 
 CSS = """
@@ -48,6 +48,40 @@ pre { background: #f7f7f7; padding: 10px; overflow: auto; font-size: 12px; }
 .swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px;
           margin-right: 6px; vertical-align: middle; }
 """
+
+
+#: One colour per meaning in every chart of the report (and the drawing's codec orange):
+#: uncompressed / raw bytes grey, bytes on the wire and compressed runs the codec's orange,
+#: gradients (backward) a darker orange, a stage's cost slate.
+UNCOMPRESSED_COLOUR = "#999999"
+WIRE_COLOUR = CODEC_BORDER
+BACKWARD_COLOUR = "#b45f06"
+COST_COLOUR = "#5b6770"
+#: compressed runs after the first
+RUN_COLOURS = [CODEC_BORDER, "#674ea7", "#45818e", "#a64d79", "#cc0000", "#6aa84f"]
+
+
+def is_uncompressed(name: str) -> bool:
+    """Whether a run or series name means "without compression" (a baseline, raw bytes)."""
+    low = name.lower()
+    return (any(w in low for w in ("uncompressed", "baseline", "no codec", "raw"))
+            or low.startswith("none") or "(none)" in low)
+
+
+def run_colours(names) -> dict[str, str]:
+    """The colour of each run in one chart: uncompressed grey, the first compressed run the
+    codec's orange (as in the drawing), further ones the rest of :data:`RUN_COLOURS`; so grey
+    and orange mean the same in the loss chart, the wire chart and the edge chart."""
+    out, i = {}, 0
+    for name in names:
+        if name in out:
+            continue
+        if is_uncompressed(name):
+            out[name] = UNCOMPRESSED_COLOUR
+        else:
+            out[name] = RUN_COLOURS[i % len(RUN_COLOURS)]
+            i += 1
+    return out
 
 
 def _series(values, default_name: str) -> dict[str, list[float]]:
@@ -202,7 +236,8 @@ def _stage_section(plan: Plan) -> str:
             [f"stage {s.index}" for s in g.stages], {"cost": [s.cost for s in g.stages]},
             title=f"Stage balance (graph {g.index}): cost by {g.balance}",
             fmt=functools.partial(_fmt_cost, balance=g.balance),
-            reference=total / max(len(g.stages), 1), reference_label="ideal") + "</div>")
+            reference=total / max(len(g.stages), 1), reference_label="ideal",
+            colours={"cost": COST_COLOUR}) + "</div>")
     return "".join(out)
 
 
@@ -229,7 +264,8 @@ def _edge_section(plan: Plan) -> str:
                "wire forward": [e.total_wire_fwd for e in plan.edges],
                "wire backward": [e.total_wire_bwd for e in plan.edges]},
         title="Bytes per step per edge (all hops): raw vs on the wire", fmt=human_bytes,
-        binary=True) + "</div>")
+        binary=True, colours={"raw": UNCOMPRESSED_COLOUR, "wire forward": WIRE_COLOUR,
+                              "wire backward": BACKWARD_COLOUR}) + "</div>")
     if plan.shared:
         out.append("<h3>Tied parameters</h3>")
         out.append(_table(["graph", "parameter", "stages", "size"],
@@ -313,7 +349,8 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
         body.append("<h2>Loss</h2>")
         body.append('<div class="chart">' + svgplot.line_chart(
             loss_series, title="Training loss, with and without compression"
-            if len(loss_series) > 1 else "Training loss", y_label="loss") + "</div>")
+            if len(loss_series) > 1 else "Training loss", y_label="loss",
+            colours=run_colours(loss_series)) + "</div>")
         rows = [[k, len(v), svgplot.default_fmt(v[-1]) if v else "–",
                  svgplot.default_fmt(min((x for x in v if math.isfinite(x)), default=math.nan))]
                 for k, v in loss_series.items()]
@@ -324,7 +361,8 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
     if wire_series:
         body.append('<div class="chart">' + svgplot.line_chart(
             wire_series, title="Bytes on the wire per step", y_label="bytes",
-            fmt=human_bytes, zero=True, binary=True) + "</div>")
+            fmt=human_bytes, zero=True, binary=True,
+            colours=run_colours(wire_series)) + "</div>")
         rows = [[k, len(v), human_bytes(sum(x for x in v if math.isfinite(x)))]
                 for k, v in wire_series.items()]
         body.append(_table(["run", "steps", "total"], rows, numeric=(1, 2)))

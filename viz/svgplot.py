@@ -71,11 +71,20 @@ def _text(x, y, s, *, anchor="start", size=11, weight="normal", colour="#333", e
             f'font-weight="{weight}" fill="{colour}" {FONT}{extra}>{escape(str(s))}</text>')
 
 
-def _legend(names: Sequence[str], x: float, y: float) -> tuple[list[str], float]:
+def _colour(name: str, i: int, colours: Mapping[str, str] | None) -> str:
+    """A series' colour: the one ``colours`` gives its name (a meaning, the same in every chart
+    of a report), else the ``i``-th of :data:`SERIES_COLOURS`."""
+    if colours and name in colours:
+        return colours[name]
+    return SERIES_COLOURS[i % len(SERIES_COLOURS)]
+
+
+def _legend(names: Sequence[str], x: float, y: float,
+            colours: Mapping[str, str] | None = None) -> tuple[list[str], float]:
     out = []
     cx = x
     for i, name in enumerate(names):
-        colour = SERIES_COLOURS[i % len(SERIES_COLOURS)]
+        colour = _colour(name, i, colours)
         out.append(f'<rect x="{cx:.1f}" y="{y - 9:.1f}" width="12" height="10" fill="{colour}"/>')
         out.append(_text(cx + 16, y, name))
         cx += 16 + 7 * len(str(name)) + 18
@@ -85,8 +94,9 @@ def _legend(names: Sequence[str], x: float, y: float) -> tuple[list[str], float]
 def line_chart(series: Mapping[str, Sequence[float]], *, title: str, x_label: str = "step",
                y_label: str = "", fmt: Callable[[float], str] = default_fmt, width: int = 720,
                height: int = 320, x_start: int = 1, zero: bool = False,
-               binary: bool = False) -> str:
+               binary: bool = False, colours: Mapping[str, str] | None = None) -> str:
     """One line per series, x = index + ``x_start``. NaN/None values break the line.
+    ``colours``: name → colour, for series whose colour carries a meaning.
     ``zero``: the y axis starts at 0; ``binary``: round ticks in KiB/MiB (bytes)."""
     names = list(series)
     data = {k: [_num(v) for v in series[k]] for k in names}
@@ -129,7 +139,7 @@ def line_chart(series: Mapping[str, Sequence[float]], *, title: str, x_label: st
         parts.append(_text(14, top + ph / 2, y_label, anchor="middle", size=11,
                            extra=f' transform="rotate(-90 14 {top + ph / 2:.1f})"'))
     for si, name in enumerate(names):
-        colour = SERIES_COLOURS[si % len(SERIES_COLOURS)]
+        colour = _colour(name, si, colours)
         runs: list[list[str]] = [[]]
         for i, v in enumerate(data[name]):
             if math.isfinite(v):
@@ -149,7 +159,7 @@ def line_chart(series: Mapping[str, Sequence[float]], *, title: str, x_label: st
                 parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" '
                              f'points="{" ".join(run)}"/>')
         parts.append("</g>")
-    legend, _ = _legend(names, left + 4, 38)
+    legend, _ = _legend(names, left + 4, 38, colours)
     parts += legend
     return "".join(parts) + "</svg>"
 
@@ -157,7 +167,8 @@ def line_chart(series: Mapping[str, Sequence[float]], *, title: str, x_label: st
 def bar_chart(categories: Sequence[str], series: Mapping[str, Sequence[float]], *, title: str,
               fmt: Callable[[float], str] = default_fmt, width: int = 720,
               reference: float | None = None, reference_label: str = "",
-              bar_height: int = 14, binary: bool = False) -> str:
+              bar_height: int = 14, binary: bool = False,
+              colours: Mapping[str, str] | None = None) -> str:
     """Horizontal grouped bars: one group per category, one bar per series; an optional
     dashed vertical reference line (e.g. the ideal stage cost)."""
     names = list(series)
@@ -179,7 +190,7 @@ def bar_chart(categories: Sequence[str], series: Mapping[str, Sequence[float]], 
              f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">'),
              f'<rect width="{width}" height="{height}" fill="white"/>',
              _text(8, 20, title, size=14, weight="bold")]
-    legend, _ = _legend(names, left, 40)
+    legend, _ = _legend(names, left, 40, colours)
     parts += legend if len(names) > 1 else []
     base = top + group_h * len(categories)
     for t in ticks:
@@ -193,7 +204,7 @@ def bar_chart(categories: Sequence[str], series: Mapping[str, Sequence[float]], 
             v = data[name][ci] if ci < len(data[name]) else math.nan
             if not math.isfinite(v):
                 continue
-            colour = SERIES_COLOURS[si % len(SERIES_COLOURS)]
+            colour = _colour(name, si, colours)
             y = gy + si * bar_height
             parts.append(f'<rect x="{left}" y="{y:.1f}" width="{px(v) - left:.1f}" '
                          f'height="{bar_height - 2}" fill="{colour}"><title>'
