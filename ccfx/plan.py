@@ -326,7 +326,8 @@ def format_plan(plan: Plan) -> str:
             wire = sum(e.total_wire_fwd for e in g.edges)
             ratio = wire / raw if raw else 1.0
             out.append(
-                f"  forward per step: {human_bytes(raw)} raw -> {human_bytes(wire)} on the wire "
+                f"  forward per compiled call (one microbatch when a pipeline schedule runs it): "
+                f"{human_bytes(raw)} raw -> {human_bytes(wire)} on the wire "
                 f"({ratio:.3f})"
             )
         if g.shared:

@@ -195,10 +195,7 @@ def _rank_main(args) -> int:
                     acc = links.setdefault(k, [0, 0])
                     acc[0] += raw
                     acc[1] += wire
-            text = "  ".join(f"{k} {w / 1e3:.1f}/{r / 1e3:.1f} kB" for k, (r, w) in
-                             sorted(links.items()))
-            print(f"step {step:3d}  loss {loss:.4f}  {slowest:.3f} s  wire/raw per link: {text}",
-                  flush=True)
+            print(format_step(step, loss, slowest, links, args.microbatches), flush=True)
     if prof is not None:
         prof.stop()
         path = _rank_path(args.trace, rank)
@@ -206,6 +203,16 @@ def _rank_main(args) -> int:
         print(f"rank {rank}: trace written to {path}", flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def format_step(step: int, loss: float, seconds: float, links, microbatches: int) -> str:
+    """One step's line: the loss, the slowest rank's time and, per link, the KiB it carried
+    over the whole step (every microbatch's messages; gradient buckets once per step), on the
+    wire / raw: the same unit as the plan's byte counts."""
+    text = "  ".join(f"{k} {w / 1024:.1f}/{r / 1024:.1f}" for k, (r, w) in sorted(links.items()))
+    return (f"step {step:3d}  loss {loss:.4f}  {seconds:.3f} s  KiB per step "
+            f"({microbatches} microbatch{'es' if microbatches != 1 else ''}), wire/raw per "
+            f"link: {text}")
 
 
 def _link_options(args) -> dict:

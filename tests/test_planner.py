@@ -294,3 +294,12 @@ def test_a_data_parallel_plan_header_names_the_gradient_codec_and_the_world():
         codec = ccfx.codecs.spelled("powersgd:ef")  # as a user in this process wrote it
         assert head == f"ccfx plan: 1 graph(s), gradient codec {codec}, world size 2{shown}"
         assert "undefined" not in str(plan) and "codec none" not in str(plan)
+
+
+def test_ccfx_run_step_lines_use_kib_and_say_per_step_over_the_microbatches():
+    from ccfx.run_pipeline import format_step
+
+    line = format_step(3, 2.5, 0.25, {"0->1 fwd": (8192, 2048), "dp buckets": (4096, 1024)}, 4)
+    assert line == ("step   3  loss 2.5000  0.250 s  KiB per step (4 microbatches), wire/raw per "
+                    "link: 0->1 fwd 2.0/8.0  dp buckets 1.0/4.0")
+    assert "kB" not in line
