@@ -250,6 +250,30 @@ class CcfxBackend:
                                               state=self.codec_state)
         return self.data_parallel
 
+    def _flops_before(self, desc: dict) -> int:
+        """The model's FLOPs in the graphs compiled before this one, each distinct graph once
+        (a recompile of the same code counts as the graph it recompiles; this graph's own
+        earlier compiles are not "before" it): what ``partition`` weighs a graph against to
+        leave a small one whole (a loss function after a graph break)."""
+        seen: dict[str, int] = {}
+        for g in self.graphs:
+            if g.desc.get("code") != desc.get("code"):
+                flops = sum(s.flops for s in g.plan.stages)
+                seen[g.desc.get("code")] = max(seen.get(g.desc.get("code"), 0), flops)
+        return sum(seen.values())
+
+    def _warn_left_whole(self, gm: torch.fx.GraphModule, index: int, desc: dict) -> None:
+        """One CcfxWarning per graph ``partition`` left whole (not again when it recompiles)."""
+        import warnings
+
+        reason = gm.meta["ccfx"]["partition"].left_whole
+        if not reason or any(g.desc.get("code") == desc.get("code") and g.plan.left_whole
+                             for g in self.graphs):
+            return
+        warnings.warn(f"ccfx: graph {index}: {reason} (stages="
+                      f"{self.config.stages} applies to the model's larger graphs)",
+                      CcfxWarning, stacklevel=2)
+
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         if kwargs.get("options"):
             raise ConfigError("this backend is already configured; pass options to ccfx.backend()")
@@ -262,8 +286,10 @@ class CcfxBackend:
         gm = run_passes(gm, [
             functools.partial(annotate, example_inputs=example_inputs),
             functools.partial(partition, stages=cfg.stages, balance=cfg.balance,
-                              split_points=cfg.split_points),
+                              split_points=cfg.split_points,
+                              flops_before=self._flops_before(desc)),
         ])
+        self._warn_left_whole(gm, index, desc)
         decided = self._plan_auto(gm, desc)
         chosen = ((lambda edge, _stage: decided.choice[edge]) if decided is not None
                   else cfg.codecs_for)

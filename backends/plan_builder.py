@@ -75,4 +75,5 @@ def build_graph_plan(gm: torch.fx.GraphModule, index: int) -> GraphPlan:
         ))
     return GraphPlan(index=index, requested_stages=part.requested, num_stages=n_stages,
                      balance=part.balance, stages=stages, edges=edges, shared=shared,
-                     notes=list(part.notes), symbolic=symbolic)
+                     notes=list(part.notes), symbolic=symbolic,
+                     left_whole=part.left_whole)

@@ -153,6 +153,9 @@ class GraphPlan:
     #: What ``auto`` chose and why (empty without ``auto``), and the step it predicted.
     decisions: list[Decision] = field(default_factory=list)
     prediction: Prediction | None = None
+    #: Why the graph was left whole (one stage although more were asked: too small a share of
+    #: the model's FLOPs, next to a graph break), else "". The notes say it too.
+    left_whole: str = ""
 
     @property
     def imbalance(self) -> float:

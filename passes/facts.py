@@ -95,7 +95,8 @@ class PartitionFacts:
     of each stage after the first; ``crossing_bytes``: the bytes crossing each cut at the
     example shapes. ``stage_costs``: each stage's cost under ``balance`` (sympy), and
     ``stage_cost_values`` at the example shapes. ``notes``: what the partitioner changed or
-    could not do, for the plan."""
+    could not do, for the plan. ``left_whole``: why a graph was left whole (one stage although
+    more were requested: too small a share of the model's FLOPs; see ``partition``), else ""."""
 
     requested: int
     num_stages: int
@@ -105,6 +106,7 @@ class PartitionFacts:
     stage_costs: tuple[sympy.Expr, ...]
     stage_cost_values: tuple[int, ...]
     notes: tuple[str, ...]
+    left_whole: str = ""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,16 @@ If the graph has fewer cost-bearing nodes than stages, ccfx uses fewer stages an
 (``ccfx.stage_boundary()``, which is ``torch.distributed.pipelining.pipe_split()``) is cut
 exactly at them, one stage more than markers; the markers are then removed from the graph.
 
+Graph breaks: a model Dynamo captures as several graphs reaches ccfx one graph at a time, in
+execution order. ``stages`` is what the user wants for the *model*, so a graph too small to be
+worth a pipeline stage is **left whole** (one stage, no cut, no codec): a graph whose FLOPs are
+below ``WHOLE_BELOW`` (1 %) of the model's FLOPs seen so far (``flops_before``, the other graphs
+compiled before it, plus its own). A loss function after a break, or a tail of a few FLOPs, is
+never a pipeline stage of its own. The first graph (``flops_before`` 0 or None) is measured
+against itself and always gets its stages; when no graph of the model costs anything, nothing
+is left whole (the small-graph rule above applies). Markers and ``split_points`` are explicit
+and always obeyed. ``PartitionFacts.left_whole`` says why, and a note in the plan repeats it.
+
 Facts: a :class:`~ccfx.passes.facts.StageFacts` on every node (with ``stages``, all user
 stages, on placeholders and ``get_attr`` nodes), and a
 :class:`~ccfx.passes.facts.PartitionFacts` in ``gm.meta["ccfx"]["partition"]``.
@@ -45,6 +55,8 @@ from .facts import NodeFacts, PartitionFacts, StageFacts, need, put, stage_of
 from .graph_utils import is_stage_marker, module_paths, val
 
 WINDOW = 0.05
+#: A graph below this share of the model's FLOPs seen so far is left whole (one stage).
+WHOLE_BELOW = 0.01
 STATE_KINDS = ("param", "buffer")
 
 
@@ -188,7 +200,11 @@ def partition(
     stages: int = 1,
     balance: str = "flops",
     split_points: Sequence[str] | None = None,
+    flops_before: int | None = None,
 ) -> torch.fx.GraphModule:
+    """``flops_before``: the FLOPs, at the example shapes, of the graphs of the same model
+    compiled before this one (graph breaks; None or 0 for the first): below ``WHOLE_BELOW`` of
+    the model's FLOPs seen so far, the graph is left whole."""
     ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(ops)}
     notes: list[str] = []
@@ -215,11 +231,15 @@ def partition(
     if markers and split_points:
         raise PartitionError("the model has stage_boundary() markers and split_points were "
                              "given: use one or the other")
+    left_whole = ""
     if markers:
         cuts = _marker_cuts(ops, markers, stages, valid, notes)
         requested = len(cuts) + 1
     elif split_points:
         cuts = _split_point_cuts(ops, list(split_points), valid, notes)
+    elif stages > 1 and (left_whole := _too_small(gm, flops_before or 0)):
+        notes.append(left_whole)
+        cuts = []
     else:
         bearing = sum(1 for v in values if v > 0)
         n_valid = sum(valid[1:len(ops)])
@@ -262,5 +282,23 @@ def partition(
         stage_costs=tuple(stage_costs),
         stage_cost_values=tuple(costs.evaluate(c, hints) for c in stage_costs),
         notes=tuple(notes),
+        left_whole=left_whole,
     )
     return gm
+
+
+def graph_flops(gm: torch.fx.GraphModule) -> int:
+    """The graph's FLOPs at the example shapes (annotate's ``flops_hint``, summed)."""
+    return sum(need(n, NodeFacts).flops_hint for n in gm.graph.nodes
+               if n.op not in ("placeholder", "output"))
+
+
+def _too_small(gm: torch.fx.GraphModule, flops_before: int) -> str:
+    """Why this graph is left whole ("" when it is worth its stages)."""
+    mine = graph_flops(gm)
+    seen = flops_before + mine
+    if seen <= 0 or mine >= WHOLE_BELOW * seen:
+        return ""
+    return (f"left whole (one stage, no cut, no codec): {mine} FLOP, {100 * mine / seen:.2g} % "
+            f"of the model's {seen} FLOP seen so far; a graph below {100 * WHOLE_BELOW:g} % "
+            "is not worth a pipeline stage")
