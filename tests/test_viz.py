@@ -485,3 +485,27 @@ def test_one_colour_per_meaning_across_the_report_charts(tiny):
     edges = next(c for c in charts if "per edge" in c)
     assert f'fill="{UNCOMPRESSED_COLOUR}"><title>' in edges
     assert f'fill="{WIRE_COLOUR}"><title>' in edges
+
+
+@needs_dot
+def test_rendering_goes_through_the_graphviz_package_the_project_declares(monkeypatch):
+    """pyproject declares ``graphviz``; viz renders with it (``graphviz.pipe``), its errors and
+    stderr become ccfx's error and warning."""
+    import graphviz
+
+    calls = []
+    real = graphviz.pipe
+
+    def spy(engine, fmt, data, **kw):
+        calls.append((engine, fmt))
+        return real(engine, fmt, data, **kw)
+
+    monkeypatch.setattr(graphviz, "pipe", spy)
+    g = Digraph()
+    g.node("a", label="a|b")
+    assert run_dot(g.source(), "svg").startswith(b"<?xml")
+    assert calls == [("dot", "svg")]
+    with pytest.raises(ccfx.CcfxError, match=r"`dot -Tsvg` failed \(exit 1\)"):
+        run_dot("digraph { a -> }", "svg")
+    with pytest.warns(CcfxWarning, match="graphviz: "):
+        run_dot('digraph { a [shape="nosuchshape"] }', "svg")

@@ -1,4 +1,9 @@
-"""Rendering DOT text with graphviz's ``dot`` binary (svg, png, pdf), or writing the text.
+"""Rendering DOT text through the ``graphviz`` Python package (``graphviz.pipe``, which runs
+graphviz's ``dot`` layout program; svg, png, pdf), or writing the text.
+
+The DOT text itself is ccfx's (:mod:`ccfx.viz.dot`): the package's quoting leaves ``| { } < >``
+alone, which record shapes read as fields, and our builder keeps the text byte-for-byte
+deterministic (the golden files). The package does the rendering.
 
 Without ``dot`` on PATH the ``.dot`` file is still written, and :class:`GraphvizNotFoundError`
 says how to install graphviz.
@@ -6,11 +11,14 @@ says how to install graphviz.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
-import subprocess
 import warnings
 from pathlib import Path
+
+import graphviz
 
 from ccfx.errors import CcfxError, CcfxWarning, ConfigError
 
@@ -20,7 +28,6 @@ INSTALL_HINT = (
     "`dnf install graphviz` (Fedora), `brew install graphviz` (macOS) or "
     "`conda install -c conda-forge graphviz`"
 )
-TIMEOUT_S = 300
 
 
 class GraphvizNotFoundError(CcfxError, RuntimeError):
@@ -45,22 +52,23 @@ def dot_binary() -> str | None:
 
 
 def run_dot(dot_text: str, fmt: str) -> bytes:
-    """``dot -T<fmt>`` on ``dot_text``; the rendered bytes."""
-    exe = dot_binary()
-    if exe is None:
+    """``dot_text`` laid out by ``dot`` and rendered to ``fmt`` (``graphviz.pipe``); the bytes.
+    What graphviz says on stderr becomes a :class:`CcfxWarning`."""
+    if dot_binary() is None:
         raise GraphvizNotFoundError(f"graphviz's `dot` is not on PATH: {INSTALL_HINT}")
+    said = io.StringIO()
     try:
-        done = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True,
-                              timeout=TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as e:
-        raise CcfxError(f"`dot -T{fmt}` took longer than {TIMEOUT_S} s: draw at module level "
-                        "(a smaller depth) instead of every node") from e
-    err = done.stderr.decode(errors="replace").strip()
-    if done.returncode != 0:
-        raise CcfxError(f"`dot -T{fmt}` failed (exit {done.returncode}): {err}")
+        with contextlib.redirect_stderr(said):
+            out = graphviz.pipe("dot", fmt, dot_text.encode())
+    except graphviz.ExecutableNotFound as e:
+        raise GraphvizNotFoundError(f"graphviz's `dot` is not on PATH: {INSTALL_HINT}") from e
+    except graphviz.CalledProcessError as e:
+        err = (e.stderr or b"").decode(errors="replace").strip() or said.getvalue().strip()
+        raise CcfxError(f"`dot -T{fmt}` failed (exit {e.returncode}): {err}") from None
+    err = said.getvalue().strip()
     if err:
         warnings.warn(f"graphviz: {err}", CcfxWarning, stacklevel=3)
-    return done.stdout
+    return out
 
 
 def render(dot_text: str, path: str | os.PathLike, format: str | None = None) -> Path:
