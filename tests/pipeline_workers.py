@@ -212,7 +212,10 @@ def broken(rank: int, world: int, case: str) -> dict:
 
     codec = "int8" if case == "plan_mismatch" and rank == 1 else "none"
     m = make_model("mlp")
-    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options(2, codec, None))
+    # a frozen peer fails a transfer after collective_timeout_s (the pipeline's own group)
+    timeout = {"collective_timeout_s": 8.0 if case == "frozen" else 20.0}
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True,
+                             options=options(2, codec, None, extra=timeout))
     data = batches(2)
     n_micro = 1 if case == "few_microbatches" else 4
     compiled(data[0][0].chunk(n_micro)[0])
@@ -226,16 +229,33 @@ def broken(rank: int, world: int, case: str) -> dict:
         for step, (x, y) in enumerate(data):
             if case == "shape_change" and step == 1:
                 x, y = x[:-4], y[:-4]  # a smaller last batch
-            if case == "dies" and step == 1 and rank == 1:
+            if case in ("dies", "frozen") and step == 1 and rank == 1:
                 import os
+                import signal
 
+                if case == "frozen":  # until the survivor has failed and wakes it (below)
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 os._exit(3)
             start = time.monotonic()
             sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
             ccfx.sync_grads(built)
     except Exception as e:  # noqa: BLE001 (returned to the test, which asserts on it)
-        return {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
+        got = {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
+        if case == "frozen":  # wake the frozen peer (its pid: what ranks publish) to end it
+            _wake(1 - rank)
+        return got
     return {"error": None}
+
+
+def _wake(peer: int) -> None:
+    import json
+    import os
+    import signal
+
+    from ccfx.wire import agree
+
+    proc = json.loads(agree._store().get(f"ccfx/agree/proc/{peer}").decode())
+    os.kill(proc["pid"], signal.SIGCONT)
 
 
 def resume(rank: int, world: int, codec: str, grad_codec: str, n_micro: int) -> dict:

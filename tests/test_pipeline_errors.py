@@ -47,6 +47,10 @@ def test_a_changed_microbatch_shape_names_the_shapes_and_the_peer_times_out(brok
     assert first["error"] == "ConfigError", first
     assert "[(7, 32)]" in first["message"] and "[(8, 32)]" in first["message"]
     assert last["error"] is not None and last["elapsed"] < 60  # waited on a receive, then failed
+    # the waiting rank says what it awaited, from whom, and why that rank stopped sending
+    assert last["error"] == "CollectiveError", last
+    assert "microbatch" in last["message"] and "(rank 0)" in last["message"], last["message"]
+    assert "Rank 0 gave up first" in last["message"] and "[(7, 32)]" in last["message"]
 
 
 @pytest.mark.slow
@@ -57,6 +61,25 @@ def test_a_rank_that_dies_mid_training_is_an_error_not_a_hang():
     assert "rank 1" in text and "code 3" in text
     survivor = e.value.results[0]
     assert survivor["error"] is not None and survivor["elapsed"] < 60
+    # a ccfx error naming this rank, the peer stage and rank, and what was awaited
+    assert survivor["error"] == "CollectiveError", survivor
+    msg = survivor["message"]
+    assert msg.startswith("rank 0: a pipeline transfer failed"), msg
+    assert "stage 1 (rank 1)" in msg and "of microbatch" in msg, msg
+    assert "Rank 1 (" in msg, msg
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_fails_its_peer_after_collective_timeout_s():
+    # rank 1 stops itself (SIGSTOP) mid-training; the pipeline's group has
+    # collective_timeout_s=8 (the default group's is 20 s here, 30 minutes under torchrun)
+    with pytest.raises(RankFailed) as e:
+        _run("frozen")
+    survivor = e.value.results[0]
+    assert survivor["error"] == "CollectiveError", survivor
+    msg = survivor["message"]
+    assert "stage 1 (rank 1)" in msg and "of microbatch" in msg, msg
+    assert 6 < survivor["elapsed"] < 18, survivor["elapsed"]
 
 
 def test_stage_placement_checks_the_world_size():

@@ -38,9 +38,10 @@ from torch.profiler import record_function
 
 from .. import codecs
 from ..codecs.state import STAGE_ATTR, edge_channel, state_of
-from ..errors import ConfigError
+from ..errors import CollectiveError, ConfigError
 from ..passes.graph_utils import val
 from ..passes.split_stages import Port, StageInterface
+from ..wire import agree
 from ..wire.format import WireFormat
 from ..wire.schedules import epilogue_backwards
 from .ledger import Ledger
@@ -115,12 +116,14 @@ class CompressedStage(PipelineStage):
         outputs, _ = self.fwd_cache[fwd_chunk_id]
         sends = [(k, out) for k, out in enumerate(outputs) for dst in self.act_send_info[k]
                  if dst is not None]
+        self._note(ops, "sending", "forward activation", fwd_chunk_id, self.stage_index + 1)
         return [self._send(op, self._send_fwd[k], self._state["send_fwd"][k], out, k, "fwd")
                 for op, (k, out) in zip(ops, sends, strict=True)]
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
         infos = self.args_recv_info[fwd_chunk_id]
+        self._note(ops, "receiving", "forward activation", fwd_chunk_id, self.stage_index - 1)
         return self._recvs(ops, infos, self._recv_fwd, self._state["recv_fwd"],
                            ("fwd", fwd_chunk_id))
 
@@ -156,6 +159,7 @@ class CompressedStage(PipelineStage):
         role = ("send_bwd" if self._compressed_bwd(bwd_chunk_id, self.stage_index)
                 else "raw_send_bwd")
         wires, states = getattr(self, f"_{role}"), self._state[role]
+        self._note(ops, "sending", "backward gradient", bwd_chunk_id, self.stage_index - 1)
         return [self._send(op, wires[k], states[k], op.tensor, k, "bwd")
                 for op, k in zip(ops, sent, strict=True)]
 
@@ -164,6 +168,7 @@ class CompressedStage(PipelineStage):
         if not ops:
             return ops
         infos = self.grad_recv_info[bwd_chunk_id]
+        self._note(ops, "receiving", "backward gradient", bwd_chunk_id, self.stage_index + 1)
         role = ("recv_bwd" if self._compressed_bwd(bwd_chunk_id, self.stage_index + 1)
                 else "raw_recv_bwd")
         return self._recvs(ops, infos, getattr(self, f"_{role}"), self._state[role],
@@ -215,11 +220,26 @@ class CompressedStage(PipelineStage):
         got = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
         want = [p.shape for p in self.interface.inputs]
         if got != want:
-            raise ConfigError(
+            raise self._refuse(ConfigError(
                 f"stage {self.stage_index} (rank {self.group_rank}): a microbatch of shapes "
                 f"{got}, but the plan was made for {want}: every rank allocates its buffers "
                 "for one microbatch shape. Keep the batch size constant (drop a last, "
-                "smaller batch) or compile and build the stages again for the new shape")
+                "smaller batch) or compile and build the stages again for the new shape"))
+
+    # -- what a failed transfer was about ---------------------------------------------------
+
+    def _note(self, ops, verb: str, what: str, chunk: int, peer_stage: int) -> None:
+        where = "to" if verb == "sending" else "from"
+        for op in ops:
+            _IN_FLIGHT.append(
+                f"stage {self.stage_index} {verb} the {what} of microbatch {chunk} {where} "
+                f"stage {peer_stage} (rank {op.peer})")
+            _IN_FLIGHT_PEERS.add(op.peer)
+
+    def _refuse(self, e: ConfigError) -> ConfigError:
+        """Record that this rank gives up (its peers' errors quote why), and return ``e``."""
+        agree.gave_up(f"pipeline stage {self.stage_index}", str(e))
+        return e
 
     # -- the swap ---------------------------------------------------------------------------
 
@@ -227,10 +247,10 @@ class CompressedStage(PipelineStage):
               direction: str) -> dist.P2POp:
         port = (self.interface.outputs if direction == "fwd" else self.interface.inputs)[k]
         if tuple(tensor.shape) != wire.shape:
-            raise ConfigError(
+            raise self._refuse(ConfigError(
                 f"stage {self.stage_index} (rank {self.group_rank}): {port.name} has shape "
                 f"{tuple(tensor.shape)}, the plan says {wire.shape}: the microbatch shape "
-                "changed since the stages were built")
+                "changed since the stages were built"))
         if wire.raw:
             self._count(port, direction, wire.raw_bytes, wire.raw_bytes)
             return op
@@ -264,6 +284,60 @@ class CompressedStage(PipelineStage):
     def _count(self, port: Port, direction: str, raw: int, wire: int) -> None:
         if self.ledger is not None:
             self.ledger.record(self.graph, port.edge, port.hop, direction, raw, wire)
+
+
+#: The transfers requested since the last completed wait (what a failed wait was about).
+_IN_FLIGHT: list[str] = []
+_IN_FLIGHT_PEERS: set[int] = set()  # their peers (global ranks), since the last failure
+_EARLIER: list[str] = []  # the last few completed ones (a send is waited for later)
+
+
+def _wait_batch_p2p(work) -> None:
+    """torch's schedules' wait for a batch of sends and receives, with a failure (a dead,
+    frozen or diverged peer: gloo's error, after ``collective_timeout_s`` on ccfx's pipeline
+    group) turned into a :class:`CollectiveError` naming this rank, the peer stage and rank and
+    the microbatch awaited."""
+    try:
+        _TORCH_WAIT(work)
+    except RuntimeError as e:
+        if isinstance(e, CollectiveError) or not (_IN_FLIGHT or _EARLIER):
+            raise
+        # a schedule waits for its sends later than for its receives: a failed wait with
+        # nothing requested since the last one is about the sends requested before it
+        awaited = "; ".join(dict.fromkeys(_IN_FLIGHT or [n for n in _EARLIER
+                                                         if " sending " in n] or _EARLIER))
+        peers = sorted(_IN_FLIGHT_PEERS)
+        _IN_FLIGHT.clear()
+        _IN_FLIGHT_PEERS.clear()
+        _EARLIER.clear()
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        agree.gave_up("a pipeline transfer", first, peers)
+        failed = agree.peer_failures(peers)
+        cause = "".join(f" Rank {r} gave up first: {why}." for r, why in failed.items())
+        who = "" if failed else agree.blame(e, peers)
+        who = f" {who[0].upper()}{who[1:]}." if who else ""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"rank {rank}: a pipeline transfer failed ({awaited}): {first}.{cause}{who} A peer "
+            "rank died, hung past collective_timeout_s, or ran a different step; see that "
+            "rank's own error.") from e
+    if _IN_FLIGHT:
+        _EARLIER[:] = (_EARLIER + _IN_FLIGHT)[-8:]
+    _IN_FLIGHT.clear()
+
+
+def _install_wait() -> None:
+    from torch.distributed.pipelining import schedules
+
+    if getattr(schedules._wait_batch_p2p, "_ccfx", False):
+        return
+    global _TORCH_WAIT
+    _TORCH_WAIT = schedules._wait_batch_p2p
+    _wait_batch_p2p._ccfx = True  # type: ignore[attr-defined]
+    schedules._wait_batch_p2p = _wait_batch_p2p
+
+
+_TORCH_WAIT = None
 
 
 def _wire(port: Port, spec: str) -> WireFormat:
@@ -358,6 +432,8 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
         check_same_plan(interfaces, group, rank, backend.config.collective_timeout_s)
     mine = stage_indices(rank, world, len(interfaces), style)
     cfg = backend.config
+    group = _p2p_group(group, plan_fp, cfg.collective_timeout_s)
+    _install_wait()
     epilogue = cfg.pipeline_schedule if cfg.epilogue_only else None
     out = []
     for s in mine:
@@ -370,6 +446,19 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     for st in out:
         st.grad_sync = sync
     return out
+
+
+def _p2p_group(group, plan_fp: str, timeout_s: float):
+    """The stages' point-to-point group: ccfx's own over the same ranks, whose timeout is
+    ``collective_timeout_s`` (a frozen peer fails a send or receive within it, not within the
+    default group's 30 minutes); ``group`` itself where its ranks are not in order."""
+    if not dist.is_initialized():
+        return group
+    ranks = agree.world_ranks(group)
+    if len(ranks) < 2 or list(ranks) != sorted(ranks):
+        return group
+    return agree.group("a pipeline's point-to-point transfers", {"plan": plan_fp}, ranks,
+                       timeout_s=timeout_s)
 
 
 def _rank_codec(gradient_codecs: GradientCodecs | None, parent, mine: list[int], cfg,

@@ -438,6 +438,24 @@ def gave_up(what: str, reason: str, ranks: Sequence[int] = ()) -> None:
         pass  # the store is gone too
 
 
+def peer_failures(ranks: Sequence[int] | None = None) -> dict[int, str]:
+    """The peers (of ``ranks``, default all) whose record says they gave up, with why."""
+    dist = _dist()
+    if dist is None:
+        return {}
+    rank = dist.get_rank()
+    out = {}
+    try:
+        store = _store()
+        for r in (ranks if ranks is not None else world_ranks()):
+            rec = _read_record(store, r) if r != rank else None
+            if rec and rec.get("state") == "failed":
+                out[r] = str(rec.get("reason", ""))
+    except RuntimeError:
+        pass
+    return out
+
+
 def _gloo_address(text: str) -> str | None:
     import re
 
