@@ -20,7 +20,7 @@ def test_ccfx_run_trains_the_tiny_gpt_on_two_stages_and_writes_a_trace_per_rank(
     steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2, out.stdout
     assert "0->1 fwd" in steps[0] and "0->1 bwd" in steps[0] and "loss" in steps[0]
-    assert "int8 forward, powersgd backward" in out.stdout  # the plan, from rank 0
+    assert "int8 forward, powersgd:rank=4 backward" in out.stdout  # the plan (as written), rank 0
     for rank, (sends, receives) in enumerate([("fwd", "bwd"), ("bwd", "fwd")]):
         events = json.loads((tmp_path / f"trace.rank{rank}.json").read_text())["traceEvents"]
         names = {e.get("name", "") for e in events}
