@@ -10,6 +10,8 @@ type           key      written by      on
 NodeFacts      "node"   annotate        every node of the graph Dynamo captured
 StageFacts     "stage"  partition       every node; cut_edges gives its cut nodes one too
 CutFacts       "cut"    cut_edges       each ``ccfx::cut`` node (one hop of one edge)
+BucketFacts    "bucket" grad_buckets    the backward's spliced exchange nodes and codec-state
+                                        placeholders (data-parallel gradient buckets)
 =============  =======  ==============  =====================================================
 
 Graph-level facts live in ``gm.meta["ccfx"]``: ``"hints"`` (annotate: symbol → example
@@ -87,6 +89,26 @@ class CutFacts:
 
 
 @dataclass(frozen=True)
+class BucketFacts:
+    """grad_buckets, on the AOT backward graph: a node of data-parallel gradient bucket
+    ``bucket``. A node spliced from the bucket's exchange has its ``phase`` (the exchange's
+    phase that made it); a codec-state placeholder (``ccfx_state_<bucket>_<name>``) has the
+    state's ``state`` name instead."""
+
+    key: ClassVar[str] = "bucket"
+    writer: ClassVar[str] = "grad_buckets"
+
+    bucket: int
+    phase: int | None = None
+    state: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """"ccfx_state" on a codec-state placeholder, "exchange" on a spliced node."""
+        return "ccfx_state" if self.state is not None else "exchange"
+
+
+@dataclass(frozen=True)
 class PartitionFacts:
     """partition, for the whole graph (``gm.meta["ccfx"]["partition"]``).
 
@@ -127,7 +149,7 @@ class EdgeFacts:
     users: tuple[str, ...]
 
 
-F = TypeVar("F", NodeFacts, StageFacts, CutFacts)
+F = TypeVar("F", NodeFacts, StageFacts, CutFacts, BucketFacts)
 
 
 def fact(node: torch.fx.Node, kind: type[F]) -> F | None:
@@ -144,7 +166,7 @@ def need(node: torch.fx.Node, kind: type[F]) -> F:
     return found
 
 
-def put(node: torch.fx.Node, *facts: NodeFacts | StageFacts | CutFacts) -> None:
+def put(node: torch.fx.Node, *facts: NodeFacts | StageFacts | CutFacts | BucketFacts) -> None:
     """Store each of ``facts`` on the node under its type's key (replacing one of that type)."""
     box = node.meta.setdefault("ccfx", {})
     for f in facts:

@@ -22,7 +22,8 @@ Three steps, each usable alone:
    caller passes the tensors it owns (see
    ``ccfx.runtime.data_parallel``).
 
-Facts: each spliced node gets ``meta["ccfx"] = {"bucket": i, "phase": k}``; the graph gets
+Facts: each spliced node gets a :class:`~ccfx.passes.facts.BucketFacts` (``bucket`` i,
+``phase`` k), each state placeholder one with its ``state`` name; the graph gets
 ``gm.meta["ccfx"]["buckets"]`` (the :class:`BucketAssignment` list) and ``"state_inputs"``.
 """
 
@@ -37,7 +38,7 @@ from ccfx.errors import CcfxError
 from ccfx.wire.exchange import Exchange, exchange_for
 from ccfx.wire.policy import BucketAssignment, GradSlot
 
-from .graph_utils import facts
+from .facts import BucketFacts, put
 
 
 def _output_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
@@ -99,7 +100,7 @@ def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
             for name in sorted(named):
                 node = graph.placeholder(f"ccfx_state_{b.index}_{name}")
                 node.meta["val"] = fake_mode.from_tensor(named[name], static_shapes=True)
-                facts(node).update(kind="ccfx_state", bucket=b.index, state=name)
+                put(node, BucketFacts(b.index, state=name))
                 row.append(node)
             state_nodes.append(row)
 
@@ -132,7 +133,7 @@ def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
                               list(flat[n_g + n_s:]), comm))
 
         traced = _trace(fn, [n.meta["val"] for n in inputs], decompositions)
-        new_nodes = _tag_and_splice(graph, traced, inputs, anchor, {"bucket": b.index, "phase": k})
+        new_nodes = _tag_and_splice(graph, traced, inputs, anchor, BucketFacts(b.index, phase=k))
         carry[i] = new_nodes
 
     for i, b in enumerate(buckets):
@@ -148,7 +149,7 @@ def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
     return gm
 
 
-def _tag_and_splice(graph, traced, inputs, before, tag) -> list[torch.fx.Node]:
+def _tag_and_splice(graph, traced, inputs, before, tag: BucketFacts) -> list[torch.fx.Node]:
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     val_map = dict(zip(placeholders, inputs))
     existing = set(graph.nodes)
@@ -156,5 +157,5 @@ def _tag_and_splice(graph, traced, inputs, before, tag) -> list[torch.fx.Node]:
         out = graph.graph_copy(traced.graph, val_map)
     for node in graph.nodes:
         if node not in existing:
-            facts(node).update(tag)
+            put(node, tag)
     return list(out) if isinstance(out, (list, tuple)) else [out]

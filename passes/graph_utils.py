@@ -1,7 +1,7 @@
 """Helpers every pass uses: the one way to insert a node, and the node's fake value.
 
-The typed facts passes leave on nodes (``NodeFacts``, ``StageFacts``, ``CutFacts``) and
-their accessors are in :mod:`ccfx.passes.facts`."""
+The typed facts passes leave on nodes (``NodeFacts``, ``StageFacts``, ``CutFacts``,
+``BucketFacts``) and their accessors are in :mod:`ccfx.passes.facts`."""
 
 from __future__ import annotations
 
@@ -12,13 +12,6 @@ import torch
 import torch.fx
 
 from .facts import CutFacts, NodeFacts, StageFacts, put
-
-
-def facts(node: torch.fx.Node) -> dict[str, Any]:
-    """``node.meta["ccfx"]``, created on first use: the box holding the node's typed facts by
-    key (read them with ``facts.fact``). grad_buckets, on the backward graph, still writes
-    plain keys (``bucket``, ``phase``, ``kind``, ``state``) here."""
-    return node.meta.setdefault("ccfx", {})
 
 
 def val(node: torch.fx.Node) -> Any:

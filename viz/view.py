@@ -22,8 +22,8 @@ import torch.fx
 
 from ccfx import cost
 from ccfx.errors import ConfigError
-from ccfx.passes.facts import CutFacts, NodeFacts, StageFacts, fact, kind_of, stage_of
-from ccfx.passes.graph_utils import facts, module_paths, normalize_fqn
+from ccfx.passes.facts import BucketFacts, CutFacts, NodeFacts, StageFacts, fact, kind_of, stage_of
+from ccfx.passes.graph_utils import module_paths, normalize_fqn
 from ccfx.plan import GraphPlan
 
 WHICH = ("partitioned", "forward", "backward")
@@ -156,8 +156,9 @@ def _aot_view(gm: torch.fx.GraphModule, part: torch.fx.GraphModule, plan: GraphP
         shape, dtype = _shape_dtype(value)
         stack = n.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or \
             n.meta.get("nn_module_stack")
-        bucket = facts(n).get("bucket")  # spliced by passes.grad_buckets
-        paths = (f"gradient bucket {bucket}",) if bucket is not None else _stack_paths(stack)
+        bucket = fact(n, BucketFacts)  # spliced by passes.grad_buckets
+        paths = ((f"gradient bucket {bucket.bucket}",) if bucket is not None
+                 else _stack_paths(stack))
         v = VNode(name=n.name, kind="op", stage=None, paths=paths,
                   op=n.op if n.op in ("placeholder", "output") else cost.op_name(n),
                   shape=shape, dtype=dtype, inputs=[a.name for a in n.all_input_nodes])
