@@ -112,6 +112,9 @@ def run_dp_demo(world: int = 2, steps: int = 120, codec: str | list = DP_CODEC,
     from .runtime.launch import spawn
 
     codecs = ["none", *([codec] if isinstance(codec, (str, dict)) else codec)]
+    for spec in codecs:  # this process prints the plan: it shows the specs as written
+        if isinstance(spec, str):
+            ccfx.codecs.canonical_as_written(spec)
     results = spawn(_rank_main, world, (steps, batch_per_rank, codecs, lowering, seed, lr, model,
                                         eval_batches),
                     timeout_s=timeout_s, pg_timeout_s=300.0)

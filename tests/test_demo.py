@@ -107,3 +107,23 @@ def test_a_data_parallel_report_headline_shows_the_gradient_buckets_and_their_sa
     assert "4.0 MiB → 64.2 KiB" in cards and "63.8×" in cards
     assert "64× less" in cards
     assert "cut edges" not in cards and "stages" not in cards
+
+
+def test_the_dp_demo_prints_the_gradient_codec_as_given(monkeypatch):
+    """The plan comes from rank 0's process; the parent prints it with the spec as given."""
+    import ccfx.runtime.launch
+    from ccfx.demo_dp import format_dp_demo, run_dp_demo
+    from ccfx.plan import DataParallelInfo, Plan
+
+    spec = "qsgd:seed=0,block=256,ef"  # canonical: qsgd:ef; written this way in no other test
+    plan = Plan({"activation_codec": "none"}, [],
+                data_parallel=DataParallelInfo(2, "gloo", "qsgd:ef")).to_json()
+
+    def fake_spawn(fn, world, args, **kw):
+        run = {"losses": [1.0], "times": [0.1], "raw": [8], "wire": [2], "plan": plan,
+               "params": 10, "eval": 0.0}
+        return [[dict(run, name=name) for name in ("uncompressed (none)", spec)]] * world
+
+    monkeypatch.setattr(ccfx.runtime.launch, "spawn", fake_spawn)
+    result = run_dp_demo(world=2, steps=1, codec=spec)
+    assert f"gradient codec {spec}, world size 2 (gloo)" in format_dp_demo(result)
