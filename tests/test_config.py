@@ -90,6 +90,7 @@ def test_the_plan_shows_a_codec_spec_as_the_user_wrote_it_and_stores_it_canonica
     (None, {"activation_codec": "int8,ef"}, ["did you mean 'int8:ef'?"]),
     (None, {"gradient_codec": "in8"}, ["unknown codec 'in8' (did you mean 'int8'?)"]),
     (None, {"activation_codec": "int8:blok=3"}, ["no parameter 'blok' (did you mean 'block'?)"]),
+    (None, {"gradient_codec": "qsgd:EF"}, ["no parameter 'EF' (did you mean 'ef'?)"]),
 ])
 def test_an_option_error_says_where_the_option_came_from_and_the_closest_name(env, options,
                                                                               words):

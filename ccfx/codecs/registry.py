@@ -46,7 +46,7 @@ def _near(word: str, valid) -> str:
     """" (did you mean 'x'?)" for the valid word nearest ``word`` (difflib), else ""."""
     import difflib
 
-    near = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
+    near = difflib.get_close_matches(word.lower(), list(valid), n=1, cutoff=0.6)
     return f" (did you mean {near[0]!r}?)" if near else ""
 
 
