@@ -111,11 +111,14 @@ def train_steps(rank, world, codec, steps, lowering="eager", **options):
             "bucket_bytes": ccfx.ledger_of(compiled).per_step("bucket")}
 
 
-def checkpoint_resume(rank, world, codec, path):
-    """5 steps straight, against 3 steps + checkpoint + a fresh model resumed for 2 steps."""
+def checkpoint_resume(rank, world, codec, path, **options):
+    """5 steps straight, against 3 steps + checkpoint + a fresh model resumed for 2 steps
+    (``options``: ccfx options, e.g. ``warmup_steps=4``: the resumed run's step 3 is the last
+    warm-up step, as the straight run's). Then the checkpoint loaded where it does not belong:
+    the peer rank's, and one made for another world size (both errors, as data)."""
     def build():
         model = mlp(seed=rank)
-        compiled = compile_dp(model, codec)
+        compiled = compile_dp(model, codec, **options)
         return model, compiled, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step(compiled, opt, i):
@@ -146,8 +149,15 @@ def checkpoint_resume(rank, world, codec, path):
     ccfx.codec_state(compiled).load_state_dict(ckpt["codec"])
     for i in range(3, 5):
         step(compiled, opt, i)
-    return {"straight": straight, "resumed": digest(model.parameters()),
-            "state_tensors": saved_state}
+    resumed = digest(model.parameters())
+    dist.barrier()  # the peer's checkpoint is written
+    state = ccfx.codec_state(compiled)
+    peer = torch.load(f"{path}.rank{1 - rank}")["codec"]
+    other_world = dict(ckpt["codec"], **{"meta.world_size": torch.tensor(world + 1)})
+    return {"straight": straight, "resumed": resumed, "state_tensors": saved_state,
+            "peer's": caught(lambda: state.load_state_dict(peer)),
+            "other world": caught(lambda: state.load_state_dict(other_world)),
+            "steps": int(state.get_meta("graph0.backward_steps"))}
 
 
 def powersgd_hook_world1(rank, world, steps):
@@ -221,6 +231,27 @@ def backward_graph(rank, world, codec):
     names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     return {"text": golden_text(compiled, graphs=("backward",)), "targets": names,
             "buckets": len(ccfx.plan_of(compiled).buckets)}
+
+
+def uneven_last_batch(rank, world, timeout_s):
+    """Two steps, then a last batch of 5 on rank 1 (16 on rank 0): rank 1 recompiles while
+    rank 0 waits in the gradient collectives. Rank 1 must fail within seconds naming the
+    recompile, rank 0 after ``timeout_s`` naming it too (both errors as data)."""
+    import time
+
+    torch._dynamo.reset()  # Dynamo's shape history of earlier scenarios (same forward code)
+    model = mlp(seed=0)
+    # options of its own: a group made by an earlier scenario would be shared, with the
+    # timeout it was made with
+    compiled = compile_dp(model, "int8", collective_timeout_s=timeout_s, bucket_mb=0.5)
+    for i in range(2):
+        loss_fn(compiled(batch(rank, i))).backward()
+    x = batch(rank, 2)
+    start = time.monotonic()
+    got = caught(lambda: loss_fn(compiled(x[:5] if rank == 1 else x)).backward())
+    got["elapsed"] = time.monotonic() - start
+    dist.barrier()  # rank 1 fails first: both go on together
+    return got
 
 
 def stalls_mid_step(rank, world, timeout_s):

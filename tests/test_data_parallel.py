@@ -31,9 +31,12 @@ def two(tmp_path_factory):
         scenario("train", dp_workers.train_steps, "powersgd:rank=4,ef", 4),
         scenario("warmup", dp_workers.train_steps, "int8", 4, warmup_steps=2),
         scenario("resume", dp_workers.checkpoint_resume, "powersgd:rank=4,ef", str(checkpoint)),
+        scenario("resume warmup", dp_workers.checkpoint_resume, "int8", str(checkpoint) + "w",
+                 warmup_steps=4),
         *[scenario(f"golden {codec}", dp_workers.backward_graph, codec) for codec in GOLDEN],
         scenario("mismatched models", dp_workers.mismatched_models),
         scenario("inside ddp", dp_workers.inside_ddp),
+        scenario("uneven", dp_workers.uneven_last_batch, 10.0),
         scenario("stall", dp_workers.stalls_mid_step, 8.0),
     ], timeout_s=600)
 
@@ -101,6 +104,23 @@ def test_checkpoint_resume_is_bit_exact(two):
     for r in results:
         assert r["state_tensors"] > 0
         assert r["resumed"] == r["straight"]
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_keeps_the_warmup_count_and_refuses_another_rank(two):
+    for rank, r in enumerate(two["resume warmup"]):
+        # resumed after 3 of 4 warm-up steps: one more uncompressed step, then int8, as the
+        # straight run (without the count in codec_state: two more warm-up steps)
+        assert r["resumed"] == r["straight"]
+        assert r["steps"] == 5
+        peers = f"rank: the checkpoint's is {1 - rank}, this run's is {rank}"
+        other = "world_size: the checkpoint's is 3, this run's is 2"
+        for case, differs in (("peer's", peers), ("other world", other)):
+            got = r[case]
+            assert got["error"] == "ConfigError", (case, got)
+            assert differs in got["message"] and "same number of ranks" in got["message"], got
+    for r in two["resume"]:  # powersgd with error feedback: the same refusals
+        assert r["peer's"]["error"] == r["other world"]["error"] == "ConfigError"
 
 
 @pytest.mark.slow
@@ -188,6 +208,21 @@ def test_a_stalled_rank_is_an_error_after_the_collective_timeout(two):
     assert survivor["error"] == "CollectiveError", survivor
     assert "rank 0 of 2" in survivor["message"] and "timeout 8 s" in survivor["message"]
     assert 6 < survivor["elapsed"] < 40, survivor["elapsed"]
+
+
+@pytest.mark.slow
+def test_an_uneven_last_batch_names_the_rank_that_recompiled_and_the_shape(two):
+    waiting, recompiled = two["uneven"]
+    why = "rank 1 recompiled graph 0 (as graph 1) because input 0's shape changed (16, 64) -> (5,"
+    # the rank that recompiled sees its peer wait in a collective it will not join: at once
+    assert recompiled["error"] == "ConfigError", recompiled
+    assert why.capitalize() in recompiled["message"], recompiled["message"]
+    assert "drop_last=True" in recompiled["message"] and "dynamic=True" in recompiled["message"]
+    assert recompiled["elapsed"] < 8, recompiled["elapsed"]  # not collective_timeout_s
+    # the waiting rank, when its collective gives up (collective_timeout_s=10), says why
+    assert waiting["error"] == "CollectiveError", waiting
+    assert why.capitalize() in waiting["message"], waiting["message"]
+    assert "Rank 1 gave up first" in waiting["message"]
 
 
 @pytest.mark.slow

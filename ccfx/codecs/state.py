@@ -44,6 +44,14 @@ and the option that sets its codec, not torch's ``load_state_dict`` error. Check
 before this scheme (``graph0_edge3_hop1to2_fwd_residual``, ``buckets.graph0_bucket2_q0000``,
 a stage's ``ccfx_codec_state.edge3_send_fwd_residual`` and ``ccfx_grad_state.bucket0_q0000``,
 the comm hook's and local steps' nested dicts) still load: their names are translated.
+
+What the state was made for rides along under ``meta.`` (:meth:`CodecState.set_meta`):
+compiled data parallel records ``meta.world_size`` and ``meta.rank`` (error-feedback residuals
+and PowerSGD's Q are one rank's own) and each graph's backward count
+``meta.graph0.backward_steps`` (what ends ``warmup_steps``: a resumed run goes on compressing
+where the saved one was). A checkpoint made for another world size or rank is a
+:class:`ccfx.ConfigError` saying what differs; one saved before ``meta`` existed loads as
+before.
 """
 
 from __future__ import annotations
@@ -192,6 +200,8 @@ class CodecState(torch.nn.Module):
         #: module whose state_dict holds them: this one, or the stage module it is attached to)
         self._legacy: dict[str, str] = {}
         self._where = ""  # this module's path inside that module ("ccfx_codec_state.")
+        #: meta.<name> → its int64 scalar (see set_meta)
+        self._meta: dict[str, torch.Tensor] = {}
         self._hook = self.register_load_state_dict_pre_hook(self._before_load)
 
     # -- channels ---------------------------------------------------------------------------
@@ -235,6 +245,46 @@ class CodecState(torch.nn.Module):
         self._hook.remove()
         self._hook = owner.register_load_state_dict_pre_hook(self._before_load)
 
+    # -- what the state was made for -------------------------------------------------------
+
+    def set_meta(self, name: str, value: int) -> torch.Tensor:
+        """Record ``meta.<name>`` (an int64 scalar buffer, in the state_dict); returns it (a
+        counter is updated in place)."""
+        module: torch.nn.Module = self
+        for segment in ("meta", *name.split(".")[:-1]):
+            child = module._modules.get(segment)
+            if child is None:
+                child = torch.nn.Module()
+                module.add_module(segment, child)
+            module = child
+        leaf = name.split(".")[-1]
+        t = module._buffers.get(leaf)
+        if t is None:
+            t = torch.zeros((), dtype=torch.int64)
+            module.register_buffer(leaf, t)
+        t.fill_(int(value))
+        self._meta[name] = t
+        return t
+
+    def get_meta(self, name: str) -> torch.Tensor | None:
+        return self._meta.get(name)
+
+    def _check_meta(self, got: Mapping[str, torch.Tensor]) -> None:
+        """A checkpoint made for another world size or rank (per-rank state) is refused."""
+        saved = {k: int(v) for k, v in got.items() if k in ("world_size", "rank")}
+        live = {k: int(self._meta[k]) for k in ("world_size", "rank") if k in self._meta}
+        differ = [f"{k}: the checkpoint's is {saved[k]}, this run's is {live[k]}"
+                  for k in ("world_size", "rank") if k in saved and k in live
+                  and saved[k] != live[k]]
+        if differ:
+            raise ConfigError(
+                "the checkpoint's codec state was made for another data-parallel rank: "
+                + "; ".join(differ) + ". Codec state (error-feedback residuals, PowerSGD's Q, "
+                "the warm-up count) is each rank's own: resume on the same number of ranks, "
+                "each rank loading the codec_state it saved; to change the world size, load "
+                "the parameters and optimizer only and leave codec_state out (the codecs start "
+                "afresh: error feedback from zero).")
+
     # -- loading ----------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -249,6 +299,11 @@ class CodecState(torch.nn.Module):
         at = prefix + self._where
         self._translate(state_dict, prefix, at)
         got = {k[len(at):]: v for k, v in state_dict.items() if k.startswith(at)}
+        meta = {k[len("meta."):]: got.pop(k) for k in list(got) if k.startswith("meta.")}
+        self._check_meta(meta)
+        if got or meta:  # a checkpoint saved before meta existed: keep this run's values
+            for name, t in self._meta.items():
+                state_dict.setdefault(f"{at}meta.{name}", t.clone())
         if got:  # a checkpoint without codec state (parameters only) is torch's business
             check(self._live(), got, self._specs)
 

@@ -73,6 +73,8 @@ class _GraphState:
     sync_inputs: list[int]  # parameters and buffers broadcast from rank 0 at the first call
     synced: bool = False
     backward_calls: int = 0
+    collectives: int = 0  # gradient collective steps entered on its group (agree.entering)
+    shapes: list | None = None  # its inputs' shapes at its first call
     buckets: list = field(default_factory=list)
     decisions: list = field(default_factory=list)  # what gradient_codec="auto" chose
     prediction: object = None  # and the step it predicted (a ccfx.plan.Prediction)
@@ -124,6 +126,9 @@ class DataParallel:
             # each graph's own (its group's name); one rank: local round trips
             self.comm = LocalComm() if self.world == 1 else None
             self.note = ""
+        # what the codec state was made for (a checkpoint for another rank is refused)
+        self.state.set_meta("world_size", self.world)
+        self.state.set_meta("rank", self.rank)
         #: Tensors broadcast from rank 0 already, by id (a recompile does not broadcast them
         #: again).
         self._synced: dict[int, weakref.ref] = {}
@@ -147,6 +152,7 @@ class DataParallel:
         if g is None or g.synced:
             return
         g.synced = True
+        self._note_recompile(index, g, args)
         dist = _dist()
         if dist is None or self.world == 1 or not torch.is_grad_enabled():
             return  # under no_grad (an evaluation): no gradients to synchronize
@@ -158,17 +164,38 @@ class DataParallel:
         # the n-th broadcast on this group, of these shapes: ranks that pair two different
         # broadcasts (a copy of the model with grad on one rank only) fail here, not in gloo
         n = _BROADCASTS.get(g.group_name, 0)
-        _BROADCASTS[g.group_name] = n + 1
         agree.meet("a first-call broadcast", {
             "group": g.group_name, "n": n,
             "shapes": [[list(t.shape), str(t.dtype)] for t in todo]},
             timeout_s=self.config.collective_timeout_s, hint=_HINT, about=(_WHAT, g.agreed))
+        _BROADCASTS[g.group_name] = n + 1  # counted once the ranks met (a refused one is not)
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
             for t in todo:
                 self._wait(lambda t=t: dist.broadcast(t.detach(), src=src, group=group),
                            f"the broadcast of parameters from rank 0 (graph {index})")
                 self._synced[id(t)] = weakref.ref(t)
+
+    def _note_recompile(self, index: int, g: _GraphState, args: Sequence) -> None:
+        """A graph of the same code as an earlier one (a recompile: another input shape) says
+        so in this rank's record, for the errors of peers that did not recompile."""
+        held = set(g.param_names) | set(g.sync_inputs)  # parameters and buffers apart
+        g.shapes = [tuple(a.shape) for k, a in enumerate(args)
+                    if isinstance(a, torch.Tensor) and k not in held]
+        if self.world < 2:
+            return
+        names = sorted(g.param_names.values())
+        for k, other in sorted(self._graphs.items(), reverse=True):
+            # the same model (its parameters) compiled before: Dynamo recompiled it
+            if k == index or other.shapes is None or \
+                    sorted(other.param_names.values()) != names:
+                continue
+            changed = [f"input {i}'s shape changed {_shape(a)} -> {_shape(b)}"
+                       for i, (a, b) in enumerate(zip(other.shapes, g.shapes)) if a != b]
+            if changed:
+                agree.note_compile(f"rank {self.rank} recompiled graph {k} (as graph {index}) "
+                                   f"because {', '.join(changed[:3])}")
+            return
 
     def _was_synced(self, t: torch.Tensor) -> bool:
         ref = self._synced.get(id(t))
@@ -219,19 +246,34 @@ class DataParallel:
         described = "; ".join(f"bucket {b.index}: {len(b.slots)} params, {b.spec} via "
                               f"{ex.collective}" for b, ex in zip(buckets, exchanges))
 
+        # the backward count (what ends warmup_steps) is codec state: a resumed run goes on
+        # where the saved one was
+        with unset_fake_temporarily():
+            steps = self.state.get_meta(f"graph{index}.backward_steps")  # loaded, or recompiled
+            if steps is None:
+                steps = self.state.set_meta(f"graph{index}.backward_steps", g.backward_calls)
+
         def run(args):
             if g.group is None and self.world > 1:
                 self._ensure_group(index)  # its first backward: the ranks agree, then make it
-            step = g.backward_calls
-            g.backward_calls += 1
+            step = int(steps)
+            steps.add_(1)
+            g.backward_calls = step + 1
             fn, extra, counted = (warm, [], plain_rows) if (
                 warm is not None and step < cfg.warmup_steps) else (*variants[0], rows)
+            if self.world > 1:
+                agree.entering(f"the gradient collectives of graph {index}", g.group_name,
+                               g.collectives, self._ranks())
+                g.collectives += 1
             try:
                 out = fn(list(args) + extra)
             except RuntimeError as e:
                 agree.gave_up(f"the gradient collectives of graph {index}", _first_line(e))
                 who = agree.blame(e)
                 who = f" {who[0].upper()}{who[1:]}." if who else ""
+                # what peers recompiled, and (no dead peer) why they gave up
+                notes = agree.peer_notes(failures="rank " not in who.lower())
+                who = f"{who} {notes}" if notes else who
                 raise CollectiveError(
                     f"rank {self.rank} of {self.world}: the backward of graph {index} failed while "
                     f"its gradient collectives were in flight ({described}; group timeout "
@@ -352,6 +394,10 @@ _HINT = ("The ranks planned different gradient buckets or options for this graph
          "data_parallel.")
 #: First-call broadcasts made on each group (by name): the n-th pairs with the peers' n-th.
 _BROADCASTS: dict[str, int] = {}
+
+
+def _shape(s) -> str:
+    return "(" + ", ".join(str(d) for d in s) + ")" if s is not None else "(not a tensor)"
 
 
 def _first_line(e: BaseException) -> str:

@@ -33,7 +33,12 @@ naming both sides. A peer that is merely busy (still compiling: the ranks reach 
 moments apart, by however long each compile takes, seconds to minutes) is waited for up to the
 timeout, ``collective_timeout_s`` (default 300 s): a short fixed timeout would fail a slow but
 healthy compile, and the divergences it would catch are caught by the records instead. When it
-runs out, the error says what the peer last published.
+runs out, the error says what the peer last published. A rank entering a group's
+collective step records it (:func:`entering`: the group and the step's number), and a rank that
+recompiled a graph records what and why (:func:`note_compile`): a peer waiting at an agreement
+while this rank waits in a collective step it has not entered (it recompiled for an uneven
+batch) fails within a poll, quoting the recompile; the rank in the collective quotes it when
+its collective gives up.
 
 Naming the dead. A rank publishes where it runs (host, addresses, pid) under
 ``ccfx/agree/proc/<rank>`` when it makes its first group. gloo names a dead peer by an
@@ -138,9 +143,12 @@ class _Record:
 
     def __init__(self):
         self.recent: list[dict] = []
+        #: what this rank recompiled last, and why (see :func:`note_compile`)
+        self.compiled: str | None = None
 
     def write(self, store, rank: int, state: str, at: dict | None = None, **extra) -> None:
-        value = {"state": state, "at": at, "recent": self.recent, "time": time.time(), **extra}
+        value = {"state": state, "at": at, "recent": self.recent, "time": time.time(),
+                 "compiled": self.compiled, **extra}
         store.set(_record_key(rank), json.dumps(value, default=str).encode())
 
     def reached(self, at: dict) -> None:
@@ -204,10 +212,96 @@ def _check_peer(store, rank: int, peer: int, key: str, at: dict, hint: str) -> N
             e = _diverged(rank, peer, at, theirs, hint, same_kind)
             e.ccfx_seen = {str(peer): theirs.get("fp")}
             raise e
+    elif (rec["state"] == "collective" and involved
+          and int(rec.get("n", -1)) >= _ENTERED.get(theirs.get("fp"), 0)
+          and not store.check([key])):
+        # it waits in a collective this rank has not entered (and cannot while it waits here)
+        raise _in_other_collective(rank, peer, at, rec)
     elif (rec["state"] == "failed" and (rec.get("seen") or {}).get(str(rank)) == at["fp"]
           and not store.check([key])):  # it gave up because of this very wait
         raise _diverged(rank, peer, at, theirs, hint, same_kind,
                         f" (rank {peer} gave up: {_short(rec.get('reason', ''), 200)})")
+
+
+#: Collectives this rank entered, by group name (see :func:`entering`).
+_ENTERED: dict[str, int] = {}
+
+
+def entering(what: str, group: str, n: int, ranks: Sequence[int]) -> None:
+    """Record that this rank enters the ``n``-th (from 0) collective step ``what`` of
+    ``group``: a peer waiting at an agreement meanwhile sees that this rank waits for it there
+    (a deadlock when it has not entered that step: it recompiled, say), within a poll."""
+    dist = _dist()
+    _ENTERED[group] = n + 1
+    if dist is None or len(ranks) < 2:
+        return
+    try:
+        _RECORD.write(_store(), dist.get_rank(), "collective",
+                      {"what": what, "fp": group, "ranks": list(ranks)}, n=n)
+    except RuntimeError:
+        pass  # the store is gone: the collective will say so
+
+
+def note_compile(text: str | None) -> None:
+    """What this rank compiled anew and why (``"rank 1 recompiled graph 0 because input 0's
+    shape changed (8, 32) -> (5, 32)"``), published in its record for its peers' errors."""
+    _RECORD.compiled = text
+    dist = _dist()
+    if dist is None or text is None:
+        return
+    try:
+        store = _store()
+        rec = _read_record(store, dist.get_rank()) or {}
+        rec["compiled"] = text
+        store.set(_record_key(dist.get_rank()), json.dumps(rec, default=str).encode())
+    except RuntimeError:
+        pass
+
+
+def peer_notes(ranks: Sequence[int] | None = None, failures: bool = True) -> str:
+    """Sentences about the peers that recompiled (what and why) and, with ``failures``, that
+    gave up (why)."""
+    dist = _dist()
+    if dist is None:
+        return ""
+    rank = dist.get_rank()
+    out = []
+    try:
+        store = _store()
+        for r in (ranks if ranks is not None else world_ranks()):
+            rec = _read_record(store, r) if r != rank else None
+            if not rec:
+                continue
+            reason = str(rec.get("reason", "")) if failures and rec.get("state") == "failed" \
+                else ""
+            if rec.get("compiled") and rec["compiled"][1:] not in reason:
+                out.append(f"{rec['compiled'][0].upper()}{rec['compiled'][1:]}.")
+            if reason:
+                out.append(f"Rank {r} gave up first: {rec.get('reason', '').rstrip('.')}.")
+    except RuntimeError:
+        pass
+    return " ".join(out)
+
+
+#: What a rank that recompiled for another shape should do (README, data parallel).
+SHAPES_HINT = ("Ranks whose batches differ in shape (an uneven last batch, a data-dependent "
+               "branch on one rank) compile different graphs: give every rank the same shapes "
+               "(DataLoader(drop_last=True), or pad), or compile with dynamic=True")
+
+
+def _in_other_collective(rank: int, peer: int, at: dict, rec: dict) -> Diverged:
+    theirs = rec.get("at") or {}
+    mine = _RECORD.compiled
+    why = f" {mine[0].upper()}{mine[1:]}." if mine and mine.startswith("rank") else ""
+    if rec.get("compiled"):
+        why += f" {rec['compiled'][0].upper()}{rec['compiled'][1:]}."
+    e = Diverged(
+        f"rank {rank}: waits at {at['what']} (fingerprint {at['fp']}) while rank {peer} waits "
+        f"in {theirs.get('what')} (step {int(rec.get('n', 0)) + 1} on group "
+        f"{theirs.get('fp')}), which this rank has not entered: neither can go on.{why} "
+        f"{SHAPES_HINT}.")
+    e.ccfx_seen = {str(peer): theirs.get("fp")}
+    return e
 
 
 def _subject(at: dict) -> dict:
@@ -252,9 +346,12 @@ def _timed_out(store, rank: int, at: dict, missing: dict[int, str], timeout_s: f
             state = f"waiting at {now.get('what')} {now.get('fp')} for {ago:.0f} s"
         elif rec["state"] == "failed":
             state = f"gave up on {now.get('what')} {now.get('fp')} {ago:.0f} s ago"
+        elif rec["state"] == "collective":
+            state = f"in {now.get('what')} (group {now.get('fp')}) for {ago:.0f} s"
         else:
             state = f"running (its last agreement {ago:.0f} s ago)"
-        lines.append(f"rank {peer} is {state}; its latest agreements: {recent}")
+        compiled = f"; {rec['compiled']}" if rec.get("compiled") else ""
+        lines.append(f"rank {peer} is {state}; its latest agreements: {recent}{compiled}")
     return StoreTimeout(
         f"rank {rank}: {at['what']} (fingerprint {at['fp']}): ranks {sorted(missing)} did not "
         f"reach it within {timeout_s:g} s: " + "; ".join(lines) + ". They died, hang, or "
