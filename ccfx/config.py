@@ -63,6 +63,8 @@ class Config:
     error_feedback: wrap the gradient codec in error feedback (same as appending ",ef").
     collective_timeout_s: how long a rank waits on a gradient collective before failing with
         an error naming the rank and the bucket (a peer died or diverged).
+    broadcast_buffers: as DDP's default, every forward with grad enabled starts from rank 0's
+        buffers (BatchNorm statistics), broadcast; False keeps them per rank.
 
     The planner (``"auto"`` as ``activation_codec``, ``activation_grad_codec`` or
     ``gradient_codec``: each edge, direction and bucket gets the codec with the lowest
@@ -141,6 +143,7 @@ class Config:
     warmup_steps: int = 0
     error_feedback: bool = False
     collective_timeout_s: float = 300.0
+    broadcast_buffers: bool = True
     link_gbps: float | None = None
     link_latency_ms: float = 0.05
     link_shared: bool = False
@@ -287,7 +290,7 @@ class Config:
     def _check_data_parallel(self) -> None:
         from . import codecs
 
-        for name in ("data_parallel", "error_feedback"):
+        for name in ("data_parallel", "error_feedback", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} is True or False, got {getattr(self, name)!r}")
         positive = {"bucket_mb": "a bucket's size cap in MiB, e.g. 25",

@@ -233,6 +233,24 @@ def backward_graph(rank, world, codec):
             "buckets": len(ccfx.plan_of(compiled).buckets)}
 
 
+def bn_buffers(rank, world, broadcast):
+    """BatchNorm statistics after 3 training steps on per-rank data and two forwards in eval
+    mode (grad enabled, as DDP's default broadcasts): equal on every rank with
+    ``broadcast_buffers`` (rank 0's), per rank without."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+    compiled = compile_dp(model, "none", broadcast_buffers=broadcast, bucket_mb=0.25)
+    for i in range(3):
+        loss_fn(compiled(batch(rank, i) + rank)).backward()
+    trained = [b.clone() for b in model.buffers()]
+    model.eval()
+    for i in range(2):  # a recompile (eval mode); its second call broadcasts
+        compiled(batch(rank, 10 + i))
+    return {"buffers": digest([b.float() for b in model.buffers()]),
+            "rank0": gathered(trained[0])[0].tolist() == model[1].running_mean.tolist()}
+
+
 def uneven_last_batch(rank, world, timeout_s):
     """Two steps, then a last batch of 5 on rank 1 (16 on rank 0): rank 1 recompiles while
     rank 0 waits in the gradient collectives. Rank 1 must fail within seconds naming the

@@ -36,6 +36,8 @@ def two(tmp_path_factory):
         *[scenario(f"golden {codec}", dp_workers.backward_graph, codec) for codec in GOLDEN],
         scenario("mismatched models", dp_workers.mismatched_models),
         scenario("inside ddp", dp_workers.inside_ddp),
+        scenario("buffers", dp_workers.bn_buffers, True),
+        scenario("buffers per rank", dp_workers.bn_buffers, False),
         scenario("uneven", dp_workers.uneven_last_batch, 10.0),
         scenario("stall", dp_workers.stalls_mid_step, 8.0),
     ], timeout_s=600)
@@ -208,6 +210,16 @@ def test_a_stalled_rank_is_an_error_after_the_collective_timeout(two):
     assert survivor["error"] == "CollectiveError", survivor
     assert "rank 0 of 2" in survivor["message"] and "timeout 8 s" in survivor["message"]
     assert 6 < survivor["elapsed"] < 40, survivor["elapsed"]
+
+
+@pytest.mark.slow
+def test_buffers_follow_rank_0_as_ddps_default_or_stay_per_rank(two):
+    # DDP's broadcast_buffers=True: a forward with grad enabled starts from rank 0's buffers
+    r0, r1 = two["buffers"]
+    assert r0["buffers"] == r1["buffers"] and r0["rank0"] and r1["rank0"]
+    # broadcast_buffers=False: BatchNorm statistics stay each rank's own
+    r0, r1 = two["buffers per rank"]
+    assert r0["buffers"] != r1["buffers"] and not r1["rank0"]
 
 
 @pytest.mark.slow

@@ -20,8 +20,9 @@ for one compiled model:
   :attr:`state` (an ``nn.Module`` of buffers, ``ccfx.codec_state(compiled)``) so a checkpoint
   resumes with identical numerics;
 * the first call's broadcast of parameters and buffers from rank 0 on the graph's own group
-  (as DDP does; afterwards buffers such as BatchNorm statistics stay per rank, as DDP with
-  ``broadcast_buffers=False``): once per tensor (a recompile of the same model broadcasts
+  (as DDP does; afterwards, with ``broadcast_buffers`` (default True, DDP's default), every
+  forward with grad enabled broadcasts the buffers, such as BatchNorm statistics, from rank 0
+  again; False keeps them per rank, as DDP with ``broadcast_buffers=False``): once per tensor (a recompile of the same model broadcasts
   nothing), and not for a graph compiled under ``no_grad`` (no gradients to synchronize: an
   evaluation communicates nothing);
 * ``gradient_codec="auto"``: the codec of each bucket comes from ``decide_codecs``, the
@@ -149,7 +150,10 @@ class DataParallel:
     def before_call(self, index: int, args: Sequence) -> None:
         """At a graph's first call: parameters and buffers take rank 0's values."""
         g = self._graphs.get(index)
-        if g is None or g.synced:
+        if g is None:
+            return
+        if g.synced:
+            self._broadcast_buffers(index, g, args)
             return
         g.synced = True
         self._note_recompile(index, g, args)
@@ -175,6 +179,24 @@ class DataParallel:
                 self._wait(lambda t=t: dist.broadcast(t.detach(), src=src, group=group),
                            f"the broadcast of parameters from rank 0 (graph {index})")
                 self._synced[id(t)] = weakref.ref(t)
+
+    def _broadcast_buffers(self, index: int, g: _GraphState, args: Sequence) -> None:
+        """``broadcast_buffers`` (DDP's default): every forward with grad enabled after the
+        first starts from rank 0's buffers."""
+        if not self.config.broadcast_buffers or self.world < 2 or not torch.is_grad_enabled():
+            return
+        buffers = [args[k] for k in g.sync_inputs if k not in g.param_names
+                   and isinstance(args[k], torch.Tensor)]
+        if not buffers:
+            return
+        dist = _dist()
+        group = self._ensure_group(index)
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for t in buffers:
+                self._wait(lambda t=t: dist.broadcast(t.detach(), src=src, group=group),
+                           f"the broadcast of buffers from rank 0 (graph {index}; "
+                           "broadcast_buffers=True)")
 
     def _note_recompile(self, index: int, g: _GraphState, args: Sequence) -> None:
         """A graph of the same code as an earlier one (a recompile: another input shape) says
