@@ -329,10 +329,11 @@ def _wait_batch_p2p(work) -> None:
 def _install_wait() -> None:
     from torch.distributed.pipelining import schedules
 
-    if getattr(schedules._wait_batch_p2p, "_ccfx", False):
-        return
+    current = getattr(schedules, "_wait_batch_p2p", None)
+    if current is None or getattr(current, "_ccfx", False):
+        return  # another torch (the schedules wait elsewhere: raw errors), or done already
     global _TORCH_WAIT
-    _TORCH_WAIT = schedules._wait_batch_p2p
+    _TORCH_WAIT = current
     _wait_batch_p2p._ccfx = True  # type: ignore[attr-defined]
     schedules._wait_batch_p2p = _wait_batch_p2p
 
