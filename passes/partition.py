@@ -237,7 +237,8 @@ def partition(
         requested = len(cuts) + 1
     elif split_points:
         cuts = _split_point_cuts(ops, list(split_points), valid, notes)
-    elif stages > 1 and (left_whole := _too_small(gm, flops_before or 0)):
+    elif stages > 1 and (left_whole := _holds_no_parameters(gm)
+                         or _too_small(gm, flops_before or 0)):
         notes.append(left_whole)
         cuts = []
     else:
@@ -291,6 +292,33 @@ def graph_flops(gm: torch.fx.GraphModule) -> int:
     """The graph's FLOPs at the example shapes (annotate's ``flops_hint``, summed)."""
     return sum(need(n, NodeFacts).flops_hint for n in gm.graph.nodes
                if n.op not in ("placeholder", "output"))
+
+
+def uses_parameters(gm: torch.fx.GraphModule) -> bool:
+    """Whether any node of the graph is a parameter: a placeholder or ``get_attr`` annotate
+    calls "param", or a Dynamo placeholder whose source is a module's ``_parameters`` (annotate
+    sees a Parameter only when it is given the example inputs)."""
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "get_attr"):
+            continue
+        if need(n, NodeFacts).kind == "param":
+            return True
+        source = getattr(n.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", "") if source is not None else ""
+        if "_parameters" in (name() if callable(name) else str(name)):
+            return True
+    return False
+
+
+def _holds_no_parameters(gm: torch.fx.GraphModule) -> str:
+    """Why this graph is left whole for want of parameters ("" when it uses some). Pipeline
+    stages exist to hold parameters: code that holds none (mask creation or input scaling
+    before a graph break, a loss function after one) is not split, whatever its FLOPs and
+    wherever it comes in the model, even first, before anything bigger has been seen."""
+    if uses_parameters(gm):
+        return ""
+    return (f"left whole (one stage, no cut, no codec): the graph uses no parameters "
+            f"({graph_flops(gm)} FLOP), and pipeline stages exist to hold parameters")
 
 
 def _too_small(gm: torch.fx.GraphModule, flops_before: int) -> str:

@@ -1,10 +1,13 @@
 """`stages` across graph breaks: one set of stages for the model, small graphs left whole.
 
-Dynamo hands ccfx a model with graph breaks one graph at a time, in execution order. A graph
-below ``partition.WHOLE_BELOW`` (1 %) of the model's FLOPs seen so far (the distinct graphs
-compiled before it, plus its own) is left whole: one stage, no cut, no codec, a note in the
-plan and one CcfxWarning naming it. GPT-2's loss function (a graph of its own: transformers
-logs a warning in it, which breaks the graph) is the case this is for.
+Dynamo hands ccfx a model with graph breaks one graph at a time, in execution order. Two
+graphs are left whole (one stage, no cut, no codec, a note in the plan and one CcfxWarning
+naming it): a graph that uses no parameters (pipeline stages exist to hold parameters: a
+loss function, mask creation or input scaling before the model, wherever it comes, even
+first), and a graph below ``partition.WHOLE_BELOW`` (1 %) of the model's FLOPs seen so far
+(the distinct graphs compiled before it, plus its own). GPT-2's loss function (a graph of its
+own: transformers logs a warning in it, which breaks the graph) and a mask built before the
+model are the cases this is for.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def test_gpt2_loss_graph_is_left_whole():
     assert loss.num_stages == 1 and loss.requested_stages == 2
     assert loss.edges == [] and len(loss.stages) == 1
     assert loss.left_whole.startswith("left whole")
-    assert "% of the model's" in loss.left_whole and "FLOP" in loss.left_whole
+    assert "uses no parameters" in loss.left_whole and "FLOP" in loss.left_whole
     assert loss.left_whole in loss.notes
     cut_ops = [n for n in backend.graphs[1].partitioned.graph.nodes
                if n.target is torch.ops.ccfx.cut.default]
@@ -159,14 +162,79 @@ def test_equal_graphs_each_get_their_stages():
     assert not [m for m in ccfx_warnings(caught) if "left whole" in m]
 
 
-def test_a_small_first_graph_is_decided_alone():
-    # graphs arrive in execution order: the first is the whole model seen so far, so it gets
-    # the stages it can hold (today's rule for small graphs: fewer stages and a warning)
-    compiled, _ = compile_ccfx(TinyHead(), stages=2, activation_codec="int8")
-    compiled(torch.randn(4, 32))
+def test_a_parameterless_prologue_is_left_whole():
+    """The first graph cannot know what follows it (nothing bigger has been seen), but it holds
+    no parameters: left whole, and the model's main graph after the break gets the stages."""
+    compiled, backend = compile_ccfx(TinyHead(), stages=2, activation_codec="int8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, 32)).sum().backward()
     plan = ccfx.plan_of(compiled)
-    assert not any(g.left_whole for g in plan.graphs)
-    assert plan.graphs[1].num_stages == 2
+    head, body = plan.graphs
+    assert head.num_stages == 1 and head.requested_stages == 2 and head.edges == []
+    assert "uses no parameters" in head.left_whole and head.left_whole in head.notes
+    assert body.num_stages == 2 and not body.left_whole and body.edges
+    said = [m for m in ccfx_warnings(caught) if "left whole" in m]
+    assert len(said) == 1 and said[0].startswith("ccfx: graph 0: left whole"), said
+    assert not [n for n in backend.graphs[0].partitioned.graph.nodes
+                if n.target is torch.ops.ccfx.cut.default]
+
+
+class MaskedGPT2(nn.Module):
+    """GPT-2 behind a prologue of the kind that breaks a graph before the model: the padding
+    mask built from the token ids, then a graph break (a data-dependent check, a log line)."""
+
+    PAD = 0
+
+    def __init__(self):
+        super().__init__()
+        self.gpt2 = gpt2()
+
+    def forward(self, input_ids, labels):
+        mask = (input_ids != self.PAD).long()
+        torch._dynamo.graph_break()
+        return self.gpt2(input_ids=input_ids, attention_mask=mask, labels=labels)
+
+
+def test_hugging_face_model_behind_a_mask_prologue():
+    """Three graphs: the mask (no parameters), GPT-2 (its stages), the loss (no parameters).
+    Only the middle one is cut; with the identity codec the whole equals eager bit for bit."""
+    model = MaskedGPT2()
+    ref = copy.deepcopy(model)
+    compiled, _ = compile_ccfx(model, stages=2, activation_codec="none")
+    x = ids()
+    x[0, -3:] = MaskedGPT2.PAD  # padded: the mask matters
+    out, ref_out = compiled(x, x), ref(x, x)
+    out.loss.backward()
+    ref_out.loss.backward()
+    plan = ccfx.plan_of(compiled)
+    assert [g.num_stages for g in plan.graphs] == [1, 2, 1], str(plan)
+    assert ["uses no parameters" in g.left_whole for g in plan.graphs] == [True, False, True]
+    assert {e.graph for e in plan.edges} == {1}
+    assert torch.equal(out.loss, ref_out.loss) and torch.equal(out.logits, ref_out.logits)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+
+
+def test_partition_leaves_a_parameterless_graph_whole_whatever_its_flops():
+    """In isolation: a graph with no parameters (a matmul of two inputs: FLOPs, no weights) is
+    one stage even when it is the first graph and costs more than anything seen; explicit
+    split points are obeyed."""
+    from ccfx.passes.partition import partition, uses_parameters
+
+    def f(a, b):
+        return torch.relu(a @ b) @ b
+
+    gm = _annotated(f, torch.randn(16, 16), torch.randn(16, 16))
+    assert not uses_parameters(gm)
+    facts = partition(gm, stages=2, flops_before=0).meta["ccfx"]["partition"]
+    assert facts.num_stages == 1 and facts.cuts == ()
+    assert "uses no parameters" in facts.left_whole and facts.left_whole in facts.notes
+    with_params = _annotated(models.MLP(8, 4), torch.randn(2, 8))
+    assert uses_parameters(with_params)
+    assert partition(with_params, stages=2).meta["ccfx"]["partition"].num_stages == 2
 
 
 def _annotated(model, *inputs):
