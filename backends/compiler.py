@@ -45,11 +45,15 @@ from ccfx.runtime.ledger import Ledger
 from ccfx.viz.observability import emit_plan_artifact
 from ccfx.viz.observability import install as _install_torch_logs
 
+from .collectives import Collectives
+from .collectives import active as collectives_active
+from . import fallbacks
 from .lowering import LoweredGraphs, lower
 from .plan_builder import build_graph_plan
 
 log = logging.getLogger("ccfx")
 _install_torch_logs()  # TORCH_LOGS=ccfx, TORCH_TRACE artifacts
+fallbacks.arm()  # a model Dynamo runs without ccfx is said so (issue 17 part 7)
 
 
 @dataclass
@@ -107,7 +111,11 @@ class CcfxBackend:
         #: Data-parallel gradient synchronization (``data_parallel=True``), made at the first
         #: compile (it creates a process group: every rank compiles together).
         self.data_parallel: DataParallel | None = None
+        #: The functional collectives of the compiled graphs, compressed as the options say
+        #: (``collective_codec``; their rows are in each graph's plan).
+        self.collectives = Collectives(self.config, self.ledger, self.codec_state)
         _LIVE.add(self)
+        fallbacks.arm()  # again: torch._dynamo.reset() drops Dynamo's compile callbacks
 
     def _check_local_steps(self) -> None:
         """``sync_every`` without ``ccfx.local_steps``: the replicas would silently train apart."""
@@ -227,6 +235,7 @@ class CcfxBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         kwargs.pop("ccfx_owner", None)
+        fallbacks.arm()
         try:
             _adopt(self)
             return self._compile(gm, example_inputs, **kwargs)
@@ -316,8 +325,11 @@ class CcfxBackend:
             params, synced = _parameter_inputs(gm)
             dp.add_graph(index, params, synced, desc)
             rewrite = functools.partial(_rewrite_backward, weakref.ref(dp), index)
+        collect = None
+        if collectives_active():  # functional collectives need a process group
+            collect = functools.partial(_rewrite_collectives, weakref.ref(self), graph_plan, desc)
         compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode),
-                                  rewrite_backward=rewrite)
+                                  rewrite_backward=rewrite, rewrite_collectives=collect)
         state_inputs = {k: weakref.ref(example_inputs[k]) for k, n in enumerate(placeholders)
                         if kind_of(n) in ("param", "buffer")}
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs,
@@ -376,6 +388,17 @@ def _rewrite_backward(dp_ref, index, gm, compile_fn, decompositions, record):
         return compile_fn(gm)
     try:
         return dp.compile_backward(index, gm, compile_fn, decompositions, record)
+    except CcfxError as e:
+        raise _through_dynamo(e) from e
+
+
+def _rewrite_collectives(owner, graph_plan, desc, kind, gm, compile_fn, decompositions):
+    backend = owner()
+    if backend is None:  # the compiled model is gone
+        return compile_fn(gm)
+    try:
+        return backend.collectives.rewrite(graph_plan, desc, kind, gm, compile_fn,
+                                           decompositions)
     except CcfxError as e:
         raise _through_dynamo(e) from e
 
@@ -522,4 +545,4 @@ def backend_of(obj) -> CcfxBackend:
     raise ConfigError(
         f"{type(obj).__name__} was not compiled by ccfx, or has not run yet: call "
         "torch.compile(model, backend='ccfx', options={...}) and run it once before plan_of()"
-    )
+        + fallbacks.why_not_compiled(candidates))

@@ -50,20 +50,31 @@ def direct_cut_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 #: ``rewrite(backward_gm, compile_fn, decompositions, record) -> boxed callable``: how the
 #: data-parallel runtime takes over the backward (``DataParallel.compile_backward``).
 BackwardRewrite = Callable[..., Callable]
+#: ``rewrite(kind, gm, compile_fn, decompositions) -> boxed callable``: the compressed
+#: collectives of every AOT graph, ``kind`` "forward", "backward" or "inference"
+#: (``backends.collectives``). It runs first; ``compile_fn`` then does the rest (the
+#: data-parallel backward's buckets included) on the graph it rewrote.
+CollectivesRewrite = Callable[..., Callable]
 
 
-def _eager(graphs: LoweredGraphs, rewrite: BackwardRewrite | None):
+def _eager(graphs: LoweredGraphs, rewrite: BackwardRewrite | None,
+           collectives: CollectivesRewrite | None = None):
     from functorch.compile import make_boxed_func
 
     def compile_eager(gm: torch.fx.GraphModule):
         return make_boxed_func(direct_cut_calls(gm).forward)
 
     def compiler(kind):
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        def finish(gm: torch.fx.GraphModule):
             if kind == "backward" and rewrite is not None:
                 return rewrite(gm, compile_eager, None, graphs.backward.append)
             getattr(graphs, kind).append(gm)
             return compile_eager(gm)
+
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            if collectives is not None:
+                return collectives(kind, gm, finish, None)
+            return finish(gm)
         return compile_graph
 
     from torch._dynamo.backends.common import aot_autograd
@@ -74,28 +85,34 @@ def _eager(graphs: LoweredGraphs, rewrite: BackwardRewrite | None):
     )
 
 
-def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite | None):
+def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite | None,
+              collectives: CollectivesRewrite | None = None):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
 
     def inner(gm, example_inputs, **kwargs):
-        if kwargs.get("is_backward") and rewrite is not None:
-            from torch._inductor.decomposition import select_decomp_table
+        kind = ("backward" if kwargs.get("is_backward") else
+                "inference" if kwargs.get("is_inference") else "forward")
 
-            def compile_backward(rewritten: torch.fx.GraphModule):
-                inputs = [n.meta["val"] for n in rewritten.graph.nodes if n.op == "placeholder"]
-                # Keep each collective where the pass put it: inductor's default memory
-                # reordering moves waits early and collectives late.
-                with torch._inductor.config.patch(reorder_for_peak_memory=False):
-                    return compile_fx_inner(rewritten, inputs, **kwargs)
+        def compile_rewritten(rewritten: torch.fx.GraphModule):
+            inputs = [n.meta["val"] for n in rewritten.graph.nodes if n.op == "placeholder"]
+            # Keep each collective where the pass put it: inductor's default memory
+            # reordering moves waits early and collectives late.
+            with torch._inductor.config.patch(reorder_for_peak_memory=False):
+                return compile_fx_inner(rewritten, inputs, **kwargs)
 
-            return rewrite(gm, compile_backward, select_decomp_table(), graphs.backward.append)
-        if kwargs.get("is_backward"):
-            graphs.backward.append(gm)
-        elif kwargs.get("is_inference"):
-            graphs.inference.append(gm)
-        else:
-            graphs.forward.append(gm)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        def finish(g: torch.fx.GraphModule):
+            if kind == "backward" and rewrite is not None:
+                return rewrite(g, compile_rewritten, select_decomp_table(),
+                               graphs.backward.append)
+            getattr(graphs, kind).append(g)
+            if g is gm:
+                return compile_fx_inner(gm, example_inputs, **kwargs)
+            return compile_rewritten(g)
+
+        if collectives is not None:
+            return collectives(kind, gm, finish, select_decomp_table())
+        return finish(gm)
 
     patches = None
     if mode:
@@ -108,23 +125,26 @@ def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite 
 
 
 def _rewriting_backward():
-    """A hit in AOT autograd's cache skips the backward compiler, and with it the gradient
-    buckets: graphs ccfx rewrites are never served from (or stored in) that cache. And the
-    backward compiles with the forward (not lazily at the first ``.backward()``), so buckets,
-    their codec state and the plan exist after the first call, and every rank checks the bucket
-    plan at the same point."""
+    """A hit in AOT autograd's cache skips the compilers, and with them the gradient buckets
+    and the compressed collectives: graphs ccfx rewrites are never served from (or stored in)
+    that cache. And the backward compiles with the forward (not lazily at the first
+    ``.backward()``), so buckets, collectives, their codec state and the plan exist after the
+    first call, and every rank checks the bucket and collective plans at the same point."""
     return torch._functorch.config.patch(enable_autograd_cache=False,
                                          force_non_lazy_backward_lowering=True)
 
 
 def lower(gm: torch.fx.GraphModule, example_inputs: Sequence, lowering: str,
           mode: str | None = None,
-          rewrite_backward: BackwardRewrite | None = None) -> tuple[Callable, LoweredGraphs]:
+          rewrite_backward: BackwardRewrite | None = None,
+          rewrite_collectives: CollectivesRewrite | None = None
+          ) -> tuple[Callable, LoweredGraphs]:
     graphs = LoweredGraphs()
     if lowering == "eager":
-        compiler = _eager(graphs, rewrite_backward)
+        compiler = _eager(graphs, rewrite_backward, rewrite_collectives)
     else:
-        compiler = _inductor(graphs, mode, rewrite_backward)
-    guard = _rewriting_backward() if rewrite_backward is not None else contextlib.nullcontext()
+        compiler = _inductor(graphs, mode, rewrite_backward, rewrite_collectives)
+    rewriting = rewrite_backward is not None or rewrite_collectives is not None
+    guard = _rewriting_backward() if rewriting else contextlib.nullcontext()
     with guard:
         return compiler(gm, list(example_inputs)), graphs

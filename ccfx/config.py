@@ -19,6 +19,8 @@ SCHEDULES = ("1F1B", "GPipe")
 LOWERING = ("inductor", "eager")
 #: How non-summable payloads are averaged (``gradient_collective``, ``outer_collective``).
 COLLECTIVES = ("all_gather", "ring", AUTO)
+#: The collectives ``collective_overrides`` names by kind (``ccfx.wire.collectives.KINDS``).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: Environment variable holding a JSON object of options, for frameworks that pass only a
 #: backend name (``TrainingArguments(torch_compile_backend="ccfx")``). Explicit options win.
 OPTIONS_ENV = "CCFX_OPTIONS"
@@ -107,6 +109,19 @@ class Config:
         2(W-1)/W of a payload per rank) or "auto" (the cheaper for this world size and link).
         Sum-compatible codecs (none, fp16, bf16) always all-reduce.
 
+    Compressed collectives (every functional collective in the compiled forward, backward and
+    inference graphs: DTensor tensor / sequence parallel, sharded parameters gathered in the
+    graph, the user's own funcol code; ``backends.collectives``):
+
+    collective_codec: the codec of every all_reduce, all_gather, reduce_scatter and all_to_all
+        ("none" (default): left as they are, "int8", "fp8", "int4:ef", "bf16", ...). A
+        collective a codec cannot carry (a max reduction, integer data, a group of one) runs
+        unchanged, and the plan says why.
+    collective_overrides: codecs for some collectives, beating ``collective_codec``:
+        ``{"reduce_scatter": "int4:ef", "all_gather": "int8", "collective 3": "none"}``, by
+        kind or by the plan's index (``"collective N"``, in every graph); an index beats a
+        kind.
+
     Local steps (DiLoCo for slow links; ``ccfx.local_steps(model, optimizer)`` runs it):
 
     sync_every: H, the inner optimizer steps each replica takes between syncs (None: no local
@@ -165,6 +180,8 @@ class Config:
     fragments: int = 1
     fragment_delay: int = 0
     fragment_alpha: float = 0.0
+    collective_codec: str = "none"
+    collective_overrides: tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
@@ -184,6 +201,7 @@ class Config:
         self._check_data_parallel()
         self._check_local_steps()
         self._check_overrides()
+        self._check_collectives()
         self._check_planner()
         if self.split_points is not None:
             points = self.split_points
@@ -223,6 +241,51 @@ class Config:
             specs = "/".join(codecs.canonical_as_written(v) for v in value.split("/"))
             out.append((f"{where.group(1)} {int(where.group(2))}", specs))
         object.__setattr__(self, "codec_overrides", tuple(sorted(out)))
+
+    def _check_collectives(self) -> None:
+        import re
+
+        from . import codecs
+
+        def spec(value, where: str) -> str:
+            if not isinstance(value, str):
+                raise ConfigError(f"{where} = {value!r}: give a codec spec such as 'int8'")
+            if value.strip().lower() == AUTO:
+                raise ConfigError(f"{where}='auto' is not yet supported for collectives; give a "
+                                  "spec such as 'int8', 'fp8' or 'int4:ef' (or 'none')")
+            return codecs.canonical_as_written(value)
+
+        object.__setattr__(self, "collective_codec",
+                           spec(self.collective_codec, "collective_codec"))
+        given = self.collective_overrides
+        if given is None:
+            return
+        if isinstance(given, str) or not isinstance(given, (dict, tuple, list)):
+            raise ConfigError("collective_overrides is a dict such as {'reduce_scatter': "
+                              f"'int4:ef', 'collective 3': 'none'}}, got {given!r}")
+        items = given.items() if isinstance(given, dict) else given
+        out = []
+        for key, value in items:
+            key = str(key).strip()
+            where = re.fullmatch(r"collective\s+(\d+)", key)
+            if where is not None:
+                key = f"collective {int(where.group(1))}"
+            elif key not in COLLECTIVE_KINDS:
+                raise ConfigError(
+                    f"collective_overrides key {key!r}: write a kind ("
+                    f"{', '.join(COLLECTIVE_KINDS)}) or 'collective N' (the plan's collective N)"
+                    + closest(key, COLLECTIVE_KINDS))
+            out.append((key, spec(value, f"collective_overrides[{key!r}]")))
+        object.__setattr__(self, "collective_overrides", tuple(sorted(out)))
+
+    def collective_spec(self, index: int, kind: str) -> tuple[str, str]:
+        """(codec spec, the option that set it) of the plan's collective ``index`` of ``kind``:
+        its ``collective_overrides`` entry by index, else by kind, else ``collective_codec``."""
+        table = dict(self.collective_overrides or ())
+        for key in (f"collective {index}", kind):
+            if key in table:
+                return table[key], f"collective_overrides[{key!r}]"
+        return self.collective_codec, "collective_codec"
 
     def codecs_for(self, edge: int, source_stage: int) -> tuple[str, str]:
         """(forward, backward) codec specs of one cut edge: its ``codec_overrides`` entry, else
@@ -416,8 +479,9 @@ class Config:
         d = dataclasses.asdict(self)
         if d["split_points"] is not None:
             d["split_points"] = list(d["split_points"])
-        if d["codec_overrides"] is not None:
-            d["codec_overrides"] = dict(d["codec_overrides"])
+        for key in ("codec_overrides", "collective_overrides"):
+            if d[key] is not None:
+                d[key] = dict(d[key])
         for key in ("auto_candidates", "gradient_codec_stages"):
             if d[key] is not None:
                 d[key] = list(d[key])

@@ -100,6 +100,39 @@ class Bucket:
 
 
 @dataclass
+class Collective:
+    """One functional collective of a compiled graph (tensor / sequence parallel, sharded
+    parameters, the user's funcol code), kept or compressed (``collective_codec``).
+
+    ``index``: the plan's (``collective_overrides`` key ``"collective N"``), counted over the
+    graph's forward then backward (or its inference graph); ``part``: "forward", "backward"
+    or "inference"; ``kind``: all_reduce, all_gather, reduce_scatter, all_to_all (or the
+    functional op's name, for one ccfx does not compress); ``group``: the process group's name,
+    ``group_size`` its ranks; ``shape`` / ``dtype``: the input's; ``codec``: what runs
+    (``"none"``: the original collective, ``reason`` says why); ``raw_bytes`` / ``wire_bytes``:
+    what this rank sends per call, uncompressed (ring convention: an all-reduce sends
+    2(W-1)/W of its input) and as it runs."""
+
+    graph: int
+    index: int
+    part: str
+    kind: str
+    group: str
+    group_size: int
+    shape: list[int]
+    dtype: str
+    codec: str
+    raw_bytes: int
+    wire_bytes: int
+    reduce_op: str | None = None
+    reason: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.wire_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+
+@dataclass
 class Decision:
     """One choice of the planner (``"auto"``): ``what`` is "edge 3 forward", "edge 3 backward"
     or "bucket 1"; ``candidates`` the predicted step seconds of each codec it weighed, fastest
@@ -150,6 +183,9 @@ class GraphPlan:
     symbolic: bool = False
     #: Data-parallel gradient buckets, filled when the backward graph is compiled.
     buckets: list[Bucket] = field(default_factory=list)
+    #: The functional collectives of the graph's forward, backward or inference graph, filled
+    #: when each compiles.
+    collectives: list[Collective] = field(default_factory=list)
     #: What ``auto`` chose and why (empty without ``auto``), and the step it predicted.
     decisions: list[Decision] = field(default_factory=list)
     prediction: Prediction | None = None
@@ -189,6 +225,10 @@ class Plan:
     @property
     def buckets(self) -> list[Bucket]:
         return [b for g in self.graphs for b in g.buckets]
+
+    @property
+    def collectives(self) -> list[Collective]:
+        return [c for g in self.graphs for c in g.collectives]
 
     @property
     def num_stages(self) -> int:
@@ -236,6 +276,7 @@ class Plan:
                         "edges": edges,
                         "shared": [SharedParam(**p) for p in g["shared"]],
                         "buckets": [Bucket(**b) for b in g.get("buckets", [])],
+                        "collectives": [Collective(**c) for c in g.get("collectives", [])],
                         "decisions": [Decision(**{**d, "candidates": [tuple(c) for c in
                                                                        d["candidates"]]})
                                       for d in g.get("decisions", [])],
@@ -264,6 +305,13 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def spelled(spec):
+    """A codec spec as the user wrote it (:func:`ccfx.codecs.spelled`)."""
+    from .codecs import spelled as _spelled
+
+    return _spelled(spec)
+
+
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
@@ -273,8 +321,6 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 def format_plan(plan: Plan) -> str:
     """The plan as text. Codec specs appear as the user wrote them where this process saw it
     (:func:`ccfx.codecs.spelled`); the JSON keeps the canonical form."""
-    from .codecs import spelled
-
     codec = spelled(plan.config.get("activation_codec"))
     grad_codec = spelled(plan.config.get("activation_grad_codec"))
     if grad_codec and grad_codec != codec:
@@ -290,6 +336,11 @@ def format_plan(plan: Plan) -> str:
         head += f", gradient codec {spelled(dp.gradient_codec)}, world size {dp.world_size}"
         backend = _backend_text(dp)
         head += f" ({backend})" if backend else ""
+    if any(g.collectives for g in plan.graphs):
+        head += f", collective codec {spelled(plan.config.get('collective_codec', 'none'))}"
+        table = plan.config.get("collective_overrides")
+        if table:
+            head += " (" + ", ".join(f"{k}: {spelled(v)}" for k, v in sorted(table.items())) + ")"
     out = [head]
     if len(plan.graphs) > 1:
         out.append(
@@ -350,6 +401,8 @@ def format_plan(plan: Plan) -> str:
             wire = sum(b.wire_bytes for b in g.buckets)
             out.append(f"  gradients per step per rank: {human_bytes(raw)} raw -> "
                        f"{human_bytes(wire)} on the wire ({wire / raw if raw else 1.0:.4f})")
+        if g.collectives:
+            out += _collectives_table(g.collectives)
     if plan.data_parallel is not None:
         dp = plan.data_parallel
         out.append("")
@@ -364,6 +417,28 @@ def format_plan(plan: Plan) -> str:
     if changed:
         out.append("options from: " + ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
     return "\n".join(out)
+
+
+def _collectives_table(rows: list[Collective]) -> list[str]:
+    """The collectives of one graph: what each one is, its codec, its bytes per call, and why
+    one was left alone."""
+    out = ["", ("  collectives (functional collectives of the compiled graphs; bytes this rank "
+                "sends per call):")]
+    table = [[c.index, c.part, c.kind + (f" ({c.reduce_op})" if c.reduce_op else ""),
+              f"{c.group_size} ({c.group})", "x".join(map(str, c.shape)) or "scalar",
+              c.dtype.replace("torch.", ""), spelled(c.codec), human_bytes(c.raw_bytes),
+              human_bytes(c.wire_bytes), f"{c.ratio:.4f}", c.reason]
+             for c in rows]
+    out += ["  " + r for r in _table(
+        table, ["coll", "graph", "kind", "ranks (group)", "shape", "dtype", "codec", "raw/call",
+                "wire/call", "ratio", "left alone because"])]
+    raw = sum(c.raw_bytes for c in rows)
+    wire = sum(c.wire_bytes for c in rows)
+    done = sum(c.codec != "none" for c in rows)
+    out.append(f"  collectives per call of each graph: {human_bytes(raw)} raw -> "
+               f"{human_bytes(wire)} on the wire ({wire / raw if raw else 1.0:.4f}); "
+               f"{done} of {len(rows)} compressed")
+    return out
 
 
 def _backend_text(dp: DataParallelInfo) -> str:

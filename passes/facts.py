@@ -4,15 +4,21 @@ A node's facts live in ``node.meta["ccfx"]``, a dict holding at most one instanc
 type under the type's ``key``; write them with :func:`put` and read them with :func:`fact`
 (``None`` when absent) or :func:`need` (an error naming the pass that should have run):
 
-=============  =======  ==============  =====================================================
-type           key      written by      on
-=============  =======  ==============  =====================================================
-NodeFacts      "node"   annotate        every node of the graph Dynamo captured
-StageFacts     "stage"  partition       every node; cut_edges gives its cut nodes one too
-CutFacts       "cut"    cut_edges       each ``ccfx::cut`` node (one hop of one edge)
-BucketFacts    "bucket" grad_buckets    the backward's spliced exchange nodes and codec-state
-                                        placeholders (data-parallel gradient buckets)
-=============  =======  ==============  =====================================================
+===============  ============  ====================  ===========================================
+type             key           written by            on
+===============  ============  ====================  ===========================================
+NodeFacts        "node"        annotate              every node of the graph Dynamo captured
+StageFacts       "stage"       partition             every node; cut_edges gives its cut nodes
+                                                     one too
+CutFacts         "cut"         cut_edges             each ``ccfx::cut`` node (one hop of one
+                                                     edge)
+BucketFacts      "bucket"      grad_buckets          the backward's spliced exchange nodes and
+                                                     codec-state placeholders (data-parallel
+                                                     gradient buckets)
+CollectiveFacts  "collective"  compress_collectives  an AOT graph's functional collectives (kept
+                                                     or replaced), the nodes spliced in their
+                                                     place and their codec-state placeholders
+===============  ============  ====================  ===========================================
 
 Graph-level facts live in ``gm.meta["ccfx"]``: ``"hints"`` (annotate: symbol → example
 value), ``"partition"`` (:class:`PartitionFacts`), ``"edges"`` (cut_edges: a list of
@@ -109,6 +115,32 @@ class BucketFacts:
 
 
 @dataclass(frozen=True)
+class CollectiveFacts:
+    """compress_collectives, on an AOT forward, backward or inference graph: a node of the
+    graph's functional collective ``collective`` (the plan's index). The collective node itself
+    when it was left alone (``codec`` "none"; ``reason`` why); a node spliced from its
+    compressed form has the ``phase`` that made it; a codec-state placeholder
+    (``ccfx_cstate_<collective>_<name>``) has the state's ``state`` name."""
+
+    key: ClassVar[str] = "collective"
+    writer: ClassVar[str] = "compress_collectives"
+
+    collective: int
+    codec: str = "none"
+    phase: int | None = None
+    state: str | None = None
+    reason: str = ""
+
+    @property
+    def kind(self) -> str:
+        """"ccfx_state" on a codec-state placeholder, "compressed" on a spliced node, "kept"
+        on a collective left as it was."""
+        if self.state is not None:
+            return "ccfx_state"
+        return "compressed" if self.phase is not None else "kept"
+
+
+@dataclass(frozen=True)
 class PartitionFacts:
     """partition, for the whole graph (``gm.meta["ccfx"]["partition"]``).
 
@@ -149,7 +181,7 @@ class EdgeFacts:
     users: tuple[str, ...]
 
 
-F = TypeVar("F", NodeFacts, StageFacts, CutFacts, BucketFacts)
+F = TypeVar("F", NodeFacts, StageFacts, CutFacts, BucketFacts, CollectiveFacts)
 
 
 def fact(node: torch.fx.Node, kind: type[F]) -> F | None:
@@ -166,7 +198,8 @@ def need(node: torch.fx.Node, kind: type[F]) -> F:
     return found
 
 
-def put(node: torch.fx.Node, *facts: NodeFacts | StageFacts | CutFacts | BucketFacts) -> None:
+def put(node: torch.fx.Node,
+        *facts: NodeFacts | StageFacts | CutFacts | BucketFacts | CollectiveFacts) -> None:
     """Store each of ``facts`` on the node under its type's key (replacing one of that type)."""
     box = node.meta.setdefault("ccfx", {})
     for f in facts:

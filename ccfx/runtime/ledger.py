@@ -4,7 +4,10 @@ One table, keyed by *channel*: a hop of a cut edge in one direction (``"fwd"``/`
 reported by each ``ccfx::cut`` op that executes) or a data-parallel gradient bucket
 (direction ``"bucket"``, reported by the compiled backward each time it runs its collectives;
 wire bytes are the payload this rank contributes) or a local-steps sync of a parameter fragment
-(direction ``"outer"``, reported by :mod:`.local_steps` at each merge). A *step* is one call of a compiled graph;
+(direction ``"outer"``, reported by :mod:`.local_steps` at each merge) or a functional
+collective of a compiled graph (direction ``"collective"``, the plan's collective index,
+reported by the compiled graph each time it runs; raw bytes are what the uncompressed
+collective would send, wire bytes what this rank sent). A *step* is one call of a compiled graph;
 with graph breaks, each graph runs once per step, so ``steps`` is the largest call count among
 the graphs. ``per_step()`` divides by it.
 """
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 @dataclass
 class EdgeCount:
     graph: int
-    edge: int  # the cut edge, or the bucket index for direction "bucket"
+    edge: int  # the cut edge; the bucket index for "bucket"; the collective's for "collective"
     hop: tuple[int, int]  # (source stage, destination stage); (0, 0) for a bucket
     direction: str  # "fwd", "bwd" or "bucket"
     calls: int = 0
@@ -48,6 +51,10 @@ class Ledger:
         """A local-steps sync of one fragment's pseudo-gradient (direction ``"outer"``)."""
         self.record(0, fragment, (0, 0), "outer", raw, wire)
 
+    def record_collective(self, graph: int, index: int, raw: int, wire: int) -> None:
+        """One call of a compiled graph's collective ``index`` (direction ``"collective"``)."""
+        self.record(graph, index, (0, 0), "collective", raw, wire)
+
     def count_call(self, graph: int) -> None:
         self._graph_calls[graph] += 1
 
@@ -61,10 +68,11 @@ class Ledger:
 
     def entries(self, direction: str | None = None) -> list[EdgeCount]:
         """Rows of one direction, or all of them (cut hops first, then gradient buckets)."""
-        order = {"fwd": 0, "bwd": 1, "bucket": 2, "outer": 3}
+        order = {"fwd": 0, "bwd": 1, "bucket": 2, "outer": 3, "collective": 4}
         rows = [c for c in self._counts.values() if direction in (None, c.direction)]
-        return sorted(rows, key=lambda c: (order.get(c.direction, 4) // 2, c.direction == "outer",
-                                           c.graph, c.edge, c.hop, order.get(c.direction, 4)))
+        return sorted(rows, key=lambda c: (order.get(c.direction, 5) // 2,
+                                           c.direction == "collective", c.direction == "outer",
+                                           c.graph, c.edge, c.hop, order.get(c.direction, 5)))
 
     def totals(self, direction: str | None = None) -> tuple[int, int]:
         """(raw, wire) bytes summed over every edge, hop and step (one direction, or both)."""
@@ -100,16 +108,18 @@ class Ledger:
         for c in self.entries():
             ratio = c.wire_bytes / c.raw_bytes if c.raw_bytes else 1.0
             where = f"{c.hop[0]}->{c.hop[1]:<2}" if c.direction in ("fwd", "bwd") else "  -  "
-            direction = {"bucket": "grad", "outer": "sync"}.get(c.direction, c.direction)
+            direction = {"bucket": "grad", "outer": "sync", "collective": "col"}.get(
+                c.direction, c.direction)
             lines.append(
                 f"  {c.graph:>5} {c.edge:>4} {where} {direction:>3} "
                 f"{human_bytes(c.raw_bytes / steps):>12} {human_bytes(c.wire_bytes / steps):>12} "
                 f"{ratio:.3f}"
             )
-        for d in ("fwd", "bwd", "bucket", "outer"):
+        for d in ("fwd", "bwd", "bucket", "outer", "collective"):
             raw, wire = self.per_step(d)
             if raw:
-                name = {"bucket": "gradient buckets", "outer": "local-steps sync"}.get(d, d)
+                name = {"bucket": "gradient buckets", "outer": "local-steps sync",
+                        "collective": "collectives"}.get(d, d)
                 lines.append(f"  {name} per step: {human_bytes(raw)} raw -> {human_bytes(wire)} "
                              f"wire ({wire / raw:.3f})")
         return "\n".join(lines)

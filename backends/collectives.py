@@ -1,0 +1,248 @@
+"""Compressed collectives: the compile layer's decisions for every functional collective.
+
+aot_autograd hands the backend's compilers a forward, backward or inference graph; the
+collectives in it (``torch.ops._c10d_functional.*`` + ``wait_tensor``, from DTensor tensor or
+sequence parallel, sharded parameters gathered in the graph, the user's funcol code) are
+found by ``passes.compress_collectives``. Here, once per graph, ccfx decides what each one
+becomes and writes it down:
+
+* its **index**, the plan's: counted over the graph's forward then its backward (the backward
+  compiles with the forward, ``lowering``), or over its inference graph;
+* its **codec**: ``collective_overrides`` by index (``"collective 3"``), else by kind, else
+  ``collective_codec``; ``"none"`` keeps the collective as it is, and so does a codec the
+  wire layer refuses (:func:`ccfx.wire.collectives.refuse`: a max reduction, integer data, a
+  group of one) or a graph shape the pass cannot rewrite; the plan row says why;
+* **agreement**: the ranks of each group meet (:func:`ccfx.wire.agree.meet`) on the graph's
+  description and the rows of the collectives they run together, before any of them runs:
+  ranks that compiled different collectives, or gave different codecs, fail at compile time
+  with an error naming what differs, not with gloo's size mismatch or a hang. Groups are met
+  in the order of their ranks, the same total order on every rank, so ranks that share
+  several groups (a 2-D mesh) never wait for each other crosswise;
+* **codec state** (error feedback): tensors made here, registered in the backend's
+  ``codec_state`` under ``graph<g>.collective<j>[.<part>].<name>``
+  (:mod:`ccfx.codecs.state`), passed to the compiled graph as extra inputs at every call;
+* the **plan rows** (:class:`ccfx.plan.Collective`) and the **ledger**: the compiled graph is
+  wrapped so that each call appends the state tensors and, once it returned, counts every
+  collective's raw and wire bytes (direction ``"collective"``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx
+
+from ccfx import codecs
+from ccfx.codecs.state import CodecState
+from ccfx.config import Config
+from ccfx.passes.compress_collectives import (
+    FoundCollective,
+    Rewrite,
+    compress_collectives,
+    find_collectives,
+)
+from ccfx.plan import Collective, GraphPlan
+from ccfx.runtime.ledger import Ledger
+
+log = logging.getLogger("ccfx")
+
+WHAT = "the collectives of a compiled graph"
+HINT = ("Every rank of a group must compile the same model with the same collective_codec and "
+        "collective_overrides: ranks whose collectives or codecs differ would pair different "
+        "messages (gloo aborts with a size mismatch, or hangs).")
+
+
+def collective_channel(graph: int, index: int) -> str:
+    """The codec-state channel of graph ``graph``'s collective ``index``:
+    ``graph0.collective3`` (a state name ``chunk0001.residual`` lives in the channel
+    ``graph0.collective3.chunk0001``)."""
+    return f"graph{graph}.collective{index}"
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def active() -> bool:
+    """Whether a process group exists (functional collectives need one): only then does the
+    backend look for collectives."""
+    return _dist() is not None
+
+
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def group_size(name: str) -> int:
+    return _group(name).size()
+
+
+def group_ranks(name: str) -> tuple[int, ...]:
+    dist = _dist()
+    if dist is None:
+        return (0,)
+    return tuple(dist.get_process_group_ranks(_group(name)))
+
+
+class Collectives:
+    """The compressed collectives of one compiled model (one per backend)."""
+
+    def __init__(self, config: Config, ledger: Ledger, state: CodecState,
+                 world_of: Callable[[str], int] = group_size,
+                 ranks_of: Callable[[str], tuple[int, ...]] = group_ranks):
+        self.config = config
+        self.ledger = ledger
+        self.state = state
+        self.world_of = world_of
+        self.ranks_of = ranks_of
+
+    def rewrite(self, plan: GraphPlan, desc: dict, part: str, gm: torch.fx.GraphModule,
+                compile_fn: Callable[[torch.fx.GraphModule], Callable], decompositions=None):
+        """Compile ``gm`` (the ``part`` graph of ``plan``'s graph) with its collectives
+        compressed as the options say: a boxed callable. Without collectives, ``compile_fn(gm)``
+        itself."""
+        found = find_collectives(gm, self.world_of)
+        if not found:
+            return compile_fn(gm)
+        base = len(plan.collectives)
+        rewrites = [self._decide(base + f.position, f) for f in found]
+        rows = [self._row(plan.index, part, f, r) for f, r in zip(found, rewrites)]
+        self._agree(desc, part, found, rows)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # compiled inside AOT's fake mode: real state tensors
+            device = _device_of(gm)
+            for r in rewrites:
+                if r.compressed is not None:
+                    r.state = r.compressed.init_state(device)
+                    self._register(plan.index, r)
+        rewritten = compress_collectives(_copy(gm), found, rewrites, decompositions)
+        plan.collectives.extend(rows)
+        log.info("ccfx: graph %d %s: %d collective(s), %d compressed", plan.index, part,
+                 len(rows), sum(r.codec != "none" for r in rows))
+        compiled = compile_fn(rewritten)
+        by_index = {r.index: r for r in rewrites}
+        extra = [by_index[i].state[name]
+                 for i, name in rewritten.meta["ccfx"]["collective_state_inputs"]]
+        return _counting(compiled, extra, self.ledger, plan.index,
+                         [(c.index, c.raw_bytes, c.wire_bytes) for c in rows])
+
+    # -- decisions ------------------------------------------------------------------------
+
+    def _decide(self, index: int, f: FoundCollective) -> Rewrite:
+        from ccfx.wire.collectives import CompressedCollective, refuse
+
+        spec, source = self.config.collective_spec(index, f.kind or f.op)
+        spec = codecs.canonical(spec)
+        if f.problem:
+            return Rewrite(index, "none", f.problem)
+        if spec == "none":
+            return Rewrite(index, "none", f"{source} is 'none'")
+        why = refuse(f.call, spec)
+        if why is not None:
+            return Rewrite(index, "none", f"{source}={codecs.spelled(spec)!r} refused: {why}")
+        return Rewrite(index, spec, "", CompressedCollective(f.call, spec))
+
+    @staticmethod
+    def _row(graph: int, part: str, f: FoundCollective, r: Rewrite) -> Collective:
+        raw = _raw_bytes(f)
+        wire = int(r.compressed.wire_bytes()) if r.compressed is not None else raw
+        return Collective(graph=graph, index=r.index, part=part, kind=f.kind or f.op,
+                          group=f.group_name, group_size=f.world, shape=list(f.shape),
+                          dtype=str(f.dtype), codec=r.codec, raw_bytes=raw, wire_bytes=wire,
+                          reduce_op=f.reduce_op, reason=r.reason)
+
+    def _agree(self, desc: dict, part: str, found: Sequence[FoundCollective],
+               rows: Sequence[Collective]) -> None:
+        """The ranks of every group meet on the graph and the rows of that group's
+        collectives (see the module docstring)."""
+        if _dist() is None:
+            return
+        from ccfx.wire import agree
+
+        groups = {}
+        for f in found:
+            if f.group_name and f.group_name not in groups:
+                groups[f.group_name] = self.ranks_of(f.group_name)
+        for name, ranks in sorted(groups.items(), key=lambda kv: (kv[1], kv[0])):
+            if len(ranks) < 2:
+                continue
+            mine = [[c.index, c.kind, c.reduce_op, c.shape, c.dtype, c.codec]
+                    for f, c in zip(found, rows) if f.group_name == name]
+            agree.meet(WHAT, {"graph": desc, "part": part, "group": name, "collectives": mine},
+                       ranks, timeout_s=self.config.collective_timeout_s, hint=HINT)
+
+    def _register(self, graph: int, r: Rewrite) -> None:
+        """``r``'s state tensors in the backend's codec state (names with a dot go one channel
+        deeper: ``chunk0001.residual`` is ``residual`` of ``<channel>.chunk0001``)."""
+        base = collective_channel(graph, r.index)
+        by_channel: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in r.state.items():
+            sub, _, leaf = name.rpartition(".")
+            by_channel.setdefault(f"{base}.{sub}" if sub else base, {})[leaf] = t
+        for channel, tensors in by_channel.items():
+            self.state.add(channel, r.codec, tensors)
+
+
+def _raw_bytes(f: FoundCollective) -> int:
+    """What the uncompressed collective sends from this rank per call (the wire layer's
+    convention), 0 for one ccfx does not know."""
+    call = f.call
+    if call is None:
+        return 0
+    try:
+        return int(call.raw_bytes)
+    except (KeyError, ValueError, ZeroDivisionError):
+        return 0
+
+
+def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, graph: int,
+              rows: list[tuple[int, int, int]]) -> Callable:
+    """The compiled graph as aot_autograd calls it (boxed: one list of inputs, which the callee
+    clears): the codec state appended, every collective counted once the call returned."""
+    import weakref
+
+    ledger_ref = weakref.ref(ledger)
+
+    def run(args):
+        full = list(args) + extra
+        if isinstance(args, list):
+            args.clear()  # the boxed convention: the callee frees its inputs
+        out = compiled(full)
+        book = ledger_ref()
+        if book is not None:
+            for index, raw, wire in rows:
+                book.record_collective(graph, index, raw, wire)
+        return out
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _device_of(gm: torch.fx.GraphModule):
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """An independent copy of an AOT graph (the original is what a recorded graph or a
+    fallback keeps)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    new_out = graph.output(out)
+    old_out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    new_out.meta = dict(old_out.meta)  # aot_autograd's output descriptors (data parallel)
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    copy.meta["ccfx"] = dict(gm.meta.get("ccfx", {}))
+    return copy
+

@@ -1,0 +1,312 @@
+"""compress_collectives: every functional collective of an AOT graph, compressed in place.
+
+Runs on the forward, backward and inference graphs aot_autograd produces, where a collective
+is a plain ``torch.ops._c10d_functional`` op followed by its ``wait_tensor``, whoever made it
+(DTensor tensor or sequence parallel, a parametrization that gathers sharded parameters,
+the user's own funcol code). The backward's collectives are nodes of the backward graph,
+compressed on their own: no autograd rule is needed. Two steps, as ``grad_buckets``:
+
+1. :func:`find_collectives`: each collective in node order (a :class:`FoundCollective`: its
+   kind, the call it makes (:class:`ccfx.wire.collectives.CollectiveCall`), its group, its
+   wait) and what in the graph's shape forbids replacing it (``problem``: no wait, its result
+   read before the wait, a dynamic shape, a collective ccfx does not know). The caller (the compile layer) decides each one's codec, with the wire layer's
+   ``refuse``, and gives every one an index (the plan's).
+2. :func:`compress_collectives` (the pass): for each :class:`Rewrite` with a compressed form
+   (:class:`ccfx.wire.collectives.CompressedCollective`), its phases traced with
+   ``make_fx(tracing_mode="fake")`` over a :class:`~ccfx.wire.comm.FunctionalComm` naming the
+   collective's own group, spliced in with ``Graph.graph_copy``: phase 0 where the collective
+   was issued, the last phase (which returns the result) where it was waited on, the phases
+   between spread evenly over the nodes in between (issue early, wait late: the compute
+   between them overlaps the transfers). Both original nodes are then removed. A collective
+   left alone keeps its node, which gets the fact saying why.
+
+Codec state (error feedback's residual) becomes placeholders ``ccfx_cstate_<index>_<name>``
+appended after the graph's own inputs (in rewrite order, names sorted), updated in the graph
+with ``copy_``: the caller passes the tensors it owns there (``backends.collectives``).
+
+Facts: every collective node kept, every node spliced in and every state placeholder gets a
+:class:`~ccfx.passes.facts.CollectiveFacts`; the graph gets ``gm.meta["ccfx"]["collectives"]``
+(the :class:`FoundCollective` list, in node order) and ``["collective_state_inputs"]``
+(``(index, name)`` per state placeholder, in order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ccfx.errors import CcfxError
+
+from .facts import CollectiveFacts, put
+
+#: The collectives ccfx compresses: the functional op's name → the wire layer's kind.
+KIND_OF_OP = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+_NAMESPACE = "_c10d_functional"
+
+
+@dataclass(frozen=True)
+class FoundCollective:
+    """One functional collective of a graph, as :func:`find_collectives` found it.
+
+    ``position``: its place among the graph's collectives (0, 1, ... in node order); ``node``
+    and ``wait``: the names of its node and of its ``wait_tensor`` (None: none found);
+    ``op``: the functional op's name (``all_reduce``, ``broadcast``...); ``kind``: the wire
+    layer's kind (one of ``ccfx.wire.collectives.KINDS``) or "" for a collective ccfx does not
+    compress; ``group_name``: the process group the op names; ``world``: its size;
+    ``shape`` / ``dtype``: the input's; ``reduce_op``: "sum", "avg", "max"... for reductions;
+    ``problem``: why the graph forbids replacing it, else ""; ``input_splits`` /
+    ``output_splits``: an all_to_all_single's split sizes (None: equal; a symbolic size stays
+    a string)."""
+
+    position: int
+    node: str
+    wait: str | None
+    op: str
+    kind: str
+    group_name: str
+    world: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    reduce_op: str | None = None
+    problem: str = ""
+    input_splits: tuple | None = None
+    output_splits: tuple | None = None
+
+    @property
+    def call(self):
+        """The wire layer's :class:`~ccfx.wire.collectives.CollectiveCall` for it (None for a
+        collective ccfx does not compress)."""
+        from ccfx.wire.collectives import CollectiveCall
+
+        if not self.kind:
+            return None
+        return CollectiveCall(self.kind, self.shape, self.dtype, self.world, self.reduce_op,
+                              self.input_splits, self.output_splits)
+
+
+@dataclass
+class Rewrite:
+    """The caller's decision for one found collective: its ``index`` (the plan's), its codec
+    (``"none"``: left alone, ``reason`` says why) and, when compressed, the
+    ``CompressedCollective`` and its state tensors (real, for their shapes and dtypes)."""
+
+    index: int
+    codec: str = "none"
+    reason: str = ""
+    compressed: object = None
+    state: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _is_collective(node: torch.fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and getattr(target, "namespace", None) == _NAMESPACE
+            and _op_name(target) != "wait_tensor")
+
+
+def _op_name(target) -> str:
+    return target._overloadpacket.__name__ if hasattr(target, "_overloadpacket") else str(target)
+
+
+def _val(node) -> object:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _static(shape) -> tuple[int, ...] | None:
+    if any(not isinstance(d, int) for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def _group_name(node: torch.fx.Node) -> str:
+    if "group_name" in node.kwargs:
+        return str(node.kwargs["group_name"])
+    strings = [a for a in node.args if isinstance(a, str)]
+    return strings[-1] if strings else ""
+
+
+def find_collectives(gm: torch.fx.GraphModule,
+                     world_of: Callable[[str], int]) -> list[FoundCollective]:
+    """Every functional collective of ``gm`` in node order; ``world_of(group_name)`` gives a
+    group's size where the op does not carry it (all_reduce, all_to_all_single)."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    found = []
+    for node in nodes:
+        if not _is_collective(node):
+            continue
+        op = _op_name(node.target)
+        kind = KIND_OF_OP.get(op, "")
+        group = _group_name(node)
+        x = node.args[0] if node.args else None
+        value = _val(x)
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+        dtype = value.dtype if isinstance(value, torch.Tensor) else torch.float32
+        problem = ""
+        reduce_op = None
+        if kind in ("all_gather", "reduce_scatter"):
+            world = int(node.args[2] if kind == "reduce_scatter" else node.args[1])
+        else:
+            world = int(world_of(group)) if group else 1
+        if kind in ("all_reduce", "reduce_scatter"):
+            reduce_op = str(node.args[1]).lower()
+        waits = [u for u in node.users if u.op == "call_function"
+                 and _op_name(u.target) == "wait_tensor"]
+        wait = min(waits, key=pos.__getitem__) if waits else None
+        static = _static(shape)
+        if not kind:
+            problem = f"ccfx does not compress _c10d_functional.{op}"
+        elif not isinstance(value, torch.Tensor):
+            problem = "its input is not a single tensor"
+        elif static is None:
+            problem = f"its input's shape {tuple(str(d) for d in shape)} is dynamic"
+        elif wait is None:
+            problem = "it has no wait_tensor in this graph"
+        elif any(u is not wait and pos[u] < pos[wait] for u in node.users):
+            problem = "its result is read before its wait_tensor"
+        splits = (_splits(node.args[2]), _splits(node.args[1])) if kind == "all_to_all" \
+            else (None, None)
+        found.append(FoundCollective(len(found), node.name, wait.name if wait else None, op,
+                                     kind, group, world, static or (), dtype, reduce_op, problem,
+                                     *splits))
+    return found
+
+
+def _splits(value) -> tuple | None:
+    if value is None:
+        return None
+    return tuple(int(v) if isinstance(v, int) else str(v) for v in value)
+
+
+def _trace(fn, args, decompositions) -> torch.fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions or {})(*args)
+
+
+def _default_comm(group_name: str, world: int):
+    from ccfx.wire.comm import FunctionalComm
+
+    return FunctionalComm(group_name, world)
+
+
+def compress_collectives(gm: torch.fx.GraphModule, found: Sequence[FoundCollective],
+                         rewrites: Sequence[Rewrite], decompositions=None,
+                         comm_for: Callable[[str, int], object] | None = None
+                         ) -> torch.fx.GraphModule:
+    """Replace each collective of ``found`` whose ``rewrites`` entry (aligned with ``found``)
+    has a compressed form; tag the others (see the module docstring). ``comm_for(group_name,
+    world)``: the comm the phases issue their collectives through (default: a
+    ``FunctionalComm`` on that group)."""
+    from torch._guards import detect_fake_mode
+
+    if len(found) != len(rewrites):
+        raise CcfxError(f"compress_collectives: {len(found)} collectives but {len(rewrites)} "
+                        "decisions")
+    comm_for = comm_for or _default_comm
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    first_op = next(n for n in nodes if n.op != "placeholder")
+
+    state_nodes: dict[int, list[torch.fx.Node]] = {}
+    state_inputs = []
+    with graph.inserting_before(first_op):
+        for f, r in zip(found, rewrites):
+            if r.compressed is None:
+                continue
+            row = []
+            for name in sorted(r.state):
+                node = graph.placeholder(f"ccfx_cstate_{r.index}_{name}")
+                value = r.state[name]
+                node.meta["val"] = (fake_mode.from_tensor(value, static_shapes=True)
+                                    if fake_mode is not None else value)
+                put(node, CollectiveFacts(r.index, r.codec, state=name))
+                row.append(node)
+                state_inputs.append((r.index, name))
+            state_nodes[f.position] = row
+
+    replaced: list[tuple[torch.fx.Node, torch.fx.Node]] = []
+    for f, r in zip(found, rewrites):
+        node = by_name[f.node]
+        if r.compressed is None:
+            put(node, CollectiveFacts(r.index, "none", reason=r.reason or f.problem))
+            continue
+        if f.problem:
+            raise CcfxError(f"collective {r.index} ({f.op}) cannot be replaced: {f.problem}")
+        wait = by_name[f.wait]
+        phases = list(r.compressed.phases)
+        anchors = _anchors(nodes, pos[node], pos[wait], len(phases))
+        comm = comm_for(f.group_name, f.world)
+        x = node.args[0]
+        carry: list[torch.fx.Node] = []
+        for k, (phase, anchor) in enumerate(zip(phases, anchors)):
+            inputs = [x, *state_nodes[f.position], *carry]
+            n_s = len(state_nodes[f.position])
+
+            def fn(*flat, phase=phase, n_s=n_s, comm=comm):
+                return list(phase(flat[0], list(flat[1:1 + n_s]), list(flat[1 + n_s:]), comm))
+
+            traced = _trace(fn, [n.meta["val"] for n in inputs], decompositions)
+            carry = _splice(graph, traced, inputs, anchor,
+                            CollectiveFacts(r.index, r.codec, phase=k))
+        out = carry[0] if len(carry) == 1 else None
+        _check_result(f, r, out, wait)
+        replaced.append((node, wait))
+        wait.replace_all_uses_with(out)
+    for node, wait in replaced:
+        graph.erase_node(wait)
+        graph.erase_node(node)
+    meta = gm.meta.setdefault("ccfx", {})
+    meta["collectives"] = list(found)
+    meta["collective_state_inputs"] = state_inputs
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _anchors(nodes: list[torch.fx.Node], issue: int, wait: int, n: int) -> list[torch.fx.Node]:
+    """Where each of ``n`` phases goes (inserted before the node): the first at the
+    collective, the last at its wait, those between spread evenly over the nodes between."""
+    if n == 1:
+        return [nodes[wait]]
+    return [nodes[issue + math.floor(k * (wait - issue) / (n - 1))] for k in range(n)]
+
+
+def _check_result(f: FoundCollective, r: Rewrite, out, wait: torch.fx.Node) -> None:
+    want, got = _val(wait), _val(out)
+    if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
+            and tuple(want.shape) == tuple(got.shape) and want.dtype == got.dtype):
+        raise CcfxError(
+            f"collective {r.index} ({f.op}, codec {r.codec}): the compressed form returns "
+            f"{_describe(got)} where the collective returned {_describe(want)}; this is a bug "
+            "in ccfx.wire.collectives")
+
+
+def _describe(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+    return type(v).__name__
+
+
+def _splice(graph, traced, inputs, before, tag: CollectiveFacts) -> list[torch.fx.Node]:
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    val_map = dict(zip(placeholders, inputs))
+    existing = set(graph.nodes)
+    with graph.inserting_before(before):
+        out = graph.graph_copy(traced.graph, val_map)
+    for node in graph.nodes:
+        if node not in existing:
+            put(node, tag)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
