@@ -9,6 +9,9 @@ One module per concern:
   group, local);
 * ``exchange``: a gradient bucket's codec as traceable phases (all-reduce, all-gather, the
   ring, PowerSGD) and ``exchange_for``;
+* ``collectives``: a compiled graph's collectives (all-reduce, all-gather, reduce-scatter,
+  all-to-all) through a codec, as traceable phases (``CollectiveCall``, ``refuse``,
+  ``CompressedCollective``);
 * ``ring``: the re-encoding ring all-reduce, its byte arithmetic and the
   ``ccfx::ring_all_reduce`` op;
 * ``policy``: what is compressible, the bucket policy, the fragment policy;

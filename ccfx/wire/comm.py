@@ -1,7 +1,8 @@
 """The ``Comm`` objects an exchange (:mod:`ccfx.wire.exchange`) issues its collectives through.
 
-Every ``Comm`` has ``world``, ``all_reduce``, ``all_gather``, ``wait`` and ``ring``; the same
-exchange phases run over any of them:
+Every ``Comm`` has ``world``, ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+``wait`` and ``ring``; the same exchange phases (and :mod:`ccfx.wire.collectives`' phases) run
+over any of them:
 
 * :class:`FunctionalComm`: ``torch.ops._c10d_functional`` collectives, which trace into graphs
   (the compiled backward's gradient buckets, ``passes.grad_buckets``);
@@ -40,6 +41,18 @@ class FunctionalComm:
         return torch.ops._c10d_functional.all_gather_into_tensor(
             t.reshape(-1), self.world, self.group_name)
 
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of this rank's ``1 / world`` of dim 0 (``reduce_scatter_tensor``)."""
+        return torch.ops._c10d_functional.reduce_scatter_tensor(
+            t.contiguous(), "sum", self.world, self.group_name)
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        """Equal splits of dim 0: chunk ``j`` goes to rank ``j``, the result's chunk ``j`` came
+        from rank ``j`` (``all_to_all_single``)."""
+        splits = [t.shape[0] // self.world] * self.world
+        return torch.ops._c10d_functional.all_to_all_single(
+            t.contiguous(), splits, splits, self.group_name)
+
     def wait(self, t: torch.Tensor) -> torch.Tensor:
         return torch.ops._c10d_functional.wait_tensor(t)
 
@@ -61,6 +74,12 @@ class LocalComm:
     def all_gather(self, t):
         return t.reshape(-1)
 
+    def reduce_scatter(self, t):
+        return t
+
+    def all_to_all(self, t):
+        return t
+
     def wait(self, t):
         return t
 
@@ -80,7 +99,7 @@ class _InFlight:
 class ProcessGroupComm:
     """The exchanges' ``Comm`` over ``torch.distributed`` on ``group`` (None: WORLD), eager.
 
-    ``all_reduce`` and ``all_gather`` issue asynchronously and return a handle; ``wait`` waits
+    Collectives issue asynchronously and return a handle; ``wait`` waits
     and returns the result tensor. Inputs are left untouched, as with
     :class:`FunctionalComm`: ``all_reduce`` reduces a copy, since a codec's payload may be a
     view of the gradients or of its state.
@@ -99,6 +118,19 @@ class ProcessGroupComm:
         flat = t.detach().reshape(-1).contiguous()
         out = flat.new_empty(self.world * flat.numel())
         return _InFlight(dist.all_gather_single(out, flat, group=self.group, async_op=True), out)
+
+    def reduce_scatter(self, t: torch.Tensor) -> _InFlight:
+        """Fills this rank's ``1 / world`` of dim 0, summed over ranks."""
+        inp = t.detach().contiguous()
+        out = inp.new_empty((inp.shape[0] // self.world, *inp.shape[1:]))
+        return _InFlight(dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=True),
+                         out)
+
+    def all_to_all(self, t: torch.Tensor) -> _InFlight:
+        """Equal splits of dim 0: chunk ``j`` to rank ``j``, from rank ``j`` into chunk ``j``."""
+        inp = t.detach().contiguous()
+        out = torch.empty_like(inp)
+        return _InFlight(dist.all_to_all_single(out, inp, group=self.group, async_op=True), out)
 
     def wait(self, handle: _InFlight) -> torch.Tensor:
         handle.work.wait()

@@ -1,0 +1,410 @@
+"""Every collective of a compiled graph through a codec: all-reduce, all-gather, reduce-scatter
+and all-to-all, as traceable phases (issue #18).
+
+A graph's functional collective (``torch.ops._c10d_functional.*`` and its ``wait_tensor``) is
+described by a :class:`CollectiveCall`; :func:`refuse` says whether a codec spec can compress it
+(and, when not, why it runs unchanged); :class:`CompressedCollective` is its compressed form as
+*phases*, the convention of :mod:`ccfx.wire.exchange`::
+
+    phase(x, state, carry, comm) -> carry'        (the last phase returns [out])
+
+``x`` is the collective's input, ``state`` the codec's state tensors in ``sorted(state_layout())``
+order (updated in place with ``copy_``), ``carry`` what the previous phase handed on
+(collective handles). Phase 0 goes where the original collective was issued, the last phase
+where its ``wait_tensor`` was; a middle phase (the all-reduce's) waits on the first collective
+and issues the second, anywhere between the two. The last phase's ``out`` has the exact shape,
+dtype and meaning of the original collective + wait. The same phases are traced with ``make_fx``
+over :class:`~ccfx.wire.comm.FunctionalComm` (a graph pass splices them in), run eagerly over
+:class:`~ccfx.wire.comm.ProcessGroupComm`, or over :class:`~ccfx.wire.comm.LocalComm`.
+
+The algorithms (rank ``r`` of ``W``; ``B`` is one chunk's packed payload):
+
+* **all_reduce** → an encoded reduce-scatter, then an all-gather of bytes. The flattened input is
+  padded to ``W`` equal chunks, each chunk encoded on its own and the payloads exchanged by one
+  all-to-all; rank ``r`` owns chunk ``r``: it decodes the ``W`` payloads it received and sums them
+  in fp32 *in rank order* (``avg`` divides by ``W``), encodes that reduced chunk **once** and an
+  all-gather forwards those bytes; every rank, the owner included, decodes the same bytes, so
+  the result is bit-identical on every rank (replicas of a TP group never drift apart).
+  ``2 (W-1) B`` bytes sent per rank, where a ring all-reduce sends ``2 (W-1) / W`` of the input.
+* **all_gather** → the local shard encoded, the payloads all-gathered, each decoded, concatenated
+  along dim 0: ``(W-1) B``.
+* **reduce_scatter** → dim 0's ``W`` chunks each encoded, one all-to-all, the ``W`` payloads of
+  this rank's chunk decoded and summed in fp32 in rank order: ``(W-1) B``.
+* **all_to_all** (equal splits) → each destination's chunk encoded, one all-to-all, decoded on
+  arrival: ``(W-1) B``.
+
+Codecs run as their ops (``ccfx_codecs::encode`` / ``decode``) on explicit state tensors: error
+feedback (``"int4:ef"``) keeps *this rank's* residual of what it encoded from its own input (one
+per destination chunk); what the all-reduce's owner loses re-encoding a sum is not fed back (no
+rank owns that error: it belongs to a sum of every rank's values, as on :mod:`ccfx.wire.ring`).
+A chunk's payload tensors travel as one message: packed tight into a ``uint8`` buffer, widest
+dtype first so every tensor can be viewed in place on arrival, the buffer padded to a multiple of
+the widest itemsize (at most 7 bytes, counted in :meth:`CompressedCollective.wire_bytes`) so the
+``W`` buffers of one all-to-all or all-gather stay aligned too.
+
+The identity spec ``"none"`` issues the original collective itself (the same bits as torch's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import codecs
+from ..codecs import ops as _ops  # noqa: F401  (registers torch.ops.ccfx_codecs)
+from ..codecs.base import Codec
+from ..codecs.ef import ErrorFeedback
+from ..errors import ConfigError
+
+Tensors = list[torch.Tensor]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+#: Reductions a codec can carry: a sum of decoded values (``avg`` divides it by the world).
+SUMMABLE_OPS = ("sum", "avg")
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """What a graph's functional collective asked for.
+
+    ``input_splits`` / ``output_splits`` are an all-to-all's split sizes along dim 0 (``None``:
+    equal splits, ``shape[0] / world`` each)."""
+
+    kind: str                        # one of KINDS
+    shape: tuple[int, ...]           # the input's static shape
+    dtype: torch.dtype
+    world: int                       # group size
+    reduce_op: str | None = None     # "sum" | "avg" | other ("max"...): all_reduce, reduce_scatter
+    input_splits: tuple[int, ...] | None = None
+    output_splits: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape the collective + wait returns."""
+        if self.kind == "all_gather":
+            return (self.shape[0] * self.world, *self.shape[1:])
+        if self.kind == "reduce_scatter":
+            return (self.shape[0] // self.world, *self.shape[1:])
+        return tuple(self.shape)
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes this rank sends for the uncompressed collective, ring algorithms' convention:
+        all_reduce ``2 (W-1) / W`` of the input, all_gather ``(W-1)`` shards, reduce_scatter and
+        all_to_all ``(W-1) / W`` of the input; rounded up to whole bytes."""
+        w, n = self.world, self.numel * self.dtype.itemsize
+        sends = {"all_reduce": 2 * (w - 1) * n, "all_gather": (w - 1) * n * w,
+                 "reduce_scatter": (w - 1) * n, "all_to_all": (w - 1) * n}[self.kind]
+        return -(-sends // w)
+
+
+def _static(values) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def _codec_reason(codec: Codec, dtype: torch.dtype) -> str | None:
+    """Why ``codec`` cannot run on a collective's chunks, or None."""
+    from ..codecs.powersgd import PowerSGD
+
+    inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
+    if isinstance(inner, PowerSGD):
+        return (f"codec {codec.spec!r} is PowerSGD: low rank needs a matrix per gradient and "
+                "summable all-reduces of its own, not a collective's chunks (use int8, fp8, "
+                "int4, bf16...)")
+    extra = sorted(set(inner.state_layout((1,), torch.float32)) - {"step"})
+    if extra:
+        return (f"codec {codec.spec!r} keeps decode state ({', '.join(extra)}), and a "
+                "collective decodes other ranks' payloads (use a codec whose decode is "
+                "stateless: int8, fp8, int4, bf16, topk...)")
+    if not codec.applies_to(dtype):
+        return f"codec {codec.spec!r} does not apply to {dtype} tensors"
+    return None
+
+
+def refuse(call: CollectiveCall, spec: str) -> str | None:
+    """None if ``spec`` can compress ``call``, else why the collective must run unchanged.
+
+    A bad spec (unknown codec, bad parameter) is not a refusal: it raises
+    :class:`~ccfx.ConfigError`. ``"none"`` is accepted wherever a codec would be (it then runs
+    the original collective)."""
+    if call.kind not in KINDS:
+        raise ConfigError(f"collective kind {call.kind!r}: ccfx knows {', '.join(KINDS)}")
+    codec = codecs.prototype(spec)
+    if not _static(call.shape) or not isinstance(call.world, int):
+        return f"symbolic shape {tuple(call.shape)} (a compressed collective needs static sizes)"
+    if call.world < 2:
+        return "a group of one rank: nothing crosses the wire"
+    if not call.dtype.is_floating_point:
+        return f"{call.dtype} data: codecs compress floating-point tensors only"
+    if call.kind in ("all_reduce", "reduce_scatter"):
+        op = (call.reduce_op or "").lower()
+        if op not in SUMMABLE_OPS:
+            return (f"a {call.reduce_op!r} reduction: only sum and avg can be taken over "
+                    "decoded values (a max / min / product runs unchanged)")
+    if call.numel == 0:
+        return "an empty tensor: nothing crosses the wire"
+    if call.kind != "all_reduce" and len(call.shape) == 0:
+        return f"a 0-d input: {call.kind} splits or stacks dim 0"
+    if call.kind in ("reduce_scatter", "all_to_all") and call.shape[0] % call.world:
+        return (f"dim 0 of {tuple(call.shape)} does not split into {call.world} equal chunks "
+                f"(torch's {call.kind} needs it too)")
+    if call.kind == "all_to_all":
+        for which, splits in (("input", call.input_splits), ("output", call.output_splits)):
+            if splits is None:
+                continue
+            if not _static(splits):
+                return f"symbolic {which} splits {tuple(splits)}"
+            if len(splits) != call.world or set(splits) != {call.shape[0] // call.world}:
+                return (f"unequal {which} splits {tuple(splits)}: only equal splits are "
+                        "compressed for now")
+    if codec.name == "none":
+        return None
+    return _codec_reason(codec, call.dtype)
+
+
+# -- packing one chunk's payload into one message --------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """How one chunk's payload tensors (the codec's ``payload_layout``) lie in a ``uint8``
+    message: widest dtype first (every tensor starts at a multiple of its itemsize), the
+    message padded to a multiple of the widest itemsize (``W`` messages back to back stay
+    aligned)."""
+
+    layout: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    order: tuple[int, ...]           # payload indices, widest first
+    spans: tuple[tuple[int, int], ...]   # (offset, nbytes) per payload index
+    nbytes: int                      # the message, padding included
+
+    @staticmethod
+    def of(layout) -> _Packing:
+        layout = tuple((tuple(int(d) for d in s), d) for s, d in layout)
+        order = tuple(sorted(range(len(layout)), key=lambda i: -layout[i][1].itemsize))
+        spans: list[tuple[int, int]] = [(0, 0)] * len(layout)
+        at = 0
+        for i in order:
+            shape, dtype = layout[i]
+            n = math.prod(shape) * dtype.itemsize
+            spans[i] = (at, n)
+            at += n
+        widest = max((d.itemsize for _, d in layout), default=1)
+        return _Packing(layout, order, tuple(spans), -(-at // widest) * widest)
+
+    def pack(self, payload: Tensors) -> torch.Tensor:
+        parts = [payload[i].contiguous().reshape(-1).view(torch.uint8) for i in self.order]
+        used = sum(n for _, n in self.spans)
+        if self.nbytes > used:
+            parts.append(parts[0].new_zeros(self.nbytes - used))
+        return torch.cat(parts)
+
+    def unpack(self, buf: torch.Tensor, start: int = 0) -> Tensors:
+        """The payload tensors of the message at byte ``start`` of ``buf`` (views)."""
+        return [buf[start + at:start + at + n].view(dtype).view(shape)
+                for (shape, dtype), (at, n) in zip(self.layout, self.spans)]
+
+
+def _inner_spec(codec: Codec) -> str:
+    return codec.inner.spec if isinstance(codec, ErrorFeedback) else codec.spec
+
+
+class CompressedCollective:
+    """One collective through a codec, as phases (see the module docstring).
+
+    ``ConfigError`` when :func:`refuse` says the spec cannot compress the call."""
+
+    def __init__(self, call: CollectiveCall, spec: str):
+        why = refuse(call, spec)
+        if why is not None:
+            raise ConfigError(f"{call.kind} of {tuple(call.shape)} {call.dtype} on "
+                              f"{call.world} ranks cannot be compressed with {spec!r}: {why}; "
+                              "it must run unchanged (collective codec 'none')")
+        self.call = call
+        self.codec = codecs.prototype(spec)
+        self.spec = self.codec.spec
+        self.identity = self.codec.name == "none"
+        self._avg = (call.reduce_op or "").lower() == "avg"
+        w, n = call.world, call.numel
+        #: Elements per chunk: the local shard (all_gather), else 1/W of the (padded) input.
+        self.chunk = n if call.kind == "all_gather" else -(-n // w)
+        self.chunks = 1 if call.kind == "all_gather" else w
+        self.packing = _Packing.of(self.codec.payload_layout((self.chunk,), call.dtype))
+        inner = codecs.prototype(_inner_spec(self.codec))
+        self._owner_spec = inner.spec
+        # state names, per chunk and (all_reduce) for the owner's encode
+        per_chunk = sorted(self.codec.state_layout((self.chunk,), call.dtype))
+        self._chunk_names = [[self._name(j, k) for k in per_chunk] for j in range(self.chunks)]
+        self._owner_names = ([f"owner.{k}" for k in sorted(inner.state_layout((self.chunk,),
+                                                                              call.dtype))]
+                             if call.kind == "all_reduce" and not self.identity else [])
+
+    # -- what the plan and the pass read --------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        return self.call.kind
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.call.raw_bytes
+
+    def wire_bytes(self) -> int:
+        """Bytes this rank sends per call, exactly: ``(W-1)`` messages of one chunk's packed
+        payload per all-to-all or all-gather (two of those for the all-reduce); the identity
+        sends what the uncompressed collective sends."""
+        if self.identity:
+            return self.raw_bytes
+        rounds = 2 if self.kind == "all_reduce" else 1
+        return rounds * (self.call.world - 1) * self.packing.nbytes
+
+    def _name(self, j: int, k: str) -> str:
+        return k if self.chunks == 1 else f"chunk{j:04d}.{k}"
+
+    def state_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name → (shape, dtype) of every state tensor: the codec's state per chunk this rank
+        encodes (its error-feedback residual, a stochastic codec's step), and the all-reduce
+        owner's (the inner codec's: no error feedback there)."""
+        out = {}
+        layout = self.codec.state_layout((self.chunk,), self.call.dtype)
+        for j in range(self.chunks):
+            for k, v in layout.items():
+                out[self._name(j, k)] = v
+        if self._owner_names:
+            inner = codecs.prototype(self._owner_spec)
+            for k, v in inner.state_layout((self.chunk,), self.call.dtype).items():
+                out[f"owner.{k}"] = v
+        return out
+
+    def init_state(self, device=None) -> dict[str, torch.Tensor]:
+        out = {}
+        init = self.codec.init_state((self.chunk,), self.call.dtype, device)
+        for j in range(self.chunks):
+            for k, v in init.items():
+                out[self._name(j, k)] = v.clone()
+        if self._owner_names:
+            inner = codecs.prototype(self._owner_spec)
+            for k, v in inner.init_state((self.chunk,), self.call.dtype, device).items():
+                out[f"owner.{k}"] = v
+        return out
+
+    # -- the phases ------------------------------------------------------------------------
+
+    @property
+    def phases(self) -> list[Callable]:
+        if self.identity:
+            return [self._plain_issue, self._plain_finish]
+        if self.kind == "all_reduce":
+            return [self._scatter_issue, self._reduce_regather, self._gather_finish]
+        if self.kind == "all_gather":
+            return [self._gather_issue, self._gather_finish]
+        if self.kind == "reduce_scatter":
+            return [self._scatter_issue, self._reduce_finish]
+        return [self._scatter_issue, self._a2a_finish]
+
+    def run(self, x: torch.Tensor, state: dict[str, torch.Tensor], comm) -> torch.Tensor:
+        """All phases one after the other (eager use and tests)."""
+        state_list = [state[k] for k in sorted(self.state_layout())]
+        carry: Tensors = []
+        for phase in self.phases:
+            carry = phase(x, state_list, carry, comm)
+        return carry[0]
+
+    # -- pieces --------------------------------------------------------------------------------
+
+    def _named(self, state: Tensors) -> dict[str, torch.Tensor]:
+        return dict(zip(sorted(self.state_layout()), state))
+
+    def _encode(self, x: torch.Tensor, spec: str, state: Tensors) -> torch.Tensor:
+        payload, new = torch.ops.ccfx_codecs.encode(x, spec, state)
+        for s, n in zip(state, new):
+            s.copy_(n)
+        return self.packing.pack(list(payload))
+
+    def _decode(self, buf: torch.Tensor, start: int) -> torch.Tensor:
+        # The codecs allowed here read no state when they decode (refuse() checks it; a
+        # stochastic codec's step is the encode's): the inner codec's, zeros, thrown away.
+        inner = codecs.prototype(self._owner_spec)
+        state = [torch.zeros(s, dtype=d, device=buf.device) for _, (s, d) in
+                 sorted(inner.state_layout((self.chunk,), self.call.dtype).items())]
+        out, _ = torch.ops.ccfx_codecs.decode(self.packing.unpack(buf, start), self._owner_spec,
+                                              [self.chunk], self.call.dtype, state)
+        return out
+
+    def _chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` flattened and zero-padded to ``(chunks, chunk)``."""
+        flat = x.reshape(-1)
+        pad = self.chunks * self.chunk - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(self.chunks, self.chunk)
+
+    def _encode_chunks(self, x: torch.Tensor, state: Tensors) -> torch.Tensor:
+        named = self._named(state)
+        rows = self._chunks(x)
+        return torch.cat([self._encode(rows[j], self.spec, [named[k] for k in names])
+                          for j, names in enumerate(self._chunk_names)])
+
+    def _sum_in_rank_order(self, buf: torch.Tensor) -> torch.Tensor:
+        """The fp32 sum of the ``W`` chunk payloads in ``buf`` (rank 0 first); ``avg`` divides."""
+        total = None
+        for src in range(self.call.world):
+            part = self._decode(buf, src * self.packing.nbytes).float()
+            total = part if total is None else total + part
+        if self._avg:
+            total = total / self.call.world
+        return total
+
+    def _decode_all(self, buf: torch.Tensor) -> torch.Tensor:
+        """The ``W`` messages of ``buf`` decoded and concatenated (flat)."""
+        return torch.cat([self._decode(buf, src * self.packing.nbytes)
+                          for src in range(self.call.world)])
+
+    def _scatter_issue(self, x, state, carry, comm):
+        return [comm.all_to_all(self._encode_chunks(x, state))]
+
+    def _reduce_regather(self, x, state, carry, comm):
+        reduced = self._sum_in_rank_order(comm.wait(carry[0])).to(self.call.dtype)
+        named = self._named(state)
+        buf = self._encode(reduced, self._owner_spec, [named[k] for k in self._owner_names])
+        return [comm.all_gather(buf)]
+
+    def _gather_issue(self, x, state, carry, comm):
+        return [comm.all_gather(self._encode_chunks(x, state))]
+
+    def _gather_finish(self, x, state, carry, comm):
+        flat = self._decode_all(comm.wait(carry[0]))
+        n = self.call.numel * (self.call.world if self.kind == "all_gather" else 1)
+        return [flat[:n].reshape(self.call.out_shape)]
+
+    def _reduce_finish(self, x, state, carry, comm):
+        reduced = self._sum_in_rank_order(comm.wait(carry[0]))
+        return [reduced.to(self.call.dtype).reshape(self.call.out_shape)]
+
+    def _a2a_finish(self, x, state, carry, comm):
+        return [self._decode_all(comm.wait(carry[0])).reshape(self.call.out_shape)]
+
+    # the identity: the original collective itself
+
+    def _plain_issue(self, x, state, carry, comm):
+        kind = self.kind
+        if kind == "all_reduce":
+            return [comm.all_reduce(x)]
+        if kind == "all_gather":
+            return [comm.all_gather(x)]
+        if kind == "reduce_scatter":
+            return [comm.reduce_scatter(x)]
+        return [comm.all_to_all(x)]
+
+    def _plain_finish(self, x, state, carry, comm):
+        out = comm.wait(carry[0])
+        if self._avg:
+            out = out / self.call.world
+        return [out.reshape(self.call.out_shape)]

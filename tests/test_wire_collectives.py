@@ -1,0 +1,383 @@
+"""The compressed collectives of the wire layer (ccfx.wire.collectives, issue #18): all-reduce,
+all-gather, reduce-scatter and all-to-all through a codec.
+
+Single-process tests: refuse()'s reasons, the phases traced with make_fx over FunctionalComm
+(fake tensors need no process group: the graph's collectives and their input bytes are read
+off the trace), the packing of a chunk's payload, LocalComm's new methods. Multi-rank tests:
+one spawn of 2 ranks and one of 3 (module-scoped fixtures), every case run eagerly over
+ProcessGroupComm and traced over FunctionalComm then run; workers in
+tests/wire_collectives_workers.py.
+
+Error bounds (A: the largest input magnitude over every rank; e: the codec's relative half
+step: int8 1/254 (absmax / 127 steps, round to nearest), int4 1/14, fp8 e4m3 1/16 (three
+mantissa bits), bf16 2**-8): one encode errs by at most ``e`` times its block's absmax.
+all_gather and all_to_all decode each value once: ``e A``. reduce_scatter sums ``W`` decoded
+values: ``W e A``. all_reduce adds the owner's encode of a sum whose magnitude is at most
+``W A (1 + e)``: ``W e A (2 + e)``. ``avg`` divides by ``W``. A bf16 input adds its own rounding
+(2**-8 relative) at each decode and at the owner's cast: ``e + 2 * 2**-8``. The tests allow 10 %
+on top (fp32 summation, the second-order terms).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ccfx.errors import ConfigError
+from ccfx.wire.collectives import KINDS, CollectiveCall, CompressedCollective, refuse
+from ccfx.wire.comm import FunctionalComm, LocalComm
+
+from . import wire_collectives_workers as w
+from .ranks import run_scenarios, scenario
+
+SPECS = ["none", "int8", "int4", "fp8", "bf16", "topk:ratio=0.25"]
+HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14, "fp8": 1 / 16, "bf16": 2 ** -8}
+OP = {"all_reduce": "sum", "reduce_scatter": "sum", "all_gather": None, "all_to_all": None}
+
+
+def shapes(kind: str, world: int) -> list[tuple[int, ...]]:
+    """An odd small shape (numel not divisible by W, inside one block) and one across blocks
+    (numel not a multiple of the block, 256); dim 0 divisible by W where the kind needs it."""
+    if kind in ("reduce_scatter", "all_to_all"):
+        return [(world * 3, 7), (world * 2, 301)]
+    if kind == "all_gather":
+        return [(3, 5), (2, 300)]
+    return [(5, 7), (3, 300)]
+
+
+def cases(world: int) -> list[tuple]:
+    out = [(k, s, shape, OP[k], "float32") for k in KINDS for s in SPECS
+           for shape in shapes(k, world)]
+    for kind in ("all_reduce", "reduce_scatter"):
+        for spec in ("none", "int8"):
+            out.append((kind, spec, shapes(kind, world)[1], "avg", "float32"))
+    out.append(("all_reduce", "int8", (4, 130), "sum", "bfloat16"))
+    out.append(("all_gather", "fp8", (4, 130), None, "bfloat16"))
+    return out
+
+
+def bound(case, world: int, absmax: float) -> float:
+    kind, spec, _, op, dtype = case
+    e = HALF_STEP[spec] + (2 * 2 ** -8 if dtype == "bfloat16" else 0.0)
+    per = {"all_gather": e, "all_to_all": e, "reduce_scatter": world * e,
+           "all_reduce": world * e * (2 + e)}[kind]
+    if op == "avg":
+        per /= world
+    return 1.1 * per * absmax
+
+
+#: Specs whose phases are also traced with make_fx and run (tracing costs ~0.1 s a phase): the
+#: identity, a two-tensor payload with a tight packing (int8), packed nibbles (int4), a cast.
+TRACED = ("none", "int8", "int4", "bf16")
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    """One spawn of 3 ranks: the 3-rank cases on all of them, the 2-rank cases on the subgroup
+    of ranks 1 and 2 (group ranks 0 and 1: not the global ones)."""
+    scenarios = []
+    for world, members in ((2, [1, 2]), (3, [0, 1, 2])):
+        scenarios += [
+            scenario(f"cases{world}", w.case_results, members, cases(world), TRACED),
+            scenario(f"ef_rs{world}", w.error_feedback, members, "reduce_scatter", "int4:ef",
+                     (world * 4, 300), 3),
+            scenario(f"ef_ar{world}", w.error_feedback, members, "all_reduce", "int8:ef",
+                     (7, 50), 2)]
+    scenarios.append(scenario("int8_error", w.int8_all_reduce_error, (192, 1000)))
+    return run_scenarios(3, scenarios, timeout_s=240)
+
+
+class _Group:
+    """One world size's results: ``self[name]`` is the group's ranks' values, in group order."""
+
+    def __init__(self, spawned, world):
+        self.spawned, self.world = spawned, world
+
+    def __getitem__(self, name):
+        got = self.spawned[f"{name}{self.world}"]
+        return [r for r in got if r is not None]
+
+
+@pytest.fixture(params=[2, 3], ids=["world2", "world3"])
+def ranks(request, spawned):
+    """(W, the W ranks' results)."""
+    return request.param, _Group(spawned, request.param)
+
+
+# -- on ranks -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_identity_is_torchs_own_collective_bit_for_bit(ranks):
+    world, got = ranks
+    rows = got["cases"]
+    for case in cases(world):
+        if case[1] == "none":
+            for rank, r in enumerate(rows):
+                assert r[case]["equals_torch"], (world, rank, case)
+
+
+@pytest.mark.slow
+def test_lossy_codecs_stay_within_the_block_bound(ranks):
+    world, got = ranks
+    rows = got["cases"]
+    checked = 0
+    for case in cases(world):
+        if case[1] in HALF_STEP:
+            for r in rows:
+                row = r[case]
+                assert 0 < row["max_err"] <= bound(case, world, row["absmax"]), (world, case, row)
+                checked += 1
+    assert checked >= 4 * len(KINDS) * 2 * world
+
+
+@pytest.mark.slow
+def test_topk_is_lossy_but_close(ranks):
+    """topk keeps a quarter of each chunk: not bounded like a quantiser, but it must not be
+    garbage (the relative L2 error of keeping the largest 25 % of a Gaussian is about 0.6)."""
+    world, got = ranks
+    for case in cases(world):
+        if case[1].startswith("topk"):
+            for r in got["cases"]:
+                assert 0 < r[case]["rel_l2"] < 0.95, (world, case, r[case]["rel_l2"])
+
+
+@pytest.mark.slow
+def test_all_reduce_is_bit_identical_on_every_rank(ranks):
+    world, got = ranks
+    for case in cases(world):
+        if case[0] == "all_reduce":
+            assert len({r[case]["digest"] for r in got["cases"]}) == 1, (world, case)
+
+
+@pytest.mark.slow
+def test_all_gather_is_bit_identical_on_every_rank(ranks):
+    world, got = ranks
+    for case in cases(world):
+        if case[0] == "all_gather":
+            assert len({r[case]["digest"] for r in got["cases"]}) == 1, (world, case)
+
+
+@pytest.mark.slow
+def test_traced_phases_equal_the_eager_ones(ranks):
+    """make_fx over FunctionalComm, run, gives the eager ProcessGroupComm's bits."""
+    world, got = ranks
+    checked = 0
+    for case in cases(world):
+        if case[1] in TRACED:
+            for rank, r in enumerate(got["cases"]):
+                assert r[case]["traced_digest"] == r[case]["digest"], (world, rank, case)
+                checked += 1
+    assert checked >= len(TRACED) * len(KINDS) * 2 * world
+
+
+@pytest.mark.slow
+def test_shape_dtype_and_input_are_the_collectives(ranks):
+    world, got = ranks
+    for case in cases(world):
+        kind, _, shape, op, dtype = case
+        call = CollectiveCall(kind, shape, getattr(torch, dtype), world, op)
+        for r in got["cases"]:
+            assert r[case]["shape"] == call.out_shape, case
+            assert r[case]["dtype"] == f"torch.{dtype}", case
+            assert r[case]["input_untouched"], case
+
+
+@pytest.mark.slow
+def test_wire_bytes_are_the_bytes_sent(ranks):
+    world, got = ranks
+    for case in cases(world):
+        kind, spec, shape, _, dtype = case
+        n = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+        formula = {"all_reduce": 2 * (world - 1) * n / world, "all_gather": (world - 1) * n,
+                   "reduce_scatter": (world - 1) * n / world,
+                   "all_to_all": (world - 1) * n / world}[kind]
+        for r in got["cases"]:
+            row = r[case]
+            assert row["sent"] == row["wire_bytes"], (world, case, row)
+            assert row["raw_bytes"] == -(-int(formula * world) // world), (world, case)
+            if spec in ("int8", "int4", "fp8") and shape[-1] >= 300:
+                assert row["wire_bytes"] < 0.4 * row["raw_bytes"], (world, case)
+
+
+@pytest.mark.slow
+def test_reduce_scatter_error_feedback_keeps_a_changing_residual(ranks):
+    world, got = ranks
+    for r in got["ef_rs"]:
+        assert r["names"] == [f"chunk{j:04d}.residual" for j in range(world)]
+        digests = [row["digest"] for row in r["rows"]]
+        assert len(set(digests)) == len(digests)
+        assert all(row["norm"] > 0 for row in r["rows"])
+    # per rank state: the ranks' residuals differ (each keeps its own quantisation error)
+    assert len({r["rows"][0]["digest"] for r in got["ef_rs"]}) == world
+
+
+@pytest.mark.slow
+def test_all_reduce_error_feedback_stays_bit_identical(ranks):
+    world, got = ranks
+    rows = got["ef_ar"]
+    assert rows[0]["names"] == [f"chunk{j:04d}.residual" for j in range(world)]
+    assert all(row["norm"] > 0 for r in rows for row in r["rows"])
+    for step in range(2):
+        assert len({r["rows"][step]["out_digest"] for r in rows}) == 1, step
+
+
+@pytest.mark.slow
+def test_int8_all_reduce_error_on_three_ranks(spawned):
+    """Measured, printed (a figure for the issue): int8's relative L2 error on a Gaussian
+    (192, 1000) summed over 3 ranks; the assertion only says it is lossy and the ranks agree."""
+    rows = spawned["int8_error"]
+    rel = rows[0]["rel_l2"]
+    print(f"\nint8 all_reduce, 3 ranks, (192, 1000) fp32: relative L2 error {rel:.3e}, "
+          f"{rows[0]['wire_bytes']} wire bytes vs {rows[0]['raw_bytes']} raw per rank")
+    assert 0 < rel < 1e-2
+    assert len({r["digest"] for r in rows}) == 1
+
+
+# -- one process ----------------------------------------------------------------------------------
+
+
+def _call(kind="all_reduce", shape=(8, 4), dtype=torch.float32, world=2, op="auto", **kw):
+    if op == "auto":
+        op = OP[kind]
+    return CollectiveCall(kind, shape, dtype, world, op, **kw)
+
+
+@pytest.mark.parametrize("call, spec, words", [
+    (_call(op="max"), "int8", "'max' reduction"),
+    (_call("reduce_scatter", op="min"), "int8", "'min' reduction"),
+    (_call(dtype=torch.int64), "int8", "torch.int64 data"),
+    (_call(world=1), "int8", "group of one"),
+    (_call("all_to_all", input_splits=(3, 5)), "int8", "unequal input splits"),
+    (_call("all_to_all", output_splits=(2, 2, 4), world=3, shape=(9, 4)), "int8",
+     "unequal output splits"),
+    (_call("reduce_scatter", shape=(5, 4), world=2), "int8", "does not split into 2"),
+    (_call("all_gather", shape=()), "int8", "0-d input"),
+    (_call(shape=(0, 4)), "int8", "empty tensor"),
+    (_call(), "powersgd", "PowerSGD"),
+    (_call(), "randomk:ratio=0.1", "decode state"),
+    (_call(dtype=torch.complex64), "int8", "complex64"),
+])
+def test_refuse_says_why(call, spec, words):
+    why = refuse(call, spec)
+    assert why is not None and words in why, why
+    with pytest.raises(ConfigError, match="must run unchanged"):
+        CompressedCollective(call, spec)
+
+
+def test_refuse_symbolic_splits():
+    import sympy
+
+    call = _call("all_to_all", input_splits=(4, sympy.Symbol("s0")))
+    assert "symbolic input splits" in refuse(call, "int8")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec", ["none", "int8", "int4:ef", "fp8", "topk:ratio=0.1,ef"])
+def test_refuse_accepts(kind, spec):
+    call = _call(kind, shape=(6, 5), world=3)
+    assert refuse(call, spec) is None
+    assert refuse(_call(kind, shape=(6, 5), world=3, input_splits=(2, 2, 2)), spec) is None
+
+
+def test_a_bad_spec_is_a_config_error_not_a_refusal():
+    with pytest.raises(ConfigError, match="unknown codec"):
+        refuse(_call(), "in8")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec", ["none", "int8", "int4:ef", "topk:ratio=0.25"])
+def test_traced_phases_issue_early_wait_late_and_send_wire_bytes(world, kind, spec):
+    """The phases traced over FunctionalComm with fake tensors: phase 0 issues a collective and
+    waits on none, the last phase waits and returns the collective's shape and dtype; the
+    collectives' inputs add up to wire_bytes under the ring convention."""
+    shape = (world * 3, 7) if kind in ("reduce_scatter", "all_to_all") else (5, 7)
+    call = _call(kind, shape=shape, world=world)
+    cc = CompressedCollective(call, spec)
+    state = cc.init_state()
+    x = torch.randn(shape)
+    comm = w.CountingComm(FunctionalComm("unused", world))
+    graphs = []
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    carry = []
+    for phase in cc.phases:
+        n_s = len(state)
+
+        def fn(*flat, phase=phase, n_s=n_s):
+            return list(phase(flat[0], list(flat[1:1 + n_s]), list(flat[1 + n_s:]), comm))
+
+        gm = make_fx(fn, tracing_mode="fake")(x, *[state[k] for k in sorted(state)], *carry)
+        graphs.append(gm)
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        carry = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype) for n in out]
+
+    def ops(gm):
+        return [str(n.target) for n in gm.graph.nodes if "c10d_functional" in str(n.target)]
+
+    assert ops(graphs[0]) and not any("wait" in o for o in ops(graphs[0]))
+    assert any("wait" in o for o in ops(graphs[-1]))
+    assert len(graphs) == (3 if kind == "all_reduce" and spec != "none" else 2)
+    assert tuple(carry[0].shape) == call.out_shape and carry[0].dtype == call.dtype
+    assert comm.sent() == cc.wire_bytes()
+
+
+@pytest.mark.parametrize("kind, shape, world, raw", [
+    ("all_reduce", (5, 7), 3, 187),        # 2 * 2 / 3 * 140 = 186.7, rounded up
+    ("all_gather", (3, 5), 3, 120),        # 2 shards of 60 bytes
+    ("reduce_scatter", (6, 5), 3, 80),     # 2 / 3 of 120
+    ("all_to_all", (6, 3), 2, 36),         # 1 / 2 of 72
+])
+def test_raw_bytes_formula(kind, shape, world, raw):
+    assert _call(kind, shape=shape, world=world).raw_bytes == raw
+    assert CompressedCollective(_call(kind, shape=shape, world=world), "none").wire_bytes() == raw
+
+
+def test_int8_all_reduce_sends_about_a_quarter():
+    cc = CompressedCollective(_call(shape=(1024, 1024), world=4), "int8")
+    # 2 (W-1) chunks of 2**18 int8 codes + 2**10 fp32 scales
+    assert cc.wire_bytes() == 2 * 3 * (2 ** 18 + 4 * 2 ** 10)
+    assert 0.25 < cc.wire_bytes() / cc.raw_bytes < 0.26
+
+
+def test_state_is_per_chunk_and_the_owner_keeps_none_of_error_feedback():
+    cc = CompressedCollective(_call(shape=(5, 7), world=3), "int4:ef")
+    layout = cc.state_layout()
+    assert layout == {f"chunk{j:04d}.residual": ((12,), torch.float32) for j in range(3)}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in cc.init_state().items()} == layout
+    gather = CompressedCollective(_call("all_gather", shape=(5, 7), world=3), "int8:ef")
+    assert gather.state_layout() == {"residual": ((35,), torch.float32)}
+    # a stochastic codec: a step counter per chunk and one for the owner's encode
+    names = sorted(CompressedCollective(_call(world=2), "qsgd").state_layout())
+    assert names == ["chunk0000.step", "chunk0001.step", "owner.step"]
+
+
+@pytest.mark.parametrize("numel", [1, 35, 257])
+def test_packing_roundtrips_and_stays_aligned(numel):
+    """int8's payload (n int8 codes, fp32 scales) packs scales first and pads the message to 4
+    bytes: two messages back to back unpack as views."""
+    from ccfx.codecs import ops
+    from ccfx.wire.collectives import _Packing
+
+    layout = CompressedCollective(_call("all_gather", shape=(numel,)), "int8").packing.layout
+    p = _Packing.of(layout)
+    assert p.nbytes % 4 == 0 and p.nbytes - (numel + 4 * -(-numel // 256)) < 4
+    xs = [torch.randn(numel), torch.randn(numel)]
+    payloads = [ops.encode(x, "int8", [])[0] for x in xs]
+    buf = torch.cat([p.pack(list(pl)) for pl in payloads])
+    for k, pl in enumerate(payloads):
+        got = p.unpack(buf, k * p.nbytes)
+        assert all(torch.equal(a, b) for a, b in zip(got, pl))
+
+
+def test_local_comm_is_the_identity():
+    t = torch.randn(4, 3)
+    comm = LocalComm()
+    assert comm.wait(comm.all_to_all(t)) is t
+    assert comm.wait(comm.reduce_scatter(t)) is t
+
+
+def test_unknown_kind_is_a_config_error():
+    with pytest.raises(ConfigError, match="collective kind 'broadcast'"):
+        refuse(CollectiveCall("broadcast", (4,), torch.float32, 2), "int8")
