@@ -53,6 +53,7 @@ def cases(world: int) -> list[tuple]:
             out.append((kind, spec, shapes(kind, world)[1], "avg", "float32"))
     out.append(("all_reduce", "int8", (4, 130), "sum", "bfloat16"))
     out.append(("all_gather", "fp8", (4, 130), None, "bfloat16"))
+    out.append(("reduce_scatter", "int8", (world * 2, 130), "sum", "float64"))
     return out
 
 
@@ -195,6 +196,7 @@ def test_wire_bytes_are_the_bytes_sent(ranks):
         for r in got["cases"]:
             row = r[case]
             assert row["sent"] == row["wire_bytes"], (world, case, row)
+            assert row["issued_as_said"], (world, case)
             assert row["raw_bytes"] == -(-int(formula * world) // world), (world, case)
             if spec in ("int8", "int4", "fp8") and shape[-1] >= 300:
                 assert row["wire_bytes"] < 0.4 * row["raw_bytes"], (world, case)
@@ -321,6 +323,7 @@ def test_traced_phases_issue_early_wait_late_and_send_wire_bytes(world, kind, sp
     assert len(graphs) == (3 if kind == "all_reduce" and spec != "none" else 2)
     assert tuple(carry[0].shape) == call.out_shape and carry[0].dtype == call.dtype
     assert comm.sent() == cc.wire_bytes()
+    assert comm.issued == cc.messages()
 
 
 @pytest.mark.parametrize("kind, shape, world, raw", [

@@ -161,6 +161,7 @@ def case_results(rank, world, members, cases, traced_specs):
             "rel_l2": (err.norm() / exact.norm()).item(),
             "absmax": max(t.abs().max().item() for t in xs),
             "sent": counting.sent(), "wire_bytes": cc.wire_bytes(), "raw_bytes": cc.raw_bytes,
+            "issued_as_said": counting.issued == cc.messages(),
             "input_untouched": bool(torch.equal(x, x_before)),
         }
     return out

@@ -265,6 +265,20 @@ class CompressedCollective:
         rounds = 2 if self.kind == "all_reduce" else 1
         return rounds * (self.call.world - 1) * self.packing.nbytes
 
+    def messages(self) -> list[tuple[str, int]]:
+        """The collectives the phases issue, in order: ``(the Comm method, its input's bytes)``
+        (an all-to-all's input holds the ``W`` messages this rank sends, one per rank; an
+        all-gather's the one message every rank gets). What a planner prices: rounds, bytes,
+        and from them :meth:`wire_bytes`."""
+        if self.identity:
+            return [(self.kind, self.call.numel * self.call.dtype.itemsize)]
+        b, w = self.packing.nbytes, self.call.world
+        if self.kind == "all_reduce":
+            return [("all_to_all", w * b), ("all_gather", b)]
+        if self.kind == "all_gather":
+            return [("all_gather", b)]
+        return [("all_to_all", w * b)]
+
     def _name(self, j: int, k: str) -> str:
         return k if self.chunks == 1 else f"chunk{j:04d}.{k}"
 
@@ -353,10 +367,12 @@ class CompressedCollective:
                           for j, names in enumerate(self._chunk_names)])
 
     def _sum_in_rank_order(self, buf: torch.Tensor) -> torch.Tensor:
-        """The fp32 sum of the ``W`` chunk payloads in ``buf`` (rank 0 first); ``avg`` divides."""
+        """The sum of the ``W`` chunk payloads in ``buf``, rank 0 first, in fp32 (fp64 for fp64
+        data); ``avg`` divides."""
         total = None
+        acc = torch.promote_types(self.call.dtype, torch.float32)
         for src in range(self.call.world):
-            part = self._decode(buf, src * self.packing.nbytes).float()
+            part = self._decode(buf, src * self.packing.nbytes).to(acc)
             total = part if total is None else total + part
         if self._avg:
             total = total / self.call.world
