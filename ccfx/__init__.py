@@ -81,10 +81,29 @@ def codec_state(compiled):
     run one forward with grad enabled (ccfx allocates the state when it compiles the training
     graph; a ``no_grad`` call compiles a separate inference graph with its own state), then
     ``load_state_dict`` the saved state: names, shapes or dtypes that do not fit (another codec,
-    other options) are a :class:`ConfigError` naming the option."""
-    from ccfx.backends.compiler import backend_of
+    other options) are a :class:`ConfigError` naming the option; so is a checkpoint made for
+    another codec of the same shape, or (data parallel) another rank or world size.
 
-    return backend_of(compiled).codec_state
+    Before the model's first call there is no state to load into, and this is a
+    :class:`ConfigError` saying so. (Loading lazily, kept and applied when ccfx allocates the
+    state, would need the backend, which ccfx makes at the first compile, to exist earlier.)"""
+    from ccfx.backends.compiler import backend_of, config_of
+
+    try:
+        return backend_of(compiled).codec_state
+    except ConfigError:
+        # before the first call, or not compiled by ccfx (a model.compile()d module cannot
+        # tell which before its first call)
+        known = config_of(compiled) is not None
+        raise ConfigError(
+            "ccfx.codec_state(compiled) before the model's first call: ccfx makes the codec "
+            "state (error-feedback residuals, PowerSGD's Q, the warm-up count) when it "
+            "compiles the training graph, at the first call. To resume, run one forward with "
+            "grad enabled first (a training batch; no backward or optimizer step needed), then "
+            "ccfx.codec_state(compiled).load_state_dict(saved)"
+            + ("" if known else f". If this {type(compiled).__name__} was not compiled with "
+               "backend='ccfx', compile it: torch.compile(model, backend='ccfx', "
+               "options={...})")) from None
 
 
 def build_stages(compiled, rank: int | None = None, device="cpu", group=None, *,
