@@ -201,6 +201,8 @@ def _check_peer(store, rank: int, peer: int, key: str, at: dict, hint: str) -> N
     theirs = rec["at"]
     if theirs.get("fp") == at["fp"]:
         return  # on its way: it is at this very agreement
+    if rec["state"] == "waiting" and any(r["fp"] == theirs.get("fp") for r in _RECORD.recent):
+        return  # still polling at one this rank passed (both arrived): it is on its way here
     involved = rank in theirs.get("ranks", ())
     if not involved:
         return
