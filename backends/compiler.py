@@ -45,9 +45,9 @@ from ccfx.runtime.ledger import Ledger
 from ccfx.viz.observability import emit_plan_artifact
 from ccfx.viz.observability import install as _install_torch_logs
 
+from . import fallbacks
 from .collectives import Collectives
 from .collectives import active as collectives_active
-from . import fallbacks
 from .lowering import LoweredGraphs, lower
 from .plan_builder import build_graph_plan
 
