@@ -17,6 +17,7 @@ from .errors import (
 )
 from .plan import CutEdge, GraphPlan, Plan, SharedParam, Stage
 from .runtime import cut_op as _cut_op  # noqa: F401  (registers torch.ops.ccfx.cut)
+from .runtime.shard import shard  # sharded data parallel: collectives as graph nodes
 
 __version__ = "0.1.0"
 
@@ -223,6 +224,7 @@ __all__ = [
     "ledger_of",
     "local_steps",
     "plan_of",
+    "shard",
     "stage_boundary",
     "sync_grads",
 ]
