@@ -34,6 +34,10 @@ HAS = {name: importlib.util.find_spec(name) is not None
        for name in ("transformers", "accelerate", "pytorch_lightning")}
 SPEC_HF, SPEC_ACCELERATE, SPEC_LIGHTNING = "powersgd:rank=4,ef", "int8", "int8"
 STEPS_HF, STEPS_ACCELERATE, STEPS_LIGHTNING = 6, 30, 20
+#: resumes: (steps, saved at); Lightning: steps per epoch, 2 epochs, saved after the first
+STEPS_RESUME_HF, SAVE_AT_HF = 4, 2
+STEPS_RESUME_ACCELERATE, SAVE_AT_ACCELERATE = 10, 5
+PER_EPOCH_LIGHTNING = 4
 
 
 def _needs(*names: str) -> None:
@@ -50,11 +54,19 @@ def two():
     frameworks in the ranks)."""
     runs = []
     if HAS["transformers"] and HAS["accelerate"]:
-        runs.append(scenario("trainer", w.hf_trainer, SPEC_HF, STEPS_HF, False))
+        runs.append(scenario("trainer", w.hf_trainer, SPEC_HF, STEPS_HF, True))
+        runs.append(scenario("trainer_resume", w.hf_trainer_resume, SPEC_HF, STEPS_RESUME_HF,
+                             SAVE_AT_HF))
     if HAS["accelerate"]:
         runs.append(scenario("accelerate", w.accelerate_loop, SPEC_ACCELERATE, STEPS_ACCELERATE))
+        runs.append(scenario("accelerate_resume", w.accelerate_resume, "powersgd:rank=2,ef",
+                             STEPS_RESUME_ACCELERATE, SAVE_AT_ACCELERATE))
     if HAS["pytorch_lightning"]:
         runs.append(scenario("lightning", w.lightning_fit, SPEC_LIGHTNING, STEPS_LIGHTNING, True))
+        runs.append(scenario("lightning_resume", w.lightning_resume, "int8:ef",
+                             PER_EPOCH_LIGHTNING, 2))
+    runs.append(scenario("checkpoint_refusals", w.checkpoint_refusals))
+    runs.append(scenario("compiled_under_ddp_optimizer", w.compiled_under_ddp_optimizer))
     if not runs:
         pytest.skip("none of transformers, accelerate, pytorch-lightning is installed")
     return ranks.run_scenarios(2, runs, timeout_s=300, env={"TRANSFORMERS_VERBOSITY": "error"})
@@ -79,10 +91,20 @@ def _counted(ledger: dict, steps: int) -> None:
 
 
 @pytest.mark.slow
-def test_trainer_two_ranks_codec_hook(two):
+def test_trainer_two_ranks_compiled_stages_and_codec_hook(two):
+    """GPT-2 compiled by ccfx with 2 stages and int8 activations
+    (``model.compile(backend="ccfx", options=...)``, ``optimize_ddp=False``), then a 2-process
+    Trainer with ccfx's codec on DDP's buckets (``register_codec(trainer, spec)``): the ledgers
+    count both the cut edges and the buckets, the loss falls, the ranks stay bit-equal."""
     _needs("transformers", "accelerate")
     r0, r1 = two["trainer"]
     for r in (r0, r1):
+        # the model's graph has its 2 stages; the loss graph (a break) is left whole
+        assert r["graphs"] == [2, 1], r["graphs"]
+        compiled = r["compiled"]
+        for direction in ("fwd", "bwd"):
+            raw, wire = compiled[direction]
+            assert 0 < wire < raw / 3, compiled  # int8 on the cut edges, both ways
         assert r["wrapped_is_ddp"] and r["global_step"] == STEPS_HF
         _counted(r["ledger"], STEPS_HF)
         assert r["ledger_of_ddp_is_state"]  # ccfx.ledger_of(trainer.model_wrapped)
@@ -152,6 +174,94 @@ def test_lightning_module_with_compiled_stages(two):
         for direction in ("fwd", "bwd"):
             raw, wire = compiled[direction]
             assert 0 < wire < raw / 3, compiled  # int8: a quarter of fp32, plus scales
+
+
+# -- checkpoints: the hook's state saved and resumed through each framework ----------------------
+
+
+def _resumed(r: dict, steps: int) -> None:
+    """The hook state the fresh run restored is the one the first run had when it saved (same
+    steps, buckets, bits; not empty), and the resumed run ended bit-equal to the uninterrupted
+    one, parameters and hook state."""
+    assert r["restored_equals_saved"], (r["saved"], r["restored"])
+    assert r["restored"]["steps"] == steps and r["restored"]["nonzero"] >= 1, r["restored"]
+    assert r["final_states_equal"]
+    first, resumed = r["digests"]
+    assert first == resumed, "the resumed run is not bit-equal to the uninterrupted one"
+
+
+@pytest.mark.slow
+def test_trainer_checkpoint_holds_the_hook_state_and_resumes_bit_equal(two):
+    """``save_strategy="steps"``: every rank writes its own ``ccfx_comm_hook_rank<r>.pt`` into
+    ``checkpoint-<step>``; ``train(resume_from_checkpoint=...)`` in a fresh Trainer (other
+    initial weights) restores it (PowerSGD's Q and error-feedback residuals) and ends bit-equal
+    to the uninterrupted run (``ddp_find_unused_parameters=True``: DDP's buckets never change,
+    so the restored state fits from the first step)."""
+    _needs("transformers", "accelerate")
+    r0, r1 = two["trainer_resume"]
+    for rank, r in enumerate((r0, r1)):
+        assert {"ccfx_comm_hook_rank0.pt", "ccfx_comm_hook_rank1.pt"} <= set(r["files"])
+        assert r["restored_from"] == f"ccfx_comm_hook_rank{rank}.pt"
+        _resumed(r, SAVE_AT_HF)
+        assert r["steps_b"] == STEPS_RESUME_HF
+        assert r["losses"][0] == r["losses"][1]  # the steps after the resume too
+    assert r0["digests"] == r1["digests"]
+
+
+@pytest.mark.slow
+def test_accelerate_save_state_holds_the_hook_state_and_resumes_bit_equal(two):
+    """``register_codec(model, spec, accelerator=accelerator)``: ``save_state`` writes every
+    rank's hook state, ``load_state`` in a new Accelerator restores it, and the continued run
+    is bit-equal to the uninterrupted one; the same resume without ccfx's state is not (the
+    state matters: PowerSGD+EF restarted from zero takes other steps)."""
+    _needs("accelerate")
+    r0, r1 = two["accelerate_resume"]
+    for r in (r0, r1):
+        assert r["files"] == ["ccfx_comm_hook_rank0.pt", "ccfx_comm_hook_rank1.pt"]
+        _resumed(r, SAVE_AT_ACCELERATE)
+        assert r["fresh_restored"]["steps"] == 0
+        assert r["digest_without_state"] != r["digests"][1]
+    assert r0["digests"] == r1["digests"]
+
+
+@pytest.mark.slow
+def test_lightning_ckpt_holds_every_ranks_hook_state_and_resumes_bit_equal(two):
+    """The callback's ``state_dict`` gathers every rank's state into the ``.ckpt`` that rank 0
+    writes; ``fit(ckpt_path=...)`` with a fresh Trainer, module and callback gives each rank
+    its own back and ends bit-equal (saved at an epoch's end: Lightning restarts a plain
+    DataLoader's epoch when resumed inside it)."""
+    _needs("pytorch_lightning")
+    r0, r1 = two["lightning_resume"]
+    for r in (r0, r1):
+        assert r["ranks_in_ckpt"] == [0, 1] and r["world_in_ckpt"] == 2
+        _resumed(r, PER_EPOCH_LIGHTNING)
+        assert r["global_steps"] == [2 * PER_EPOCH_LIGHTNING] * 2
+    assert r0["digests"] == r1["digests"]
+
+
+@pytest.mark.slow
+def test_hook_state_of_another_world_or_rank_is_refused(two):
+    for rank, r in enumerate(two["checkpoint_refusals"]):
+        for case in ("world", "gathered_world"):
+            assert r[case]["error"] == "ConfigError"
+            assert "saved by 3 rank(s), and 2 run now" in r[case]["message"]
+            assert "Resume on as many ranks" in r[case]["message"]
+        assert r["rank"]["error"] == "ConfigError"
+        assert f"this is rank {rank}: each rank loads its own" in r["rank"]["message"]
+
+
+@pytest.mark.slow
+def test_ccfx_compiled_module_under_ddp_optimizer_is_refused(two):
+    """Dynamo's DDP optimizer would hand ccfx a compiled model's graph in bucket-sized pieces:
+    register_codec refuses, naming the setting that works, and registers once it is set; a
+    DDP model with nothing compiled by ccfx is not concerned."""
+    for r in two["compiled_under_ddp_optimizer"]:
+        assert r["refused"]["error"] == "ConfigError"
+        message = r["refused"]["message"]
+        assert "'fc1' is compiled by ccfx" in message
+        assert "torch._dynamo.config.optimize_ddp = False" in message
+        assert r["registered"]
+        assert r["plain"] is None, r["plain"]
 
 
 # -- Hugging Face Trainer, 1 process: stages and codecs from CCFX_OPTIONS ------------------------

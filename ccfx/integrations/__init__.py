@@ -77,7 +77,8 @@ def find_ddp(target: Any) -> DistributedDataParallel | None:
 
 
 def register_codec(target: Any, spec: str | CommHookState, process_group=None,
-                   collective: str = "all_gather") -> CommHookState | None:
+                   collective: str = "all_gather", *, accelerator=None,
+                   resume_from: str | None = None) -> CommHookState | None:
     """Average the gradients of ``target``'s DDP model through the codec ``spec``
     (``"powersgd:rank=4,ef"``, ``"int8"``, ``"fp16"``, ...): DDP's comm hook becomes ccfx's
     (:func:`ccfx.ddp_comm_hook`). Returns the hook's state: its ``ledger`` counts bytes per
@@ -93,14 +94,28 @@ def register_codec(target: Any, spec: str | CommHookState, process_group=None,
     With one process there is nothing to average: a :class:`~ccfx.CcfxWarning`, and None
     (the same script runs on 1 and N processes). A model that is not DDP-wrapped while
     several ranks run is a :class:`~ccfx.ConfigError`: its gradients would not be averaged.
+
+    Checkpoints (the hook's state: PowerSGD's Q, error-feedback residuals, the step counter;
+    per rank, in ``ccfx_comm_hook_rank<rank>.pt`` in the checkpoint folder):
+
+    * a Hugging Face Trainer: saved at every checkpoint and restored by
+      ``train(resume_from_checkpoint=...)`` (see :class:`HFCodecCallback`; ``resume_from``
+      names the folder when it is outside ``output_dir``);
+    * Accelerate: pass ``accelerator=``; ``accelerator.save_state(folder)`` /
+      ``load_state(folder)`` then save and restore it, on every rank (through accelerate's
+      ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``: an object given to
+      ``register_for_checkpointing`` is saved by the main process only, and residuals are per
+      rank).
     """
     state = spec if isinstance(spec, CommHookState) else CommHookState(spec, process_group,
                                                                          collective)
     if _is_hf_trainer(target):
         from ._hf import HFCodecCallback
 
-        target.add_callback(HFCodecCallback(state, trainer=target))
+        target.add_callback(HFCodecCallback(state, trainer=target, resume_from=resume_from))
         return state
+    if accelerator is not None:
+        _checkpoint_with(accelerator, state)
     ddp = find_ddp(target)
     if ddp is None:
         if _world(state.process_group) > 1:
@@ -117,10 +132,84 @@ def register_codec(target: Any, spec: str | CommHookState, process_group=None,
     return _register(ddp, state)
 
 
+def _checkpoint_with(accelerator, state: CommHookState) -> None:
+    """``accelerator.save_state`` / ``load_state`` save and restore ``state``, every rank its
+    own file (the pre-hooks run on every process and are handed the folder)."""
+    from . import _checkpoint
+
+    if getattr(state, "_ccfx_accelerator", None) is accelerator:
+        return  # registered already (register_codec called again with the same state)
+    state._ccfx_accelerator = accelerator
+
+    def save(_models, _weights, folder):
+        if _world(state.process_group) > 1:  # one process: no hook, nothing to save
+            _checkpoint.save_file(state, folder)
+
+    def load(_models, folder):
+        if not _checkpoint.load_file(state, folder) and _world(state.process_group) > 1:
+            warnings.warn(f"ccfx: no {_checkpoint.file_name(state)} in {folder}: ccfx's codec "
+                          f"{state.spec!r} starts from fresh state", CcfxWarning, stacklevel=2)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def _compiled_by_ccfx(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was compiled with ``backend="ccfx"`` (``torch.compile(module)`` or
+    ``module.compile()``), before or after its first call."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    from ..backends.compiler import config_of
+
+    if getattr(module, "_compiled_call_impl", None) is None and not hasattr(module,
+                                                                               "dynamo_ctx"):
+        return False
+    if config_of(module) is not None:
+        return True
+    inner = getattr(module, "_compiled_call_impl", None)  # module.compile(): a closure
+    for cell in getattr(inner, "__closure__", None) or ():
+        try:
+            ctx = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(ctx, _TorchDynamoContext) and config_of(
+                SimpleNamespace(dynamo_ctx=ctx)) is not None:
+            return True
+    return False
+
+
+def check_compiled_under_ddp(ddp: DistributedDataParallel) -> None:
+    """A ConfigError when a module inside ``ddp`` is compiled by ccfx while Dynamo's DDP
+    optimizer is on (``torch._dynamo.config.optimize_ddp``, torch's default): Dynamo then
+    splits every graph compiled inside DDP's forward at DDP's bucket boundaries and hands ccfx
+    the pieces one by one, which breaks ccfx's stages (a model over DDP's 1 MiB first bucket
+    fails; a smaller one is one piece and happens to work: refused alike, so that a model
+    growing past it does not start failing)."""
+    from torch._dynamo.utils import get_optimize_ddp_mode
+
+    if get_optimize_ddp_mode() != "ddp_optimizer":
+        return
+    compiled = next((name or type(ddp.module).__name__
+                     for name, m in ddp.module.named_modules() if _compiled_by_ccfx(m)), None)
+    if compiled is None:
+        return
+    raise ConfigError(
+        f"ccfx: {compiled!r} is compiled by ccfx and runs inside DistributedDataParallel, and "
+        "Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, on by default) would split "
+        "its graph at DDP's gradient-bucket boundaries and give ccfx each piece apart: ccfx's "
+        "pipeline stages need the model's whole graph. Set "
+        "torch._dynamo.config.optimize_ddp = False before training: the graph stays whole, "
+        "and DDP (with ccfx's codec as its comm hook) averages the gradients once the "
+        "compiled backward has made them")
+
+
 def _register(ddp: DistributedDataParallel, state: CommHookState) -> CommHookState:
     existing = hook_state_of(ddp)
     if existing is state:
         return state
+    check_compiled_under_ddp(ddp)
     hooks = getattr(ddp, "_comm_hooks", None) or []
     if hooks:
         names = ", ".join(getattr(h, "__qualname__", repr(h)) for h, _ in hooks)

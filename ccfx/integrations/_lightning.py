@@ -9,8 +9,10 @@ try:  # the standalone package first; the unified ``lightning`` package otherwis
 except ImportError:  # pragma: no cover (CI installs pytorch-lightning)
     import lightning.pytorch as pl
 
+from typing import Any
+
 from ..errors import CcfxWarning
-from . import _HookAttacher, find_ddp
+from . import _checkpoint, _HookAttacher, find_ddp
 
 
 class LightningCodecCallback(_HookAttacher, pl.Callback):
@@ -26,7 +28,20 @@ class LightningCodecCallback(_HookAttacher, pl.Callback):
     takes one hook; pass ccfx's here, not there). ``state``: the hook's state
     (``ccfx.ledger_of(callback.state)``; ``state_dict()`` for checkpoints). A strategy without
     DDP (one device) gets a :class:`~ccfx.CcfxWarning` and trains uncompressed.
+
+    Checkpoints: the hook's state is this callback's ``state_dict``, in Lightning's ``.ckpt``.
+    Rank 0 alone writes that file, and error-feedback residuals are per rank, so
+    ``state_dict`` gathers every rank's state to rank 0 (a collective: Lightning builds the
+    checkpoint on every rank); a resumed ``fit(ckpt_path=...)`` gives each rank its own back
+    (``load_state_dict``, before the hook is registered: the state waits for its buckets).
+    Another world size is a :class:`~ccfx.ConfigError`.
     """
+
+    def state_dict(self) -> dict[str, Any]:
+        return _checkpoint.gathered(self.state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _checkpoint.load_gathered(self.state, state_dict, "LightningCodecCallback")
 
     def on_train_start(self, trainer, pl_module):
         strategy = trainer.strategy
