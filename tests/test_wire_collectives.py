@@ -83,7 +83,9 @@ def spawned():
             scenario(f"ef_rs{world}", w.error_feedback, members, "reduce_scatter", "int4:ef",
                      (world * 4, 300), 3),
             scenario(f"ef_ar{world}", w.error_feedback, members, "all_reduce", "int8:ef",
-                     (7, 50), 2)]
+                     (7, 50), 2),
+            scenario(f"interleaved{world}", w.interleaved, members),
+            scenario(f"non_finite{world}", w.non_finite, members)]
     scenarios.append(scenario("int8_error", w.int8_all_reduce_error, (192, 1000)))
     return run_scenarios(3, scenarios, timeout_s=240)
 
@@ -222,6 +224,27 @@ def test_all_reduce_error_feedback_stays_bit_identical(ranks):
     assert all(row["norm"] > 0 for r in rows for row in r["rows"])
     for step in range(2):
         assert len({r["rows"][step]["out_digest"] for r in rows}) == 1, step
+
+
+@pytest.mark.slow
+def test_collectives_in_flight_together_do_not_mix(ranks):
+    """Three collectives' phases interleaved on one group, as the graph pass places them (every
+    issue, then the all-reduces' middle phases, then every wait): each result is what it is
+    alone, on every rank."""
+    _, got = ranks
+    for r in got["interleaved"]:
+        assert r["together"] == r["alone"]
+    assert len({tuple(r["together"]) for r in got["interleaved"]}) == 1
+
+
+@pytest.mark.slow
+def test_a_nan_stays_in_its_block_on_every_rank(ranks):
+    """One rank's NaN at element 10: its block of 256 (the first block of chunk 0) is NaN after
+    both encodes, every other element is finite, and every rank has the same bits."""
+    _, got = ranks
+    rows = got["non_finite"]
+    assert all(r["nan_at"] == list(range(256)) for r in rows), [r["nan_at"][:3] for r in rows]
+    assert len({r["digest"] for r in rows}) == 1
 
 
 @pytest.mark.slow

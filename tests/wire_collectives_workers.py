@@ -201,3 +201,48 @@ def int8_all_reduce_error(rank, world, shape):
     exact = fp64_reference(call, rank, gathered(x))
     return {"rel_l2": ((y.double() - exact).norm() / exact.norm()).item(),
             "wire_bytes": cc.wire_bytes(), "raw_bytes": cc.raw_bytes, "digest": digest(y)}
+
+
+def interleaved(rank, world, members):
+    """Three compressed collectives in flight at once on one group, their phases interleaved as
+    a graph pass places them (every phase 0, then the middle phases, then the last ones), over
+    ProcessGroupComm: the results' digests, and each one's digest when it runs alone."""
+    group, me = join(rank, world, members)
+    if group is None:
+        return None
+    size = len(members)
+    calls = [(CollectiveCall("all_reduce", (9, 31), torch.float32, size, "sum"), "int8"),
+             (CollectiveCall("all_gather", (4, 33), torch.float32, size), "fp8"),
+             (CollectiveCall("all_reduce", (300,), torch.float32, size, "avg"), "int4:ef")]
+    ccs = [CompressedCollective(call, spec) for call, spec in calls]
+    xs = [sample(me, 50 + i, call.shape) for i, (call, _) in enumerate(calls)]
+    comm = ProcessGroupComm(group)
+    alone = [digest(cc.run(x, cc.init_state(), comm)) for cc, x in zip(ccs, xs)]
+    states = [cc.init_state() for cc in ccs]
+    lists = [[s[k] for k in sorted(s)] for s in states]
+    carries: list = [[] for _ in ccs]
+    for i, cc in enumerate(ccs):
+        carries[i] = cc.phases[0](xs[i], lists[i], carries[i], comm)
+    for i, cc in enumerate(ccs):
+        for phase in cc.phases[1:-1]:
+            carries[i] = phase(xs[i], lists[i], carries[i], comm)
+    for i, cc in enumerate(ccs):
+        carries[i] = cc.phases[-1](xs[i], lists[i], carries[i], comm)
+    return {"together": [digest(c[0]) for c in carries], "alone": alone}
+
+
+def non_finite(rank, world, members):
+    """A NaN in one element of the last rank's input: the int8 all-reduce's result is NaN in
+    that element's block and finite elsewhere, on every rank alike."""
+    group, me = join(rank, world, members)
+    if group is None:
+        return None
+    size = len(members)
+    call = CollectiveCall("all_reduce", (1000,), torch.float32, size, "sum")
+    cc = CompressedCollective(call, "int8")
+    x = sample(me, 70, (1000,))
+    if me == size - 1:
+        x[10] = float("nan")
+    y = cc.run(x, cc.init_state(), ProcessGroupComm(group))
+    return {"nan_at": torch.isnan(y).nonzero().view(-1).tolist(), "digest": digest(y),
+            "chunk": cc.chunk}
