@@ -371,3 +371,39 @@ def test_nothing_in_ccfx_imports_the_integrations():
             if name == "ccfx.integrations" or name.startswith("ccfx.integrations."):
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {written}")
     assert not bad, bad
+
+
+def test_hook_state_file_round_trip_and_trainer_resume_lookup(tmp_path):
+    """One process: a state saved to a folder loads into a fresh one (steps, spec); the
+    Trainer callback looks for its file at ``resume_from``, then
+    ``<output_dir>/checkpoint-<step>``, and warns (fresh state) when neither has it."""
+    _needs("transformers")
+    from types import SimpleNamespace
+
+    from ccfx.integrations import HFCodecCallback, _checkpoint
+    from ccfx.runtime.comm_hook import CommHookState
+
+    saved = CommHookState("powersgd:rank=2,ef")
+    saved.steps = 7
+    path = _checkpoint.save_file(saved, str(tmp_path / "elsewhere"))
+    assert path.endswith("ccfx_comm_hook_rank0.pt")
+    fresh = CommHookState("powersgd:rank=2,ef")
+    assert _checkpoint.load_file(fresh, str(tmp_path / "elsewhere")) and fresh.steps == 7
+    assert not _checkpoint.load_file(fresh, str(tmp_path / "nothing"))
+    with pytest.raises(ccfx.ConfigError, match="for codec"):
+        _checkpoint.load_file(CommHookState("int8"), str(tmp_path / "elsewhere"))
+
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"), resume_from_checkpoint=None)
+    resumed = SimpleNamespace(global_step=7)
+    callback = HFCodecCallback("powersgd:rank=2,ef", resume_from=str(tmp_path / "elsewhere"))
+    callback._restore(args, resumed)
+    assert callback.state.steps == 7 and callback.restored_from == path
+    _checkpoint.save_file(saved, str(tmp_path / "out" / "checkpoint-7"))
+    callback = HFCodecCallback("powersgd:rank=2,ef")
+    callback._restore(args, resumed)
+    assert callback.restored_from.endswith("out/checkpoint-7/ccfx_comm_hook_rank0.pt")
+    callback = HFCodecCallback("powersgd:rank=2,ef")
+    with pytest.warns(ccfx.CcfxWarning, match="resumed at step 8, but no ccfx_comm_hook_rank0"):
+        callback._restore(args, SimpleNamespace(global_step=8))
+    assert callback.state.steps == 0 and callback.restored_from is None
+    callback._restore(args, SimpleNamespace(global_step=0))  # a fresh run: nothing looked for
