@@ -21,8 +21,9 @@ compressed on their own: no autograd rule is needed. Two steps, as ``grad_bucket
    left alone keeps its node, which gets the fact saying why.
 
 Codec state (error feedback's residual) becomes placeholders ``ccfx_cstate_<index>_<name>``
-appended after the graph's own inputs (in rewrite order, names sorted), updated in the graph
-with ``copy_``: the caller passes the tensors it owns there (``backends.collectives``).
+(a dot in the name becomes ``_``) appended after the graph's own inputs (in rewrite order,
+names sorted), updated in the graph with ``copy_``: the caller passes the tensors it owns there
+(``backends.collectives``).
 
 Facts: every collective node kept, every node spliced in and every state placeholder gets a
 :class:`~ccfx.passes.facts.CollectiveFacts`; the graph gets ``gm.meta["ccfx"]["collectives"]``
@@ -228,7 +229,7 @@ def compress_collectives(gm: torch.fx.GraphModule, found: Sequence[FoundCollecti
                 continue
             row = []
             for name in sorted(r.state):
-                node = graph.placeholder(f"ccfx_cstate_{r.index}_{name}")
+                node = graph.placeholder(f"ccfx_cstate_{r.index}_{name.replace('.', '_')}")
                 value = r.state[name]
                 node.meta["val"] = (fake_mode.from_tensor(value, static_shapes=True)
                                     if fake_mode is not None else value)
