@@ -128,7 +128,8 @@ def tp_train(rank, world, codec, steps):
 def tp_plan(rank, world, codec, overrides):
     compiled = compile_tp(tp_model(world), codec, collective_overrides=overrides)
     compiled(tp_input()).sum().backward()
-    return {"plan": plan_rows(compiled), "text": str(ccfx.plan_of(compiled))}
+    return {"plan": plan_rows(compiled), "text": str(ccfx.plan_of(compiled)),
+            "explain": ccfx.explain(compiled)}
 
 
 class Kinds(nn.Module):

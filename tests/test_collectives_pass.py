@@ -304,6 +304,8 @@ def test_overrides_by_index_beat_overrides_by_kind(two):
         assert [(c["index"], c["codec"]) for c in r["plan"]] == [(0, "fp8"), (1, "none")]
         assert "collective_overrides['collective 1']" in r["plan"][1]["reason"]
         assert "collective 1: none" in r["text"]
+        assert "graph 0 collective 1 (backward all_reduce, 8x16 on 2 ranks): unchanged: " \
+            "collective_overrides['collective 1'] is 'none'" in r["explain"]
 
 
 @pytest.mark.slow

@@ -16,10 +16,31 @@ def explain_plan(plan: Plan) -> str:
     out = []
     for g in plan.graphs:
         out += _graph(g, plan)
-    if not out:
+    collectives = _collectives(plan)
+    if not out and not collectives:
         out = [("ccfx explain: nothing was chosen by the planner (no option is 'auto'); "
                "set activation_codec, activation_grad_codec or gradient_codec to 'auto'")]
-    return "\n".join(out + measured_loss_costs(plan))
+    return "\n".join(out + collectives + measured_loss_costs(plan))
+
+
+def _collectives(plan: Plan) -> list[str]:
+    """The compiled graphs' collectives: the codec each one got from the options
+    (``collective_codec``, ``collective_overrides``; not priced by the planner yet) and why one
+    runs unchanged."""
+    rows = plan.collectives
+    if not rows:
+        return []
+    done = [c for c in rows if c.codec != "none"]
+    raw, wire = sum(c.raw_bytes for c in rows), sum(c.wire_bytes for c in rows)
+    out = [(f"collectives: {len(done)} of {len(rows)} compressed as the options say "
+            f"(collective_codec, collective_overrides; 'auto' does not price them yet), "
+            f"{raw} B raw -> {wire} B on the wire per call of each graph")]
+    for c in rows:
+        what = (f"{codecs.spelled(c.codec)}, {c.raw_bytes} -> {c.wire_bytes} B"
+                if c.codec != "none" else f"unchanged: {c.reason}")
+        out.append(f"  graph {c.graph} collective {c.index} ({c.part} {c.kind}, "
+                   f"{'x'.join(map(str, c.shape))} on {c.group_size} ranks): {what}")
+    return out
 
 
 def measured_loss_costs(plan: Plan) -> list[str]:
