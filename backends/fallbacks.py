@@ -26,7 +26,11 @@ skips right after a reset, before any ccfx compile, goes unnoticed.
 
 **A whole frame.** The first frame Dynamo tries for a compiled model is its ``forward``. If
 that compile ends with no ccfx graph and Dynamo counted a frame it gave up on, the model runs
-eagerly: the warning (or error) comes at once, before the eager run.
+eagerly: the warning comes at once, before the eager run. An error cannot: Dynamo's
+end-of-compile callback must not raise (its count of compiles in progress would stay up, and
+no callback would run again in the process), so it waits for the first gradient of one of
+the model's parameters (a hook on each: raised there, before any gradient is accumulated) or
+the model's next call, whichever comes first.
 
 **A large share outside.** The measure is the model's parameters that no ccfx graph takes as
 an input after its first call. Why parameters and not FLOPs: what runs outside never reaches a
@@ -36,10 +40,14 @@ attention projections) the FLOPs are the parameters' size times the tokens, so t
 parameters outside is the share of that work outside. It costs a set of tensor ids, once. It
 is blind to parameter-free work between graphs (a sparse product in the middle of captured
 code): the graph-break reasons, which the warning quotes, are what shows those. Checked once,
-when the first call is over: at the first backward of one of the model's graphs (before any
-gradient is used) or at the start of its second call, whichever comes first. A share of
-:data:`WARN_SHARE` or more warns (an error with ``stages`` > 1); under ``data_parallel`` any
-trainable parameter outside is an error (its gradient would differ between ranks).
+when the first call is over: at the first gradient of one of the model's trainable
+parameters (the same hooks, put on at the end of the model's first compile; Dynamo ignores
+hooks on parameters: no recompile, no graph break) or at the start of its second call,
+whichever comes first (a model that only ever runs once without grad is never checked). A
+share of :data:`WARN_SHARE` or more warns (an error with ``stages`` > 1); under
+``data_parallel`` any trainable parameter outside is an error (its gradient would differ
+between ranks). With ``sync_every`` alone it stays a warning: ``ccfx.local_steps`` averages
+the parameters whether or not ccfx compiled the model.
 
 The second call is seen through the Dynamo context's ``enter_exit_hooks`` (run at the entry
 of every call of the compiled model): ccfx puts its check first there, so an error raised
@@ -183,8 +191,8 @@ def _watch_of_running_compile() -> Watch | None:
             module = getattr(me, "_orig_mod", None)  # torch.compile(model)
             break
         frame = frame.f_back
-    if ctx is None:
-        return None
+    if ctx is None or getattr(ctx, "fullgraph", False):
+        return None  # fullgraph=True: Dynamo raises where it would break or give up
     watch = getattr(ctx, "_ccfx_fallbacks", None)
     if watch is not None:
         return watch

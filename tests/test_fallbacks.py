@@ -230,3 +230,12 @@ def _compiled(model, **options):
     options.setdefault("lowering", "eager")
     backend = ccfx.backend(**options)
     return torch.compile(model, backend=backend), backend
+
+
+def test_fullgraph_leaves_the_telling_to_dynamo():
+    compiled = torch.compile(GCN(), backend="ccfx", fullgraph=True, options={"lowering": "eager"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(Exception, match="sparse"):
+            compiled(adjacency(), features())
+    assert ccfx_warnings(caught) == []
