@@ -4,6 +4,7 @@ does not fit is a ccfx.ConfigError naming the option."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -46,8 +47,13 @@ def test_names_build_in_one_place():
 
 def test_cut_edge_state_is_named_by_channel_and_lives_in_no_codec_object():
     compiled = _trained()
-    names = list(ccfx.codec_state(compiled).state_dict())
+    saved = ccfx.codec_state(compiled).state_dict()
+    # what the state was made for: each channel's codec (meta.codecs, JSON bytes)
+    specs = json.loads(bytes(saved["meta.codecs"].tolist()).decode())
+    assert set(specs.values()) == {"int8:block=32,ef", "powersgd:rank=2"}, specs
+    names = [n for n in saved if not n.startswith("meta.")]
     assert names, "stateful codecs both ways"
+    assert {cs.split_key(n)[0] for n in names} == set(specs)
     pattern = re.compile(r"graph0\.edge\d+\.hop0to1\.(fwd\.residual|bwd\.q)$")
     assert all(pattern.match(n) for n in names), names
     assert any(n.endswith("fwd.residual") for n in names)
@@ -59,12 +65,14 @@ def test_cut_edge_state_is_named_by_channel_and_lives_in_no_codec_object():
 
 def test_the_earlier_names_still_load():
     compiled = _trained()
-    saved = {k: v.clone() for k, v in ccfx.codec_state(compiled).state_dict().items()}
+    saved = {k: v.clone() for k, v in ccfx.codec_state(compiled).state_dict().items()
+             if not k.startswith("meta.")}  # the earlier scheme recorded no meta
     # graph0.edge3.hop0to1.fwd.residual was graph0_edge3_hop0to1_fwd_residual
     old = {k.replace(".", "_"): v + 1 for k, v in saved.items()}
     again = _trained()
     ccfx.codec_state(again).load_state_dict(old)
-    live = ccfx.codec_state(again).state_dict()
+    live = {k: v for k, v in ccfx.codec_state(again).state_dict().items()
+            if not k.startswith("meta.")}
     assert sorted(live) == sorted(saved)
     assert all(torch.equal(v, saved[k] + 1) for k, v in live.items())
 
@@ -151,7 +159,8 @@ def test_a_stage_module_loads_the_earlier_names_and_refuses_misfits():
                         legacy="ccfx_grad_state.bucket0_")
     names = sorted(stage.state_dict())
     assert names == ["bias", "ccfx_codec_state.graph0.edge3.hop0to1.fwd.send.residual",
-                     "ccfx_codec_state.graph0.stage0.bucket0.q0000", "weight"]
+                     "ccfx_codec_state.graph0.stage0.bucket0.q0000",
+                     "ccfx_codec_state.meta.codecs", "weight"]
     old = {"weight": stage.weight.detach().clone(), "bias": stage.bias.detach().clone(),
            "ccfx_codec_state.edge3_send_fwd_residual": torch.ones(4),
            "ccfx_grad_state.bucket0_q0000": torch.full((3, 1), 2.0)}

@@ -49,13 +49,21 @@ What the state was made for rides along under ``meta.`` (:meth:`CodecState.set_m
 compiled data parallel records ``meta.world_size`` and ``meta.rank`` (error-feedback residuals
 and PowerSGD's Q are one rank's own) and each graph's backward count
 ``meta.graph0.backward_steps`` (what ends ``warmup_steps``: a resumed run goes on compressing
-where the saved one was). A checkpoint made for another world size or rank is a
-:class:`ccfx.ConfigError` saying what differs; one saved before ``meta`` existed loads as
-before.
+where the saved one was); a pipeline stage's holder records ``meta.stage``,
+``meta.num_stages``, ``meta.dp_world_size`` and ``meta.dp_rank`` (its place: the stage and,
+under PP × DP, the replica); every holder records each channel's codec spec in
+``meta.codecs`` (the JSON of ``{channel: spec}`` as bytes: two codecs can keep state of one
+shape, error feedback's residual). The state's names, shapes and dtypes are the tensors
+themselves. A checkpoint made for another place (:data:`PLACE`: world size, rank, stage) or
+another codec is a :class:`ccfx.ConfigError` saying what differs and what to do
+(:func:`check_place`, also what the DDP comm hook's and local steps' ``load_state_dict``
+call). A checkpoint saved before ``meta`` existed, or without one of its entries, loads as
+before: what it does not record is not checked.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 import torch
@@ -179,6 +187,31 @@ def check(want: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor],
         "compress_min_numel), the same model, stages and world size." + hint)
 
 
+#: What per-rank codec state was made for, compared when a checkpoint loads: the
+#: data-parallel world and rank (compiled data parallel, the DDP comm hook, local steps' replicas)
+#: and a pipeline stage's place (its index, the plan's stage count, its replica under PP × DP).
+PLACE = ("world_size", "rank", "num_stages", "stage", "dp_world_size", "dp_rank")
+
+
+def check_place(saved: Mapping[str, int], live: Mapping[str, int],
+                what: str = "codec state") -> None:
+    """Raise :class:`ccfx.ConfigError` where ``saved`` (what a checkpoint records of
+    :data:`PLACE`) and ``live`` (this run's) differ; what either does not record (a checkpoint
+    saved before ccfx recorded it) is not checked."""
+    differ = [f"{k}: the checkpoint's is {int(saved[k])}, this run's is {int(live[k])}"
+              for k in PLACE if k in saved and k in live and int(saved[k]) != int(live[k])]
+    if not differ:
+        return
+    stages = any(k in ("stage", "num_stages", "dp_world_size", "dp_rank") for k in saved)
+    own = "one pipeline stage's, of one replica" if stages else "each rank's own"
+    raise ConfigError(
+        f"the checkpoint's {what} was made for another place in the job: " + "; ".join(differ)
+        + f". Codec state (error-feedback residuals, PowerSGD's Q, counters) is {own}: resume "
+        "on the same number of ranks with the same stages, each rank loading the state it "
+        "saved; to change the world size or the stages, load the parameters and optimizer "
+        f"only and leave the {what} out (the codecs start afresh: error feedback from zero).")
+
+
 # -- the holder -------------------------------------------------------------------------------
 
 
@@ -202,6 +235,8 @@ class CodecState(torch.nn.Module):
         self._where = ""  # this module's path inside that module ("ccfx_codec_state.")
         #: meta.<name> → its int64 scalar (see set_meta)
         self._meta: dict[str, torch.Tensor] = {}
+        #: meta.codecs (see _set_codecs), None until a channel is added
+        self._codecs: torch.Tensor | None = None
         self._hook = self.register_load_state_dict_pre_hook(self._before_load)
 
     # -- channels ---------------------------------------------------------------------------
@@ -226,6 +261,7 @@ class CodecState(torch.nn.Module):
         self._tensors[channel] = dict(tensors)
         if legacy is not None:
             self._legacy[legacy] = channel
+        self._set_codecs()
         return dict(tensors)
 
     def channel(self, channel: str) -> Tensors | None:
@@ -250,13 +286,7 @@ class CodecState(torch.nn.Module):
     def set_meta(self, name: str, value: int) -> torch.Tensor:
         """Record ``meta.<name>`` (an int64 scalar buffer, in the state_dict); returns it (a
         counter is updated in place)."""
-        module: torch.nn.Module = self
-        for segment in ("meta", *name.split(".")[:-1]):
-            child = module._modules.get(segment)
-            if child is None:
-                child = torch.nn.Module()
-                module.add_module(segment, child)
-            module = child
+        module = self._meta_module(name.split("."))
         leaf = name.split(".")[-1]
         t = module._buffers.get(leaf)
         if t is None:
@@ -270,20 +300,51 @@ class CodecState(torch.nn.Module):
         return self._meta.get(name)
 
     def _check_meta(self, got: Mapping[str, torch.Tensor]) -> None:
-        """A checkpoint made for another world size or rank (per-rank state) is refused."""
-        saved = {k: int(v) for k, v in got.items() if k in ("world_size", "rank")}
-        live = {k: int(self._meta[k]) for k in ("world_size", "rank") if k in self._meta}
-        differ = [f"{k}: the checkpoint's is {saved[k]}, this run's is {live[k]}"
-                  for k in ("world_size", "rank") if k in saved and k in live
-                  and saved[k] != live[k]]
-        if differ:
-            raise ConfigError(
-                "the checkpoint's codec state was made for another data-parallel rank: "
-                + "; ".join(differ) + ". Codec state (error-feedback residuals, PowerSGD's Q, "
-                "the warm-up count) is each rank's own: resume on the same number of ranks, "
-                "each rank loading the codec_state it saved; to change the world size, load "
-                "the parameters and optimizer only and leave codec_state out (the codecs start "
-                "afresh: error feedback from zero).")
+        """A checkpoint made for another world size, rank or stage (per-rank state) is
+        refused."""
+        check_place({k: int(v) for k, v in got.items() if k in PLACE},
+                    {k: int(t) for k, t in self._meta.items() if k in PLACE})
+
+    def _set_codecs(self) -> None:
+        """``meta.codecs``: every channel's codec spec, as the bytes of their JSON."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        text = json.dumps(self._specs, sort_keys=True).encode()
+        with unset_fake_temporarily():  # a backward compiles inside a fake mode
+            t = torch.tensor(list(text), dtype=torch.uint8)
+        self._meta_module(["codecs"]).register_buffer("codecs", t)
+        self._codecs = t
+
+    def _meta_module(self, path: list[str]) -> torch.nn.Module:
+        """The submodule holding ``meta.<path>`` (made as needed)."""
+        module: torch.nn.Module = self
+        for segment in ("meta", *path[:-1]):
+            child = module._modules.get(segment)
+            if child is None:
+                child = torch.nn.Module()
+                module.add_module(segment, child)
+            module = child
+        return module
+
+    def _check_codecs(self, saved: torch.Tensor) -> None:
+        """The channels both have must run the codecs the checkpoint's state was made for."""
+        try:
+            theirs = json.loads(bytes(saved.tolist()).decode())
+        except (ValueError, TypeError):
+            return  # not ours to read: the names, shapes and dtypes are still checked
+        differ = [(c, theirs[c], spec) for c, spec in sorted(self._specs.items())
+                  if c in theirs and theirs[c] != spec]
+        if not differ:
+            return
+        lines = "\n".join(f"  {c}: the checkpoint's state is for {old!r}, this model runs "
+                          f"{new!r} ({option_of(c)})" for c, old, new in differ)
+        options = ", ".join(sorted({option_of(c) for c, _, _ in differ}))
+        raise ConfigError(
+            "the checkpoint's codec state was made for other codecs (the state of one codec "
+            f"means nothing to another, even where its shape fits):\n{lines}\nResume with the "
+            f"codecs it was saved with ({options}), or load the parameters and optimizer only "
+            "and leave the codec state out (the codecs start afresh: error feedback from "
+            "zero).")
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -300,12 +361,20 @@ class CodecState(torch.nn.Module):
         self._translate(state_dict, prefix, at)
         got = {k[len(at):]: v for k, v in state_dict.items() if k.startswith(at)}
         meta = {k[len("meta."):]: got.pop(k) for k in list(got) if k.startswith("meta.")}
+        saved_codecs = meta.pop("codecs", None)
         self._check_meta(meta)
+        if got:  # a checkpoint without codec state (parameters only) is torch's business
+            check(self._live(), got, self._specs)
+        if saved_codecs is not None:  # names, shapes and dtypes fit: the codecs too?
+            self._check_codecs(saved_codecs)
+        # this run's record of its codecs stands (the checkpoint's may list fewer channels: a
+        # holder saved before its backward compiled); none: nothing to load it into
+        state_dict.pop(f"{at}meta.codecs", None)
+        if (got or meta or saved_codecs is not None) and self._codecs is not None:
+            state_dict[f"{at}meta.codecs"] = self._codecs.clone()
         if got or meta:  # a checkpoint saved before meta existed: keep this run's values
             for name, t in self._meta.items():
                 state_dict.setdefault(f"{at}meta.{name}", t.clone())
-        if got:  # a checkpoint without codec state (parameters only) is torch's business
-            check(self._live(), got, self._specs)
 
     def _translate(self, state_dict, prefix: str, at: str) -> None:
         """Rename, in place, the names of the earlier schemes this holder knows."""

@@ -24,7 +24,10 @@ Buckets and state. Each bucket's codec state (PowerSGD's Q, error-feedback resid
 counters) is keyed by ``bucket.index()`` and made at the bucket's first call (by the exchange's
 ``init_state``, passed to every call). A checkpoint (``state_dict()``) names it as every ccfx
 checkpoint does (:mod:`ccfx.codecs.state`): ``state["state"]["ddp.bucket0.q0000"]``, beside
-``state["buckets"][0]``, the gradient shapes and dtype the bucket's state was made for. DDP regroups its
+``state["buckets"][0]``, the gradient shapes and dtype the bucket's state was made for, and
+``state["world_size"]`` / ``state["rank"]``: the state is this rank's own, so a checkpoint loaded
+on another rank or world size is a :class:`~ccfx.ConfigError` (one saved before ccfx recorded
+them loads unchecked). DDP regroups its
 buckets once, after its first iteration (unless ``find_unused_parameters=True``), so a bucket
 index can come back with other gradients in it: that bucket then starts from fresh state, since
 a Q or a residual belongs to the gradients it was made for. For the same reason a resumed run
@@ -32,6 +35,20 @@ reproduces the uninterrupted one bit for bit only when its buckets are those of 
 from the first iteration on: with ``find_unused_parameters=True`` they are; otherwise the loaded
 state waits for the rebuilt buckets and the resumed run's first iteration uses fresh state (a
 :class:`~ccfx.CcfxWarning` says so).
+
+Uneven inputs (DDP's ``join``). torch's own ``Join([ddp_model])`` works with this hook (tested
+in tests/test_state_meta.py): a rank out of data shadows its peers' remaining steps, DDP running
+the hook on zero gradients, so every rank issues the same collectives and ends with the same
+parameters (DDP gives the joined ranks the last one's). The joined rank's codec state goes on
+too: with error feedback it sends what its residual still holds (late, as error feedback always
+sends). Compiled data parallel (``data_parallel=True``) has no such context, by decision: its
+collectives are spliced into the compiled backward, so a rank out of data could shadow them only
+by running the compiled forward and backward on a batch of its peers' shapes, and every step
+would first need a collective asking which ranks still have data (DDP's Join pays one all-reduce
+per step for it). There, give every rank the same number of equal batches
+(``DataLoader(drop_last=True)``, ``DistributedSampler(..., drop_last=True)``), or stop every rank
+after the smallest rank's number of batches (``all_reduce(MIN)`` of ``len(loader)`` before
+training); a rank that recompiles for an uneven batch is named (README, "When things fail").
 """
 
 import warnings
@@ -43,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from .. import codecs
-from ..codecs.state import SCHEME, check, ddp_channel, named, split_key
+from ..codecs.state import SCHEME, check, check_place, ddp_channel, named, split_key
 from ..config import COLLECTIVES
 from ..errors import CcfxWarning, ConfigError
 from ..wire.comm import ProcessGroupComm
@@ -147,19 +164,31 @@ class CommHookState:
                 for i, b in self.buckets.items()}
         entries = {**{i: _clone_entry(e) for i, e in self._pending.items() if i not in live},
                    **live}
-        return {"spec": self.spec, "steps": self.steps,
+        return {"spec": self.spec, "steps": self.steps, **self._place(),
                 "buckets": {i: {"shapes": e["shapes"], "dtype": e["dtype"]}
                             for i, e in entries.items()},
                 "state": {k: t for i, e in entries.items()
                           for k, t in named(ddp_channel(i), e["state"]).items()}}
 
+    def _place(self) -> dict[str, int]:
+        """What this state is made for: the hook's world size and this rank in it (error
+        feedback's residuals are each rank's own)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return {"world_size": 1, "rank": 0}
+        return {"world_size": dist.get_world_size(self.process_group),
+                "rank": dist.get_rank(self.process_group)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copy saved state into the live buckets it fits; keep the rest for the first call of a
         bucket with the saved layout. Checkpoints of the earlier layout (each bucket's state
-        nested in its entry) load too."""
+        nested in its entry) load too. A checkpoint made for another codec, world size or rank
+        is a :class:`~ccfx.ConfigError` saying what differs; one saved before ccfx recorded
+        the world size and rank loads without that check."""
         if codecs.canonical(state["spec"]) != self.spec:
             raise ConfigError(f"this hook state is for codec {self.spec!r}, the checkpoint's is "
                               f"for {state['spec']!r}: build the hook with the checkpoint's spec")
+        check_place({k: state[k] for k in ("world_size", "rank") if k in state}, self._place(),
+                    "DDP comm hook state")
         entries = _entries(state)
         self.steps = int(state["steps"])
         self._pending = {}

@@ -39,7 +39,11 @@ the result of an exchange still in flight (so a checkpoint taken between a fragm
 its merge resumes with identical numerics), and this replica's own parameters: a new
 ``local_steps`` starts by giving every replica the first one's parameters, which between two
 syncs are not this replica's. Save it beside the optimizer's; to resume, make the model and
-optimizer, call ``local_steps``, then load the optimizer's state and this one.
+optimizer, call ``local_steps``, then load the optimizer's state and this one. What the state
+was made for rides with it: the outer options, the number of replicas and this replica's rank
+among them (its parameters and residuals are its own: a checkpoint loaded on another replica or
+world size is a :class:`~ccfx.ConfigError`; one saved before ccfx recorded them loads without
+that check), the fragments' parameter names and shapes.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..codecs.state import check, named, outer_channel
+from ..codecs.state import check, check_place, named, outer_channel
 from ..config import Config
 from ..errors import CollectiveError, ConfigError
 from ..wire import agree
@@ -331,6 +335,7 @@ class LocalSteps:
             })
         return {"step": self.step, "syncs": self.syncs, "raw_bytes": self.raw_bytes,
                 "wire_bytes": self.wire_bytes, "config": _outer_options(self.config),
+                "world_size": self.world, "rank": self._replica(),
                 "fragments": frags,
                 "codec": {k: t.clone() for k, t in self._codec_state().items()}}
 
@@ -339,16 +344,38 @@ class LocalSteps:
         return {k: t for frag in self.fragments for p, part in enumerate(frag.parts)
                 for k, t in named(outer_channel(frag.index, p), part.state).items()}
 
+    def _replica(self) -> int:
+        """This replica's rank among the replicas (0 without a process group)."""
+        return dist.get_rank(self.group) if self.group is not None else 0
+
     def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`. What it was made for is checked first, each a
+        :class:`~ccfx.ConfigError` saying what differs: the outer options, the number of
+        replicas and this replica's rank among them (this replica's parameters and
+        error-feedback residuals are its own), the fragments' parameters and their shapes, the
+        codec state's names and shapes. A checkpoint saved before ccfx recorded the world size
+        and rank loads without that check."""
         saved, now = state["config"], _outer_options(self.config)
         if saved != now:
             diff = {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
             raise ConfigError(f"this local-steps state was saved with other options "
                               f"(saved, now): {diff}; resume with the saved options")
+        check_place({k: state[k] for k in ("world_size", "rank") if k in state},
+                    {"world_size": self.world, "rank": self._replica()}, "local-steps state")
         if len(state["fragments"]) != len(self.fragments) or any(
                 s["names"] != f.names for s, f in zip(state["fragments"], self.fragments)):
             raise ConfigError("the checkpoint's fragments hold other parameters than this "
                               "model's: resume the same model with the same fragments")
+        misfits = [f"{name}: the checkpoint's is {tuple(t.shape)}, this model's "
+                   f"{tuple(p.shape)}"
+                   for saved_frag, frag in zip(state["fragments"], self.fragments)
+                   for key in ("global", "local")
+                   for name, t, p in zip(frag.names, saved_frag[key], frag.local)
+                   if tuple(t.shape) != tuple(p.shape)]
+        if misfits:
+            raise ConfigError("the checkpoint's local-steps parameters have other shapes than "
+                              f"this model's ({'; '.join(dict.fromkeys(misfits))}): resume the "
+                              "same model (the same sizes) it was saved from")
         codec = state.get("codec")
         if codec is None:  # the earlier layout: a list of each fragment's parts' state
             codec = {k: t for f, saved_frag in enumerate(state["fragments"])

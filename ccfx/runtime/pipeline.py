@@ -387,21 +387,41 @@ def fingerprint(interfaces: Sequence[StageInterface]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def plan_description(interfaces: Sequence[StageInterface]) -> dict:
+    """What the pipeline ranks agree on, readable where it differs
+    (:func:`ccfx.wire.agree.diff` names the keys): each cut edge's hop and direction with its
+    codec (``"edge 3 (stage 1 -> 2), forward": "int8"``), each stage's interface without the
+    codecs (names, shapes, dtypes: a fingerprint) and the number of stages."""
+    desc: dict = {"num_stages": len(interfaces)}
+    for i in interfaces:
+        for p in i.outputs:
+            where = f"edge {p.edge} (stage {p.hop[0]} -> {p.hop[1]})"
+            desc[f"{where}, forward"] = p.codec
+            desc[f"{where}, backward"] = p.grad_codec
+        ports = [[(p.name, p.edge, p.hop, p.shape, str(p.dtype), p.requires_grad)
+                  for p in ps] for ps in (i.inputs, i.outputs)]
+        desc[f"stage {i.index} shapes"] = hashlib.sha256(
+            repr((i.index, i.num_stages, ports)).encode()).hexdigest()[:16]
+    return desc
+
+
 def check_same_plan(interfaces: Sequence[StageInterface], group: dist.ProcessGroup | None,
                     rank: int, timeout_s: float = 300.0) -> str:
     """The ranks of ``group`` agree on the stage plan (:func:`ccfx.wire.agree.meet`, keyed by
-    its fingerprint: ranks with different plans fail naming both fingerprints and the stages
-    that differ); returns the plan's fingerprint."""
+    its fingerprint: ranks with different plans fail naming what differs, as
+    ``edge 3 (stage 1 -> 2), forward ("int8" vs "fp8")``: this rank's codec, then the peer's;
+    or the stages whose shapes differ); returns the agreement's fingerprint."""
     from ..wire import agree
 
-    desc = {"stages": {f"stage {i.index}": fingerprint([i]) for i in interfaces},
-            "num_stages": len(interfaces)}
+    desc = plan_description(interfaces)
     if not dist.is_initialized():
         return agree.fingerprint(desc)
     return agree.meet(
         "a pipeline's stage plan", desc, agree.world_ranks(group), timeout_s=timeout_s,
-        hint="The pipeline ranks planned different stages: every rank must compile the same "
-             "model with the same options and the same microbatch shape.")
+        hint="(Each difference reads: this rank's value vs the peer's.) The pipeline ranks "
+             "planned different stages: every rank must compile the same model with the same "
+             "options (activation_codec, activation_grad_codec, codec_overrides) and the same "
+             "microbatch shape.")
 
 
 #: ``gradient_codecs(parent) -> per-stage codecs``: the data-parallel gradient codec of each
@@ -446,7 +466,26 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph, codec)
     for st in out:
         st.grad_sync = sync
+    _record_place(out, len(interfaces), dp_group)
     return out
+
+
+def _record_place(stages: list[CompressedStage], num_stages: int, dp_group) -> None:
+    """What each stage's codec state was made for, in its ``meta.`` (stages without codec
+    state get none: their ``state_dict()`` stays the parameters'): the stage, the plan's stage
+    count, and the replica under PP × DP (the buckets' error feedback is the replica's own).
+    A checkpoint made for another stage, plan or replica is then a ConfigError at load
+    (:func:`ccfx.codecs.state.check_place`); one saved before ccfx recorded this loads
+    unchecked."""
+    dp_world = dist.get_world_size(dp_group) if dp_group is not None else 1
+    dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    for st in stages:
+        holder = getattr(st.submod, STAGE_ATTR, None)
+        if holder is None or not holder.channels():
+            continue
+        for name, value in (("stage", st.stage_index), ("num_stages", num_stages),
+                            ("dp_world_size", dp_world), ("dp_rank", dp_rank)):
+            holder.set_meta(name, value)
 
 
 def _p2p_group(group, plan_fp: str, timeout_s: float):
