@@ -20,7 +20,10 @@ made by the codec's ``init_state``, passed to every encode and decode, and regis
 stage module's :class:`~ccfx.codecs.state.CodecState` as ``ccfx_codec_state.<channel>.<name>``,
 channel ``graph0.edge3.hop1to2.fwd.send`` (``.recv``; ``.bwd.…`` for gradients; see
 :mod:`ccfx.codecs.state`). ``stage.submod.state_dict()`` holds them beside the parameters, so a
-checkpoint of each rank resumes with the same numerics. Per hop
+checkpoint of each rank resumes with the same numerics; beside them, what they were made for
+(``ccfx_codec_state.meta.``: the stage, the plan's stage count, the replica under PP × DP, each
+channel's codec), so a checkpoint of another stage, plan, replica or codec is a ConfigError
+saying what differs (one saved before ccfx recorded it loads unchecked). Per hop
 and direction, microbatches are encoded in the same order under every schedule (0, 1, …), so
 the single-process simulation, which runs the same encode and decode in that order, computes
 the same values: that is what tests/test_pipeline.py checks.
