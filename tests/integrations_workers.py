@@ -56,11 +56,11 @@ def _compiled_ledger(module) -> dict:
 # -- Hugging Face Trainer -------------------------------------------------------------------------
 
 
-def _tiny_gpt2(seed: int):
+def _tiny_gpt2(seed: int, layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=layers, n_head=2,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(config)
 
@@ -91,7 +91,7 @@ def _whole_graphs_under_ddp():
     return torch._dynamo.config.patch(optimize_ddp=False)
 
 
-def hf_trainer(rank: int, world: int, spec: str, steps: int, compiled: bool,
+def hf_trainer(rank: int, world: int, spec: str, steps: int, compiled: bool, layers: int = 2,
                **args) -> dict:
     """The Trainer on ``world`` ranks, ccfx's codec registered with one line
     (``register_codec(trainer, spec)``); ``compiled``: the model also compiled by ccfx with
@@ -100,7 +100,7 @@ def hf_trainer(rank: int, world: int, spec: str, steps: int, compiled: bool,
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import Trainer
 
-    model = _tiny_gpt2(seed=rank)  # DDP broadcasts rank 0's parameters
+    model = _tiny_gpt2(seed=rank, layers=layers)  # DDP broadcasts rank 0's parameters
     if compiled:
         model.compile(backend="ccfx", options=STAGES)
     with tempfile.TemporaryDirectory() as folder, _whole_graphs_under_ddp():
