@@ -15,8 +15,15 @@ overlap, and each bucket is averaged through a ccfx codec. What a user writes::
 Then ``ccfx.ledger_of(ddp_model)`` / ``ccfx.plan_of(ddp_model)`` (or ``ccfx.ledger_of(state)``
 with the state :func:`register_codec` returned) count the bytes per bucket per step.
 
+Checkpoints: the hook's state is per rank (error-feedback residuals), and goes where each
+framework lets every rank's state be saved and restored (see :mod:`._checkpoint`): a file per
+rank in the Hugging Face Trainer's ``checkpoint-<step>`` folder and in Accelerate's
+``save_state`` folder (``register_codec(model, spec, accelerator=accelerator)``), every rank's
+state gathered into Lightning's ``.ckpt`` by the callback's ``state_dict``.
+
 Pipeline stages and activation codecs are a compile of the model itself, before the framework
-sees it: ``model.compile(backend="ccfx", options={...})``. Frameworks that take only a backend
+sees it: ``model.compile(backend="ccfx", options={...})``. Under DDP that needs
+``torch._dynamo.config.optimize_ddp = False`` (:func:`check_compiled_under_ddp` says why). Frameworks that take only a backend
 *name* do not work: accelerate accepts only the names of its ``DynamoBackend`` enum
 (``TrainingArguments(torch_compile_backend="ccfx")`` raises accelerate's ``ValueError: 'CCFX'
 is not a valid DynamoBackend`` inside ``Trainer(...)``, before any ccfx code runs), and it would
