@@ -82,7 +82,24 @@ def _eager(graphs: LoweredGraphs, rewrite: BackwardRewrite | None,
     return aot_autograd(
         fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"), keep_inference_input_mutations=True,
+        partition_fn=_partition,
     )
+
+
+def _partition(joint, inputs, **kwargs):
+    """AOT's default partitioner, except for graphs with recompute tags (a checkpointed region,
+    ``ccfx.shard``'s gathers), which get inductor's min-cut one: the default saves every
+    untagged forward node that backward reads, such as the transpose of a gathered weight,
+    which keeps the whole weight alive until backward."""
+    from torch._functorch.partitioners import (
+        default_partition,
+        has_recomputable_ops,
+        min_cut_rematerialization_partition,
+    )
+
+    chosen = (min_cut_rematerialization_partition if has_recomputable_ops(joint)
+              else default_partition)
+    return chosen(joint, inputs, **kwargs)
 
 
 def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite | None,
