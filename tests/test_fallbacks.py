@@ -196,6 +196,7 @@ def test_model_compile_and_sync_every_warn_without_raising():
     assert "sync_every=4: ccfx.local_steps still averages the parameters" in said[0]
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: ~15 s idle on 2 cores
 def test_a_fresh_process_is_told_through_the_entry_point_alone(tmp_path):
     """No ``import ccfx``, no reset: torch.compile's lookup of backend="ccfx" imports ccfx,
     which registers the callbacks before the model's first call."""
