@@ -199,11 +199,14 @@ class _Packing:
         widest = max((d.itemsize for _, d in layout), default=1)
         return _Packing(layout, order, tuple(spans), -(-at // widest) * widest)
 
+    @property
+    def _padding(self) -> int:
+        return self.nbytes - sum(n for _, n in self.spans)
+
     def pack(self, payload: Tensors) -> torch.Tensor:
         parts = [payload[i].contiguous().reshape(-1).view(torch.uint8) for i in self.order]
-        used = sum(n for _, n in self.spans)
-        if self.nbytes > used:
-            parts.append(parts[0].new_zeros(self.nbytes - used))
+        if self._padding:
+            parts.append(parts[0].new_zeros(self._padding))
         return torch.cat(parts)
 
     def unpack(self, buf: torch.Tensor, start: int = 0) -> Tensors:
@@ -211,17 +214,55 @@ class _Packing:
         return [buf[start + at:start + at + n].view(dtype).view(shape)
                 for (shape, dtype), (at, n) in zip(self.layout, self.spans)]
 
+    def pack_rows(self, payload: Tensors, rows: int) -> torch.Tensor:
+        """``rows`` messages back to back from one payload of ``rows`` chunks whose tensors are
+        1-D and hold the chunks' tensors one after the other (see ``_rows_split``)."""
+        parts = [payload[i].contiguous().view(rows, -1).view(torch.uint8) for i in self.order]
+        if self._padding:
+            parts.append(parts[0].new_zeros(rows, self._padding))
+        return torch.cat(parts, dim=1).reshape(-1)
 
-def _inner_spec(codec: Codec) -> str:
-    return codec.inner.spec if isinstance(codec, ErrorFeedback) else codec.spec
+    def unpack_rows(self, buf: torch.Tensor, rows: int) -> Tensors:
+        """The inverse of :meth:`pack_rows`: the 1-D payload of ``rows`` chunks (copies)."""
+        grid = buf.view(rows, self.nbytes)
+        return [grid[:, at:at + n].contiguous().view(dtype).reshape(-1)
+                for (_, dtype), (at, n) in zip(self.layout, self.spans)]
+
+
+def _inner(codec: Codec) -> Codec:
+    return codec.inner if isinstance(codec, ErrorFeedback) else codec
+
+
+def _rows_split(codec: Codec, chunk: int, rows: int, dtype: torch.dtype) -> bool:
+    """Whether ``rows`` chunks of ``chunk`` elements encoded as one tensor give each chunk's own
+    payload as the rows of every payload tensor: an elementwise cast, or a blockwise codec
+    whose blocks do not cross a chunk's edge. Then one encode (one decode) serves every chunk;
+    otherwise each chunk has its own."""
+    from ..codecs.blockwise import BlockScaled
+    from ..codecs.cast import Bf16, Fp16
+
+    inner = _inner(codec)
+    if isinstance(inner, BlockScaled):
+        if chunk % inner.block:
+            return False
+    elif not isinstance(inner, (Bf16, Fp16)):
+        return False
+    whole = codec.payload_layout((rows * chunk,), dtype)
+    one = codec.payload_layout((chunk,), dtype)
+    return len(whole) == len(one) and all(
+        len(ws) == 1 and len(os) == 1 and int(ws[0]) == rows * int(os[0]) and wd == od
+        for (ws, wd), (os, od) in zip(whole, one))
 
 
 class CompressedCollective:
     """One collective through a codec, as phases (see the module docstring).
 
-    ``ConfigError`` when :func:`refuse` says the spec cannot compress the call."""
+    ``ConfigError`` when :func:`refuse` says the spec cannot compress the call. ``rows``
+    (None: decide) forces or forbids encoding and decoding all chunks in one call, where the
+    codec allows it (``_rows_split``): the bits are the same either way, the state layout not
+    (tests compare the two)."""
 
-    def __init__(self, call: CollectiveCall, spec: str):
+    def __init__(self, call: CollectiveCall, spec: str, rows: bool | None = None):
         why = refuse(call, spec)
         if why is not None:
             raise ConfigError(f"{call.kind} of {tuple(call.shape)} {call.dtype} on "
@@ -232,19 +273,36 @@ class CompressedCollective:
         self.spec = self.codec.spec
         self.identity = self.codec.name == "none"
         self._avg = (call.reduce_op or "").lower() == "avg"
-        w, n = call.world, call.numel
+        w, n, dtype = call.world, call.numel, call.dtype
         #: Elements per chunk: the local shard (all_gather), else 1/W of the (padded) input.
         self.chunk = n if call.kind == "all_gather" else -(-n // w)
+        #: Chunks this rank encodes: W, one per destination (all_gather: its shard).
         self.chunks = 1 if call.kind == "all_gather" else w
-        self.packing = _Packing.of(self.codec.payload_layout((self.chunk,), call.dtype))
-        inner = codecs.prototype(_inner_spec(self.codec))
-        self._owner_spec = inner.spec
-        # state names, per chunk and (all_reduce) for the owner's encode
-        per_chunk = sorted(self.codec.state_layout((self.chunk,), call.dtype))
-        self._chunk_names = [[self._name(j, k) for k in per_chunk] for j in range(self.chunks)]
-        self._owner_names = ([f"owner.{k}" for k in sorted(inner.state_layout((self.chunk,),
-                                                                              call.dtype))]
-                             if call.kind == "all_reduce" and not self.identity else [])
+        self.packing = _Packing.of(self.codec.payload_layout((self.chunk,), dtype))
+        inner = codecs.prototype(_inner(self.codec).spec)
+        self._inner_spec = inner.spec
+        #: One encode and one decode for all chunks (else one per chunk).
+        self.rows = not self.identity and _rows_split(self.codec, self.chunk, w, dtype)
+        if rows is not None:
+            if rows and not self.rows:
+                raise ConfigError(f"codec {self.spec!r} cannot encode {w} chunks of "
+                                  f"{self.chunk} elements in one call")
+            self.rows = rows
+        # state: the encode's (per chunk, or one for all rows), the all-reduce owner's
+        if self.rows or self.chunks == 1:
+            self._encode_state = {k: v for k, v in self.codec.state_layout(
+                (self.chunks * self.chunk,), dtype).items()}
+            self._chunk_names = [sorted(self._encode_state)]
+        else:
+            per = self.codec.state_layout((self.chunk,), dtype)
+            self._encode_state = {f"chunk{j:04d}.{k}": v for j in range(self.chunks)
+                                  for k, v in per.items()}
+            self._chunk_names = [[f"chunk{j:04d}.{k}" for k in sorted(per)]
+                                 for j in range(self.chunks)]
+        self._owner_state = ({f"owner.{k}": v for k, v in
+                              inner.state_layout((self.chunk,), dtype).items()}
+                             if call.kind == "all_reduce" and not self.identity else {})
+        self._owner_names = sorted(self._owner_state)
 
     # -- what the plan and the pass read --------------------------------------------------
 
@@ -279,33 +337,24 @@ class CompressedCollective:
             return [("all_gather", b)]
         return [("all_to_all", w * b)]
 
-    def _name(self, j: int, k: str) -> str:
-        return k if self.chunks == 1 else f"chunk{j:04d}.{k}"
-
     def state_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Name → (shape, dtype) of every state tensor: the codec's state per chunk this rank
-        encodes (its error-feedback residual, a stochastic codec's step), and the all-reduce
-        owner's (the inner codec's: no error feedback there)."""
-        out = {}
-        layout = self.codec.state_layout((self.chunk,), self.call.dtype)
-        for j in range(self.chunks):
-            for k, v in layout.items():
-                out[self._name(j, k)] = v
-        if self._owner_names:
-            inner = codecs.prototype(self._owner_spec)
-            for k, v in inner.state_layout((self.chunk,), self.call.dtype).items():
-                out[f"owner.{k}"] = v
-        return out
+        """Name → (shape, dtype) of every state tensor: the codec's state for what this rank
+        encodes from its input (its error-feedback residual, a stochastic codec's step; one per
+        chunk when chunks are encoded one by one, ``chunk0003.residual``), and the all-reduce
+        owner's (``owner.step``: the inner codec's, no error feedback there)."""
+        return {**self._encode_state, **self._owner_state}
 
     def init_state(self, device=None) -> dict[str, torch.Tensor]:
-        out = {}
-        init = self.codec.init_state((self.chunk,), self.call.dtype, device)
-        for j in range(self.chunks):
-            for k, v in init.items():
-                out[self._name(j, k)] = v.clone()
-        if self._owner_names:
-            inner = codecs.prototype(self._owner_spec)
-            for k, v in inner.init_state((self.chunk,), self.call.dtype, device).items():
+        dtype = self.call.dtype
+        if self.rows or self.chunks == 1:
+            out = self.codec.init_state((self.chunks * self.chunk,), dtype, device)
+        else:
+            init = self.codec.init_state((self.chunk,), dtype, device)
+            out = {f"chunk{j:04d}.{k}": v.clone() for j in range(self.chunks)
+                   for k, v in init.items()}
+        if self._owner_state:
+            inner = codecs.prototype(self._inner_spec)
+            for k, v in inner.init_state((self.chunk,), dtype, device).items():
                 out[f"owner.{k}"] = v
         return out
 
@@ -336,52 +385,71 @@ class CompressedCollective:
     def _named(self, state: Tensors) -> dict[str, torch.Tensor]:
         return dict(zip(sorted(self.state_layout()), state))
 
-    def _encode(self, x: torch.Tensor, spec: str, state: Tensors) -> torch.Tensor:
+    @staticmethod
+    def _encode(x: torch.Tensor, spec: str, state: Tensors) -> Tensors:
         payload, new = torch.ops.ccfx_codecs.encode(x, spec, state)
         for s, n in zip(state, new):
             s.copy_(n)
-        return self.packing.pack(list(payload))
+        return list(payload)
 
-    def _decode(self, buf: torch.Tensor, start: int) -> torch.Tensor:
+    def _decode(self, payload: Tensors, numel: int) -> torch.Tensor:
         # The codecs allowed here read no state when they decode (refuse() checks it; a
         # stochastic codec's step is the encode's): the inner codec's, zeros, thrown away.
-        inner = codecs.prototype(self._owner_spec)
-        state = [torch.zeros(s, dtype=d, device=buf.device) for _, (s, d) in
-                 sorted(inner.state_layout((self.chunk,), self.call.dtype).items())]
-        out, _ = torch.ops.ccfx_codecs.decode(self.packing.unpack(buf, start), self._owner_spec,
-                                              [self.chunk], self.call.dtype, state)
+        inner = codecs.prototype(self._inner_spec)
+        device = payload[0].device
+        state = [torch.zeros(s, dtype=d, device=device) for _, (s, d) in
+                 sorted(inner.state_layout((numel,), self.call.dtype).items())]
+        out, _ = torch.ops.ccfx_codecs.decode(payload, self._inner_spec, [numel],
+                                              self.call.dtype, state)
         return out
 
-    def _chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` flattened and zero-padded to ``(chunks, chunk)``."""
+    def _decoded(self, buf: torch.Tensor) -> Tensors:
+        """The ``W`` messages of ``buf`` decoded: ``W`` tensors of ``chunk`` elements, rank
+        order."""
+        w, c = self.call.world, self.chunk
+        if self.rows:
+            return list(self._decode(self.packing.unpack_rows(buf, w), w * c).view(w, c))
+        b = self.packing.nbytes
+        return [self._decode(self.packing.unpack(buf, src * b), c) for src in range(w)]
+
+    def _flat(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` flattened and zero-padded to ``chunks * chunk`` elements."""
         flat = x.reshape(-1)
         pad = self.chunks * self.chunk - flat.numel()
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
-        return flat.view(self.chunks, self.chunk)
+        return flat
 
     def _encode_chunks(self, x: torch.Tensor, state: Tensors) -> torch.Tensor:
+        """This rank's chunks encoded: ``chunks`` messages back to back."""
         named = self._named(state)
-        rows = self._chunks(x)
-        return torch.cat([self._encode(rows[j], self.spec, [named[k] for k in names])
-                          for j, names in enumerate(self._chunk_names)])
+        flat = self._flat(x)
+        if self.rows or self.chunks == 1:
+            payload = self._encode(flat, self.spec, [named[k] for k in self._chunk_names[0]])
+            return self.packing.pack_rows(payload, self.chunks)
+        rows = flat.view(self.chunks, self.chunk)
+        return torch.cat([
+            self.packing.pack(self._encode(rows[j], self.spec, [named[k] for k in names]))
+            for j, names in enumerate(self._chunk_names)])
 
     def _sum_in_rank_order(self, buf: torch.Tensor) -> torch.Tensor:
         """The sum of the ``W`` chunk payloads in ``buf``, rank 0 first, in fp32 (fp64 for fp64
         data); ``avg`` divides."""
-        total = None
         acc = torch.promote_types(self.call.dtype, torch.float32)
-        for src in range(self.call.world):
-            part = self._decode(buf, src * self.packing.nbytes).to(acc)
-            total = part if total is None else total + part
+        parts = self._decoded(buf)
+        total = parts[0].to(acc)
+        for part in parts[1:]:
+            total = total + part.to(acc)
         if self._avg:
             total = total / self.call.world
         return total
 
     def _decode_all(self, buf: torch.Tensor) -> torch.Tensor:
         """The ``W`` messages of ``buf`` decoded and concatenated (flat)."""
-        return torch.cat([self._decode(buf, src * self.packing.nbytes)
-                          for src in range(self.call.world)])
+        if self.rows:
+            w = self.call.world
+            return self._decode(self.packing.unpack_rows(buf, w), w * self.chunk)
+        return torch.cat(self._decoded(buf))
 
     def _scatter_issue(self, x, state, carry, comm):
         return [comm.all_to_all(self._encode_chunks(x, state))]
@@ -389,8 +457,8 @@ class CompressedCollective:
     def _reduce_regather(self, x, state, carry, comm):
         reduced = self._sum_in_rank_order(comm.wait(carry[0])).to(self.call.dtype)
         named = self._named(state)
-        buf = self._encode(reduced, self._owner_spec, [named[k] for k in self._owner_names])
-        return [comm.all_gather(buf)]
+        payload = self._encode(reduced, self._inner_spec, [named[k] for k in self._owner_names])
+        return [comm.all_gather(self.packing.pack(payload))]
 
     def _gather_issue(self, x, state, carry, comm):
         return [comm.all_gather(self._encode_chunks(x, state))]
