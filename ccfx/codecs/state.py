@@ -132,6 +132,8 @@ def option_of(channel: str) -> str:
         return "the hook's codec (ccfx.ddp_comm_hook(spec))"
     if channel.startswith("outer."):
         return "outer_codec"
+    if ".collective" in channel:
+        return "collective_codec / collective_overrides"
     if ".bucket" in channel:
         return "gradient_codec"
     if ".bwd" in channel:
