@@ -52,6 +52,10 @@ def cases(world: int) -> list[tuple]:
     for kind in ("all_reduce", "reduce_scatter"):
         for spec in ("none", "int8"):
             out.append((kind, spec, shapes(kind, world)[1], "avg", "float32"))
+    for kind in KINDS:  # chunks of 10490 elements, padded to 41 whole blocks
+        shape = {"all_reduce": (world * 10490 - 1,), "all_gather": (10490,)}.get(
+            kind, (world, 10490))
+        out.append((kind, "int8", shape, OP[kind], "float32"))
     out.append(("all_reduce", "int8", (4, 130), "sum", "bfloat16"))
     out.append(("all_gather", "fp8", (4, 130), None, "bfloat16"))
     out.append(("reduce_scatter", "int8", (world * 2, 130), "sum", "float64"))
@@ -133,7 +137,7 @@ def test_lossy_codecs_stay_within_the_block_bound(ranks):
                 row = r[case]
                 assert 0 < row["max_err"] <= bound(case, world, row["absmax"]), (world, case, row)
                 checked += 1
-    assert checked >= (3 * 3 + 2) * len(KINDS) * world
+    assert checked >= (3 * 3 + 2 + 1) * len(KINDS) * world
 
 
 @pytest.mark.slow
@@ -405,6 +409,32 @@ def test_one_encode_for_every_chunk_gives_each_chunks_bits(kind, spec):
         assert torch.equal(sr["residual"],
                            torch.cat([sc[f"chunk{j:04d}.residual"] for j in range(world)]))
     assert rows.wire_bytes() == chunked.wire_bytes()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec", ["int8", "int4:ef"])
+def test_chunks_padded_to_whole_blocks_give_each_chunks_bits(kind, spec):
+    """Chunks of 10490 elements (40 blocks and 250 elements) are padded to 41 whole blocks so
+    that one encode serves them all: the same result, bit for bit, as chunk by chunk with a
+    partial last block (zeros change no block's absmax), for 6 more codes per chunk."""
+    world = 3
+    shape = {"all_reduce": (31469,), "all_gather": (10490,)}.get(kind, (world, 10490))
+    call = _call(kind, shape=shape, world=world)
+    padded, chunked = CompressedCollective(call, spec), CompressedCollective(call, spec, rows=False)
+    assert (padded.used, padded.chunk, padded.rows) == (10490, 10496, True)
+    assert (chunked.used, chunked.chunk, chunked.rows) == (10490, 10490, False)
+    x = torch.randn(shape)
+    sp, sc = padded.init_state(), chunked.init_state()
+    for _ in range(2):
+        assert torch.equal(padded.run(x, sp, _Echo(world)), chunked.run(x, sc, _Echo(world)))
+
+    def message(m):  # codes (int8: a byte each, int4: half), 41 fp32 scales, to 4 bytes
+        codes = m if spec == "int8" else -(-m // 2)
+        return -(-(codes + 4 * 41) // 4) * 4
+
+    rounds = 2 if kind == "all_reduce" else 1
+    assert padded.wire_bytes() == rounds * (world - 1) * message(10496)
+    assert chunked.wire_bytes() == rounds * (world - 1) * message(10490)
 
 
 def test_rows_only_where_the_codec_splits():
