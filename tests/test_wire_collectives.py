@@ -309,6 +309,7 @@ def test_refuse_accepts(kind, spec):
     call = _call(kind, shape=(6, 5), world=3)
     assert refuse(call, spec) is None
     assert refuse(_call(kind, shape=(6, 5), world=3, input_splits=(2, 2, 2)), spec) is None
+    assert refuse(_call(kind, shape=(6, 5), world=3, output_splits=()), spec) is None
 
 
 def test_a_bad_spec_is_a_config_error_not_a_refusal():
