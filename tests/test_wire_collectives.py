@@ -438,6 +438,20 @@ def test_chunks_padded_to_whole_blocks_give_each_chunks_bits(kind, spec):
     assert chunked.wire_bytes() == rounds * (world - 1) * message(10490)
 
 
+@pytest.mark.parametrize("kind, shape", [("all_reduce", ()), ("all_reduce", (2,)),
+                                         ("all_gather", (1,)), ("reduce_scatter", (3,)),
+                                         ("all_to_all", (3, 1))])
+@pytest.mark.parametrize("spec", ["int8", "bf16", "topk:ratio=0.5"])
+def test_fewer_elements_than_ranks(kind, shape, spec):
+    """A scalar or a handful of elements over 3 ranks: chunks of one element (some all
+    padding), the collective's shape back, finite values."""
+    call = _call(kind, shape=shape, world=3)
+    cc = CompressedCollective(call, spec)
+    y = cc.run(torch.randn(shape), cc.init_state(), _Echo(3))
+    assert y.shape == call.out_shape and y.dtype == call.dtype
+    assert torch.isfinite(y).all()
+
+
 def test_rows_only_where_the_codec_splits():
     assert not CompressedCollective(_call(shape=(6, 100), world=3), "int8").rows   # 200 / chunk
     assert not CompressedCollective(_call(shape=(6, 256), world=3), "topk:ratio=0.1").rows
