@@ -125,10 +125,10 @@ def fp64_reference(call: CollectiveCall, rank: int, xs: list[torch.Tensor]) -> t
     return torch.cat([x.chunk(w)[rank] for x in xs])
 
 
-def case_results(rank, world, members, cases, traced_specs):
+def case_results(rank, world, members, cases, to_trace):
     """On the group of ``members`` (group ranks are not global ranks on a subgroup), per case
     ``(kind, spec, shape, reduce_op, dtype name)``: the eager result's digest (and, for
-    ``traced_specs``, the traced one's), whether the result equals torch's own collective bit
+    the cases in ``to_trace``, the traced one's), whether the result equals torch's own collective bit
     for bit, its largest error against fp64 and the inputs' largest magnitude (every rank's),
     the bytes this rank's collectives sent against ``wire_bytes`` / ``raw_bytes``, and the
     input left untouched. None on a rank outside the group."""
@@ -146,7 +146,7 @@ def case_results(rank, world, members, cases, traced_specs):
         counting = CountingComm(ProcessGroupComm(group))
         eager = cc.run(x, cc.init_state(), counting)
         traced = None
-        if spec in traced_specs:
+        if (kind, spec, shape, op, dtype_name) in to_trace:
             state = cc.init_state()
             _, traced = traced_phases(cc, FunctionalComm(group.group_name, size), x,
                                       [state[k] for k in sorted(state)])
