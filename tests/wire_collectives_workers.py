@@ -127,11 +127,11 @@ def fp64_reference(call: CollectiveCall, rank: int, xs: list[torch.Tensor]) -> t
 
 def case_results(rank, world, members, cases, to_trace):
     """On the group of ``members`` (group ranks are not global ranks on a subgroup), per case
-    ``(kind, spec, shape, reduce_op, dtype name)``: the eager result's digest (and, for
-    the cases in ``to_trace``, the traced one's), whether the result equals torch's own collective bit
-    for bit, its largest error against fp64 and the inputs' largest magnitude (every rank's),
-    the bytes this rank's collectives sent against ``wire_bytes`` / ``raw_bytes``, and the
-    input left untouched. None on a rank outside the group."""
+    ``(kind, spec, shape, reduce_op, dtype name)``: the eager result's digest (and, for the
+    cases in ``to_trace``, the traced one's), whether the result equals torch's own collective
+    bit for bit, its largest error against fp64 and the inputs' largest magnitude (every
+    rank's), the bytes this rank's collectives sent against ``wire_bytes`` / ``raw_bytes``, and
+    the input left untouched. None on a rank outside the group."""
     group, me = join(rank, world, members)
     if group is None:
         return None
