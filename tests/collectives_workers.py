@@ -202,3 +202,26 @@ def mismatched_codecs(rank, world):
     compiled = compile_tp(tp_model(world), codec, collective_timeout_s=60.0)
     got = caught(lambda: compiled(tp_input(batch=5)))
     return {"error": got["error"], "message": got.get("message", "")}
+
+
+def sharded_zero_pp(rank, world, steps):
+    """ccfx.shard's weight all-gathers in int8 and gradient reduce-scatters in int4 with error
+    feedback (ZeRO++'s qwZ and qgZ as collective_overrides), a few SGD steps on each rank's
+    own data."""
+    torch.manual_seed(0)
+    model = ccfx.shard(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8)))
+    compiled = torch.compile(model, backend="ccfx", options={
+        "lowering": "eager",
+        "collective_overrides": {"all_gather": "int8", "reduce_scatter": "int4:ef"}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(steps):
+        loss = compiled(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    book = backend_of(compiled).ledger
+    return {"plan": plan_rows(compiled), "losses": losses,
+            "ledger": [(e.edge, e.calls, e.wire_bytes) for e in book.entries("collective")]}

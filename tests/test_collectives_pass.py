@@ -249,6 +249,7 @@ def two():
                  {"collective 1": "none", "all_reduce": "fp8"}),
         scenario("funcol", w.funcol_kinds, "int8"),
         scenario("ef state", w.funcol_ef_state, "int4:ef"),
+        scenario("shard", w.sharded_zero_pp, 4),
         scenario("mismatch", w.mismatched_codecs),
     ], timeout_s=400)
 
@@ -328,6 +329,18 @@ def test_error_feedback_state_lives_in_codec_state_and_changes(two):
     for r in two["ef state"]:
         assert r["channels"] and all(c.startswith("graph0.collective0") for c in r["channels"])
         assert r["residual_changed"]
+
+
+@pytest.mark.slow
+def test_sharded_parameters_gather_in_int8_and_reduce_scatter_in_int4_ef(two):
+    for r in two["shard"]:
+        by_kind = {(c["part"], c["kind"], c["codec"]) for c in r["plan"]}
+        assert ("forward", "all_gather", "int8") in by_kind
+        assert ("backward", "reduce_scatter", "int4:ef") in by_kind
+        assert {c["codec"] for c in r["plan"]} == {"int8", "int4:ef"}  # nothing left raw
+        wire = {c["index"]: c["wire_bytes"] for c in r["plan"]}
+        assert all(calls == 4 and total == 4 * wire[i] for i, calls, total in r["ledger"])
+        assert r["losses"][-1] < r["losses"][0]
 
 
 @pytest.mark.slow
