@@ -73,8 +73,8 @@ class ShardInfo:
 
     mesh: object
     placements: dict[str, str]
-    #: id of each sharded parameter → how to rewrap it after the gather (TP parameters only)
-    outer: dict[int, _Outer] = dataclasses.field(default_factory=dict)
+    #: parameter name → how its gather is rewrapped (TP parameters only)
+    outer: dict[str, _Outer] = dataclasses.field(default_factory=dict)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -116,7 +116,9 @@ def _recompute_context():
 
 def _gathered(module: nn.Module, name: str) -> torch.Tensor:
     param = module._parameters[name]
-    info_outer = _OUTER.get(id(param))
+    # per module and name, never per id(param): Dynamo writes what it reads into the graph's
+    # code, which must be the same on every rank (ccfx's ranks agree on it)
+    info_outer = module.__dict__.get(_OUTER_ATTR, {}).get(name)
     if torch.compiler.is_compiling():
         from torch.utils.checkpoint import checkpoint
 
@@ -127,9 +129,8 @@ def _gathered(module: nn.Module, name: str) -> torch.Tensor:
     return full
 
 
-#: id(parameter) → how to rewrap it (TP parameters); read by the property at every access.
-#: Entries are removed when the parameter is collected (weakref.finalize in ``shard``).
-_OUTER: dict[int, _Outer] = {}
+#: The attribute of a module holding, per parameter name, how to rewrap its gather (TP).
+_OUTER_ATTR = "_ccfx_outer"
 
 
 def _sharded_class(cls: type, names: Sequence[str]) -> type:
@@ -288,6 +289,7 @@ def shard(model: nn.Module, mesh=None) -> nn.Module:
     _check_not_sharded(model, mesh)
 
     done: dict[int, nn.Parameter] = {}  # a parameter tied in several modules is sharded once
+    outers: dict[int, _Outer | None] = {}
     info = ShardInfo(mesh, {})
     for mod_name, module in model.named_modules(remove_duplicate=False):
         names = [n for n, p in module._parameters.items() if p is not None]
@@ -308,13 +310,14 @@ def shard(model: nn.Module, mesh=None) -> nn.Module:
                                           src_data_rank=0)
                 new = nn.Parameter(value, requires_grad=old.requires_grad)
                 done[id(old)] = new
-                if outer is not None:
-                    _OUTER[id(new)] = outer
-                    weakref.finalize(new, _OUTER.pop, id(new), None)
-                    info.outer[id(new)] = outer
                 full = f"{mod_name}.{name}" if mod_name else name
                 info.placements[full] = str(placement)
+                if outer is not None:
+                    info.outer[full] = outer
+                outers[id(new)] = outer
             module._parameters[name] = new
+            if outers[id(new)] is not None:
+                module.__dict__.setdefault(_OUTER_ATTR, {})[name] = outers[id(new)]
         module.__class__ = _sharded_class(type(module), names)
 
     group = mesh.get_group()
