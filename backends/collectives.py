@@ -37,6 +37,7 @@ import torch.fx
 from ccfx import codecs
 from ccfx.codecs.state import CodecState
 from ccfx.config import Config
+from ccfx.errors import CollectiveError
 from ccfx.passes.compress_collectives import (
     FoundCollective,
     Rewrite,
@@ -130,8 +131,11 @@ class Collectives:
         by_index = {r.index: r for r in rewrites}
         extra = [by_index[i].state[name]
                  for i, name in rewritten.meta["ccfx"]["collective_state_inputs"]]
+        described = "; ".join(f"collective {c.index}: {c.kind} {c.codec} on group {c.group!r} "
+                              f"of {c.group_size}" for c in rows if c.codec != "none")
         return _counting(compiled, extra, self.ledger, plan.index,
-                         [(c.index, c.raw_bytes, c.wire_bytes) for c in rows])
+                         [(c.index, c.raw_bytes, c.wire_bytes) for c in rows],
+                         f"the {part} of graph {plan.index}" if described else "", described)
 
     # -- decisions ------------------------------------------------------------------------
 
@@ -203,9 +207,11 @@ def _raw_bytes(f: FoundCollective) -> int:
 
 
 def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, graph: int,
-              rows: list[tuple[int, int, int]]) -> Callable:
+              rows: list[tuple[int, int, int]], what: str = "", described: str = "") -> Callable:
     """The compiled graph as aot_autograd calls it (boxed: one list of inputs, which the callee
-    clears): the codec state appended, every collective counted once the call returned."""
+    clears): the codec state appended, every collective counted once the call returned. Where
+    ccfx compressed some (``what`` names the graph, ``described`` them), a RuntimeError of the
+    call (gloo's, a peer died or hung) becomes a :class:`~ccfx.CollectiveError` saying so."""
     import weakref
 
     ledger_ref = weakref.ref(ledger)
@@ -214,7 +220,12 @@ def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, gra
         full = list(args) + extra
         if isinstance(args, list):
             args.clear()  # the boxed convention: the callee frees its inputs
-        out = compiled(full)
+        try:
+            out = compiled(full)
+        except RuntimeError as e:
+            if not what:
+                raise
+            raise failed(e, what, described) from e
         book = ledger_ref()
         if book is not None:
             for index, raw, wire in rows:
@@ -223,6 +234,24 @@ def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, gra
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def failed(e: BaseException, what: str, described: str) -> CollectiveError:
+    """The error of a compiled graph whose compressed collectives failed: this rank, the
+    graph, its collectives, gloo's first line, and the peer that looks dead if one does."""
+    from ccfx.wire import agree
+
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    agree.gave_up(f"the collectives of {what}", first)
+    who = agree.blame(e)
+    who = f" {who[0].upper()}{who[1:]}." if who else ""
+    dist = _dist()
+    rank = f"rank {dist.get_rank()} of {dist.get_world_size()}: " if dist is not None else ""
+    return CollectiveError(
+        f"{rank}{what} failed while its compressed collectives were in flight ({described}): "
+        f"{first}.{who} A peer rank died, hung, or is running a different model; see that "
+        "rank's own error.")
 
 
 def _device_of(gm: torch.fx.GraphModule):

@@ -235,6 +235,26 @@ def test_ledger_counts_collectives_in_a_channel_of_their_own():
     assert "collectives per step" in str(book)
 
 
+def test_a_failed_compressed_collective_is_a_collective_error_naming_it():
+    from ccfx.backends.collectives import _counting
+    from ccfx.errors import CollectiveError
+
+    def compiled(args):
+        raise RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:25835\nmore")
+
+    book = Ledger()
+    run = _counting(compiled, [], book, 0, [(0, 256, 72)], "the forward of graph 0",
+                    "collective 0: all_reduce int8 on group '0' of 2")
+    with pytest.raises(CollectiveError, match=r"the forward of graph 0 failed while its "
+                       r"compressed collectives were in flight \(collective 0: all_reduce int8"):
+        run([torch.ones(1)])
+    assert book.entries("collective") == []  # nothing ran, nothing counted
+    plain = _counting(compiled, [], book, 0, [(0, 256, 256)])  # none compressed: torch's error
+    with pytest.raises(RuntimeError, match="Connection closed") as info:
+        plain([torch.ones(1)])
+    assert not isinstance(info.value, CollectiveError)
+
+
 # -- 2 gloo ranks: a DTensor tensor-parallel model compiled with backend="ccfx" ----------------
 
 
