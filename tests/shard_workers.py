@@ -297,6 +297,17 @@ def tensor_parallel(rank, world, backend: str | None, steps: int = 3) -> dict:
     run_ref, run = ref, compiled(model, backend)
     opt_ref, opt = optimizer("sgd", ref.parameters()), optimizer("sgd", model.parameters())
     dp_rank = mesh["dp"].get_local_rank()
+    # eagerly: which saved tensors became notes to gather again (TP DTensors among them)
+    notes = []
+    pack = shard_module._EagerRecompute.pack
+
+    def counting(t):
+        got = pack(t)
+        if isinstance(got, shard_module._Note):
+            notes.append(got.dtensor is not None)
+        return got
+
+    shard_module._EagerRecompute.pack = counting
     rows = []
     for step in range(steps):
         x = batch("mlp", dp_rank, step)
@@ -312,6 +323,7 @@ def tensor_parallel(rank, world, backend: str | None, steps: int = 3) -> dict:
         diff = max((a.detach() - full(b, outer.get(n))).abs().max().item()
                    for a, (n, b) in zip(ref.parameters(), model.named_parameters(), strict=True))
         rows.append({"loss_ref": loss_ref.item(), "loss": loss.item(), "max_diff": diff})
+    shard_module._EagerRecompute.pack = pack
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
-    return {"steps": rows, "local": local,
+    return {"steps": rows, "local": local, "notes": notes,
             "digest": digest([full(p, outer.get(n)) for n, p in model.named_parameters()])}

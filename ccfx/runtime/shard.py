@@ -18,7 +18,8 @@ it: ``p.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial
   recomputation). Eagerly, a saved-tensor hook on the root module's forward replaces each saved
   gathered weight (or a view of it, ``weight.t()``) by a note of which shard it came from, and
   the backward gathers it again when the note is unpacked. Either way only shards (plus one
-  layer's gathered weight at a time) stay alive between forward and backward.
+  layer's gathered weight at a time) stay alive between forward and backward, TP weights
+  included.
 
 Why a property and not ``torch.nn.utils.parametrize``: a parametrization renames the parameter
 (``fc.parametrizations.weight.original``), so the state dict, the optimizer's parameter names
@@ -90,14 +91,21 @@ def sharded_info(model: nn.Module) -> ShardInfo | None:
 
 def _replicate(param: torch.Tensor, outer: _Outer | None) -> torch.Tensor:
     """The full (data-parallel) value of a sharded parameter, as the module reads it."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import Partial, Replicate
 
     full = param.redistribute(placements=[Replicate()]).to_local(
         grad_placements=[Partial("avg")])
-    if outer is not None:
-        full = DTensor.from_local(full, outer.mesh, outer.placements, run_check=False,
-                                  shape=outer.shape, stride=outer.stride)
-    return full
+    return _replicate_wrap(full, outer)
+
+
+def _replicate_wrap(full: torch.Tensor, outer: _Outer | None) -> torch.Tensor:
+    """A TP parameter's gathered local tensor as the TP DTensor it was (else unchanged)."""
+    from torch.distributed.tensor import DTensor
+
+    if outer is None:
+        return full
+    return DTensor.from_local(full, outer.mesh, outer.placements, run_check=False,
+                              shape=outer.shape, stride=outer.stride)
 
 
 def _recompute_everything(ctx, func, *args, **kwargs):
@@ -125,7 +133,7 @@ def _gathered(module: nn.Module, name: str) -> torch.Tensor:
         return checkpoint(_replicate, param, info_outer, use_reentrant=False,
                           context_fn=_recompute_context)
     full = _replicate(param, info_outer)
-    _EagerRecompute.note(full, param, info_outer)
+    _EagerRecompute.note(full, param)
     return full
 
 
@@ -155,58 +163,86 @@ _CLASSES: dict[tuple, type] = {}
 # -- eager: gathered weights saved for backward become notes -------------------------------------
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The address of the storage under ``t`` (a DTensor's: its local tensor's)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return t.untyped_storage().data_ptr()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Note:
-    """A saved gathered weight (or a view of it), by where to gather it from again."""
+    """A saved gathered weight (or a view of it), by where to gather it from again: the view's
+    size, stride and offset in the gathered tensor and, for a TP weight, the DTensor it was."""
 
     param: torch.Tensor
-    outer: _Outer | None
     size: torch.Size
     stride: tuple
     offset: int
+    dtensor: _Outer | None = None
 
 
 class _EagerRecompute:
     """Saved-tensor hooks active during the root module's eager forward: a tensor autograd saves
-    whose storage is a weight gathered in this forward is packed as a :class:`_Note` and
-    gathered again when the backward unpacks it (every rank's backward runs the same nodes in
-    the same order, so the gathers pair up)."""
+    whose storage is a weight gathered in this forward (for a TP weight, a DTensor whose local
+    tensor is) is packed as a :class:`_Note` and gathered again when the backward unpacks it
+    (every rank's backward runs the same nodes in the same order, so the gathers pair up)."""
 
-    #: storage address → (weak reference to the gathered tensor, parameter, outer); filled by
-    #: the property during an eager forward, emptied when it ends
+    #: storage address → (weak reference to the gathered tensor, parameter); filled by the
+    #: property during an eager forward, emptied when it ends
     live: ClassVar[dict[int, tuple]] = {}
     depth: ClassVar[int] = 0
 
     @classmethod
-    def note(cls, full: torch.Tensor, param: torch.Tensor, outer: _Outer | None) -> None:
-        if cls.depth == 0 or outer is not None:  # TP DTensors: saved as they are (a limit)
+    def note(cls, gathered: torch.Tensor, param: torch.Tensor) -> None:
+        """``gathered``: what the module reads (the weak reference is to it, the object whose
+        views keep it alive; a TP DTensor's local tensor can be a short-lived wrapper)."""
+        if cls.depth == 0:
             return
-        ptr = full.untyped_storage().data_ptr()
+        ptr = _storage(gathered)
         if ptr:
-            cls.live[ptr] = (weakref.ref(full), param, outer)
+            cls.live[ptr] = (weakref.ref(gathered), param)
 
     @classmethod
     def pack(cls, t: torch.Tensor):
-        if not cls.live or type(t) is not torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if not cls.live:
             return t
-        ptr = t.untyped_storage().data_ptr()
+        wrapped = None
+        local = t
+        if isinstance(t, DTensor):
+            local = t._local_tensor
+            wrapped = _Outer(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+        if type(local) is not torch.Tensor:
+            return t
+        ptr = local.untyped_storage().data_ptr()
         entry = cls.live.get(ptr)
         if entry is None:
             return t
-        ref, param, outer = entry
-        full = ref()
+        ref, param = entry
+        gathered = ref()
         # the gathered tensor itself must still be alive, or the address was reused
-        if full is None or full.untyped_storage().data_ptr() != ptr:
+        if gathered is None or _storage(gathered) != ptr:
             return t
-        return _Note(param, outer, t.size(), t.stride(), t.storage_offset())
+        return _Note(param, local.size(), local.stride(), local.storage_offset(), wrapped)
 
     @staticmethod
     def unpack(saved):
         if not isinstance(saved, _Note):
             return saved
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
-            full = _replicate(saved.param, saved.outer)
-        return full.as_strided(saved.size, saved.stride, saved.offset)
+            local = _replicate(saved.param, None)
+            view = local.as_strided(saved.size, saved.stride, saved.offset)
+            d = saved.dtensor
+            if d is None:
+                return view
+            return DTensor.from_local(view, d.mesh, d.placements, run_check=False,
+                                      shape=d.shape, stride=d.stride)
 
 
 def _enter(module, args, kwargs=None):
