@@ -113,7 +113,7 @@ def tp_train(rank, world, codec, steps):
         opt.zero_grad()
         x.grad = None
         losses.append(loss.item())
-    book = backend_of(compiled).ledger
+    book = ccfx.ledger_of(compiled)
     return {
         "losses": losses,
         "steps": steps,
@@ -222,6 +222,6 @@ def sharded_zero_pp(rank, world, steps):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    book = backend_of(compiled).ledger
+    book = ccfx.ledger_of(compiled)
     return {"plan": plan_rows(compiled), "losses": losses,
             "ledger": [(e.edge, e.calls, e.wire_bytes) for e in book.entries("collective")]}
