@@ -218,16 +218,19 @@ def memory(rank, world, backend: str | None, width: int = 192, depth: int = 6) -
     return out
 
 
-def checkpoint_resume(rank, world, path: str, backend: str | None) -> dict:
-    """Train 2 steps, save model + AdamW state with torch.distributed.checkpoint, train 2 more;
-    then a fresh sharded model and optimizer load the checkpoint and train the same 2 steps.
-    The digests of both runs' gathered parameters and of their optimizer state."""
+def checkpoint_resume(rank, world, path: str, backend: str | None,
+                      options: dict | None = None) -> dict:
+    """Train 2 steps, save model + AdamW state with torch.distributed.checkpoint (and, compiled
+    by ccfx, this rank's codec state: error-feedback residuals), train 2 more; then a fresh
+    sharded model and optimizer (another seed) load the checkpoint and train the same 2 steps.
+    The digests of both runs' gathered parameters, optimizer state and codec state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     def fresh(seed):
         model = ccfx.shard(build("mlp", seed))
-        return model, compiled(model, backend), torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return (model, compiled(model, backend, options),
+                torch.optim.AdamW(model.parameters(), lr=1e-2))
 
     def steps(run, opt, which):
         for step in which:
@@ -235,29 +238,36 @@ def checkpoint_resume(rank, world, path: str, backend: str | None) -> dict:
             opt.step()
             opt.zero_grad()
 
-    def state_digest(model, opt):
+    def codec_state(run):
+        return ccfx.codec_state(run).state_dict() if backend == "ccfx" else {}
+
+    def state_digest(model, opt, run):
         tensors = [full(p) for p in model.parameters()]
         for p in model.parameters():
             tensors += [full(v) for v in opt.state[p].values()]
-        return digest(tensors)
+        return digest(tensors + list(codec_state(run).values()))
 
     model, run, opt = fresh(0)
     steps(run, opt, range(2))
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    torch.save({k: v.clone() for k, v in codec_state(run).items()}, f"{path}/codec{rank}.pt")
     steps(run, opt, range(2, 4))
-    first = state_digest(model, opt)
+    first = state_digest(model, opt, run)
 
     torch._dynamo.reset()
     model2, run2, opt2 = fresh(1)  # other initial values: the checkpoint must bring them back
+    if backend == "ccfx":  # ccfx makes its codec state when it compiles the training graph
+        run2(batch("mlp", rank, 0))
+        ccfx.codec_state(run2).load_state_dict(torch.load(f"{path}/codec{rank}.pt"))
     msd2, osd2 = get_state_dict(model2, opt2)
     state = {"model": msd2, "optim": osd2}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model2, opt2, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     steps(run2, opt2, range(2, 4))
-    return {"first": first, "resumed": state_digest(model2, opt2),
-            "keys": sorted(model.state_dict())}
+    return {"first": first, "resumed": state_digest(model2, opt2, run2),
+            "keys": sorted(model.state_dict()), "codec_state": sorted(codec_state(run))}
 
 
 def errors(rank, world) -> dict:

@@ -51,6 +51,8 @@ def two(tmp_path_factory):
         scenario("memory_eager", w.memory, None),
         scenario("memory_ccfx", w.memory, "ccfx"),
         scenario("checkpoint", w.checkpoint_resume, str(ckpt / "eager"), None),
+        scenario("checkpoint_zero_pp", w.checkpoint_resume, str(ckpt / "zero_pp"), "ccfx",
+                 ZERO_PP),
         scenario("errors", w.errors),
     ], timeout_s=600)
 
@@ -168,13 +170,18 @@ def test_memory_per_rank_about_one_over_w(two, case):
 
 
 @pytest.mark.slow
-def test_checkpoint_resumes_bit_for_bit(two):
+@pytest.mark.parametrize("case", ["checkpoint", "checkpoint_zero_pp"])
+def test_checkpoint_resumes_bit_for_bit(two, case):
     """torch.distributed.checkpoint of model + AdamW (get_state_dict / set_state_dict) into a
-    model built from another seed: the next two steps give the same parameters and state."""
-    for got in two["checkpoint"]:
+    model built from another seed: the next two steps give the same parameters and state; with
+    int8 gathers and int4:ef reduce-scatters, this rank's codec state (the residuals) is saved
+    beside it and resumes too."""
+    for got in two[case]:
         assert got["resumed"] == got["first"]
         # the state dict keeps the model's own names (no parametrizations.*.original)
         assert "0.weight" in got["keys"] and not any("parametrizations" in k for k in got["keys"])
+        if case == "checkpoint_zero_pp":
+            assert any("residual" in name for name in got["codec_state"])
 
 
 @pytest.mark.slow
