@@ -225,3 +225,40 @@ def sharded_zero_pp(rank, world, steps):
     book = ccfx.ledger_of(compiled)
     return {"plan": plan_rows(compiled), "losses": losses,
             "ledger": [(e.edge, e.calls, e.wire_bytes) for e in book.entries("collective")]}
+
+
+class Gathered(nn.Module):
+    """Data parallel whose forward all-gathers an activation (differentiable: the backward
+    reduce-scatters its gradient), so the backward graph holds a collective of the model's
+    and ccfx's own gradient buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        h = torch.relu(self.a(x))
+        return self.b(funcol.all_gather_tensor_autograd(h, 0, dist.group.WORLD))
+
+
+def with_data_parallel(rank, world, codec):
+    """``data_parallel=True`` (int8 buckets) with and without ``collective_codec``: the
+    gradients of both, the plan of the compressed one."""
+    out = {}
+    for spec in ("none", codec):
+        torch.manual_seed(0)
+        model = Gathered()
+        compiled = torch.compile(model, backend="ccfx", options={
+            "lowering": "eager", "data_parallel": True, "gradient_codec": "int8",
+            "compress_min_numel": 0, "collective_codec": spec})
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+        compiled(x).square().mean().backward()
+        out[spec] = [p.grad.clone() for p in model.parameters()]
+        plan = ccfx.plan_of(compiled)
+    return {"err": max(float((a - b).abs().max()) for a, b in zip(out["none"], out[codec])),
+            "scale": max(float(g.abs().max()) for g in out["none"]),
+            "digest": digest(out[codec]),
+            "buckets": [b.codec for b in plan.buckets],
+            "collectives": [(c.part, c.kind, c.codec) for c in plan.collectives]}
