@@ -274,16 +274,28 @@ def uneven_last_batch(rank, world, timeout_s):
 
 def stalls_mid_step(rank, world, timeout_s):
     """Rank 1 stays alive but never joins the backward's collectives: rank 0 must fail after
-    about ``timeout_s``, not hang."""
-    import time
+    about ``timeout_s``, not hang. Rank 1 stays until rank 0 has its error (a key in the
+    default store), or for ``STALL_S`` at most: a rank 0 that waited for rank 1's exit instead
+    of its own timeout takes at least that long, whatever the machine's load."""
+    from datetime import timedelta
 
     model = mlp(seed=0)
     compiled = compile_dp(model, "none", collective_timeout_s=timeout_s)
     out = compiled(batch(rank))
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
-        time.sleep(3 * timeout_s + 10)
+        try:
+            store.wait(["stall: rank 0 failed"], timedelta(seconds=STALL_S))
+        except RuntimeError:  # DistStoreError: rank 0 never said so
+            pass
         return {"error": None, "elapsed": 0.0}
-    return _timed_backward(out)
+    result = _timed_backward(out)
+    store.set("stall: rank 0 failed", "1")
+    return result
+
+
+#: How long the stalled rank stays at most (``stalls_mid_step``).
+STALL_S = 120.0
 
 
 def one_rank_raises(rank, world):
