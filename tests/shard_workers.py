@@ -270,6 +270,19 @@ def checkpoint_resume(rank, world, path: str, backend: str | None,
             "keys": sorted(model.state_dict()), "codec_state": sorted(codec_state(run))}
 
 
+def rank0_values(rank, world) -> dict:
+    """Every rank builds the model from its own seed: after ``shard`` the gathered parameters
+    and the buffer are rank 0's (the seed-0 model's) on every rank."""
+    model = build("odd", seed=rank)
+    model = ccfx.shard(model)
+    want = build("odd", seed=0)
+    return {"params": all(torch.equal(full(p), q) for p, q in
+                          zip(model.parameters(), want.parameters(), strict=True)),
+            "buffers": all(torch.equal(b, c) for b, c in
+                           zip(model.buffers(), want.buffers(), strict=True)),
+            "differed": not torch.equal(build("odd", seed=rank).a.weight, want.a.weight)}
+
+
 def errors(rank, world) -> dict:
     """The errors ``shard`` raises with a process group: a model sharded twice, a 2-D mesh,
     something that is not a mesh, something that is not a module."""

@@ -53,6 +53,7 @@ def two(tmp_path_factory):
         scenario("checkpoint", w.checkpoint_resume, str(ckpt / "eager"), None),
         scenario("checkpoint_zero_pp", w.checkpoint_resume, str(ckpt / "zero_pp"), "ccfx",
                  ZERO_PP),
+        scenario("rank0", w.rank0_values),
         scenario("errors", w.errors),
     ], timeout_s=600)
 
@@ -182,6 +183,15 @@ def test_checkpoint_resumes_bit_for_bit(two, case):
         assert "0.weight" in got["keys"] and not any("parametrizations" in k for k in got["keys"])
         if case == "checkpoint_zero_pp":
             assert any("residual" in name for name in got["codec_state"])
+
+
+@pytest.mark.slow
+def test_values_are_rank_0s(two):
+    """Ranks that built the model from different seeds hold rank 0's values after shard."""
+    r0, r1 = two["rank0"]
+    assert r1["differed"]
+    assert r0["params"] and r1["params"]
+    assert r0["buffers"] and r1["buffers"]
 
 
 @pytest.mark.slow
