@@ -343,10 +343,14 @@ def format_plan(plan: Plan) -> str:
             head += " (" + ", ".join(f"{k}: {spelled(v)}" for k, v in sorted(table.items())) + ")"
     out = [head]
     if len(plan.graphs) > 1:
-        out.append(
-            "  (graph breaks split the model; each graph is its own pipeline. "
-            "Compile with fullgraph=True for one.)"
-        )
+        whole = [g.index for g in plan.graphs if g.left_whole]
+        cut = sum(1 for g in plan.graphs if g.num_stages > 1)
+        kept = (f"; graph(s) {', '.join(map(str, whole))} left whole (too small to cut, or "
+                "holding no parameters)" if whole else "")
+        split = (f"{cut} graph(s) cut into stages, each its own pipeline" if cut
+                 else "each graph compiled on its own")
+        out.append(f"  (graph breaks split the model: {split}{kept}. "
+                   "Compile with fullgraph=True for one.)")
     for g in plan.graphs:
         out.append("")
         out.append(
