@@ -23,3 +23,17 @@ class CollectiveError(CcfxError):
 
 class CcfxWarning(UserWarning):
     """Something ccfx changed on your behalf (e.g. fewer stages than asked)."""
+
+
+def optimize_ddp_error(compiled: str) -> ConfigError:
+    """The error for a ccfx-compiled ``compiled`` (a module's name) run inside
+    DistributedDataParallel while Dynamo's DDP optimizer is on: one text, raised by the backend
+    when Dynamo calls it from DDP's forward and by the integrations when they attach a hook."""
+    return ConfigError(
+        f"ccfx: {compiled!r} is compiled by ccfx and runs inside DistributedDataParallel, and "
+        "Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, on by default) would split "
+        "its graph at DDP's gradient-bucket boundaries and give ccfx each piece apart: ccfx's "
+        "pipeline stages need the model's whole graph. Set "
+        "torch._dynamo.config.optimize_ddp = False before training: the graph stays whole, "
+        "and DDP (with ccfx's codec as its comm hook) averages the gradients once the "
+        "compiled backward has made them")

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import CcfxWarning, ConfigError
+from ..errors import CcfxWarning, ConfigError, optimize_ddp_error
 from ..runtime.comm_hook import CommHookState, codec_hook, hook_state_of, plan_of_hook
 
 __all__ = ["HFCodecCallback", "LightningCodecCallback", "find_ddp", "register_codec"]
@@ -202,14 +202,7 @@ def check_compiled_under_ddp(ddp: DistributedDataParallel) -> None:
                      for name, m in ddp.module.named_modules() if _compiled_by_ccfx(m)), None)
     if compiled is None:
         return
-    raise ConfigError(
-        f"ccfx: {compiled!r} is compiled by ccfx and runs inside DistributedDataParallel, and "
-        "Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, on by default) would split "
-        "its graph at DDP's gradient-bucket boundaries and give ccfx each piece apart: ccfx's "
-        "pipeline stages need the model's whole graph. Set "
-        "torch._dynamo.config.optimize_ddp = False before training: the graph stays whole, "
-        "and DDP (with ccfx's codec as its comm hook) averages the gradients once the "
-        "compiled backward has made them")
+    raise optimize_ddp_error(compiled)
 
 
 def _register(ddp: DistributedDataParallel, state: CommHookState) -> CommHookState:
