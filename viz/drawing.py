@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ccfx.plan import CutEdge, GraphPlan, Plan, human_bytes
 
+from . import collectives as coll
 from .dot import Digraph, Html, html_text
 from .view import GraphView, VNode
 
@@ -190,6 +191,8 @@ def _plan_graph(g: Digraph, gp: GraphPlan, prefix: str) -> None:
         _tied_node(g, node, p.name, p.stages, p.nbytes)
         for s in p.stages:
             _tied_edge(g, node, f"{prefix}stage{s}")
+    last = gp.stages[-1].index if gp.stages else None
+    coll.draw_tables(g, gp, prefix, f"{prefix}stage{last}" if last is not None else None)
 
 
 # -- graph views ---------------------------------------------------------------------------
@@ -267,9 +270,13 @@ def _sccs(nodes: list, succ: dict) -> list[list]:
 
 
 def _group_ops(view: GraphView, depth: int) -> dict[str, tuple]:
-    """op node name → group key (stage, path, run); runs split only groups on a cycle."""
-    ops = [v for v in view.nodes if v.kind == "op"]
-    key = {v.name: (v.stage, truncate_path(v.paths[-1] if v.paths else "", depth), 0)
+    """op node name → group key (stage, path, run); runs split only groups on a cycle.
+
+    A collective's nodes are one node of their own (never split): a box that feeds a
+    collective and reads its result is split at it, as any group on a cycle is."""
+    ops = [v for v in view.nodes if v.kind in ("op", "collective")]
+    key = {v.name: ((-1, f"collective {v.collective}", 0) if v.kind == "collective" else
+                    (v.stage, truncate_path(v.paths[-1] if v.paths else "", depth), 0))
            for v in ops}
     for _ in range(4):
         succ: dict[tuple, set] = defaultdict(set)
@@ -287,7 +294,7 @@ def _group_ops(view: GraphView, depth: int) -> dict[str, tuple]:
         previous: tuple | None = None
         for v in ops:
             k = key[v.name]
-            if k in cyclic:
+            if k in cyclic and v.kind == "op":
                 base = k[:2]
                 if previous is None or previous[:2] != base:
                     runs[base] = runs.get(base, -1) + 1
@@ -396,6 +403,9 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
         for v in view.nodes:
             nid = prefix + v.name
             label = _full_label(v, edges)
+            if v.kind == "collective":
+                rep[v.name] = f"{prefix}collective{v.collective}"
+                continue  # one node per collective, drawn below
             if v.kind == "cut":
                 rep[v.name] = nid
                 continue  # drawn below with the codec style
@@ -414,6 +424,9 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
                 outside.append((nid, _io_attrs(v, label)))
     else:
         boxes, rep = _collapse(view, depth, prefix)
+        for v in view.nodes:
+            if v.kind == "collective":
+                rep[v.name] = f"{prefix}collective{v.collective}"
         param_owner: dict[str, str] = {}
         by_name = {v.name: v for v in view.nodes}
         box_params: dict[str, int] = defaultdict(int)
@@ -489,6 +502,16 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
             _codec_node(g, f"{prefix}cut_{hop[0]}_{hop[1]}_{direction}",
                         codec_table(hop, direction, es))
 
+    # collectives: one node per collective where it runs (forward / backward graphs), a table
+    # per part beside the partitioned graph (its collectives are not nodes of that graph)
+    rows = {c.index: c for c in view.plan.collectives}
+    for index in sorted({v.collective for v in view.nodes if v.kind == "collective"}):
+        c = rows.get(index)
+        coll.node(g, f"{prefix}collective{index}", coll.label(c, index),
+                  c is not None and c.codec != "none")
+    if view.which == "partitioned":
+        coll.draw_tables(g, view.plan, prefix)
+
     # tied parameters
     by_name = {v.name: v for v in view.nodes}
     tied_ids = {prefix + v.name for v in view.nodes if v.name in shared}
@@ -498,6 +521,7 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
             _tied_node(g, prefix + v.name, v.qualname or v.name, v.stages, v.nbytes)
 
     # arrows
+    kept = {f"c{i}" for i, c in rows.items() if c.codec == "none"}
     box_stage = {nid: s for s, items in in_stage.items() for nid, _ in items}
     drawn: dict[tuple[str, str], list[str]] = {}
     for v in view.nodes:
@@ -510,7 +534,12 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
                 continue
             drawn.setdefault((tail, head), [])
             src = by_name[a]
-            if src.kind == "cut" or v.kind == "cut":
+            if src.kind == "collective" or v.kind == "collective":
+                c = v if v.kind == "collective" else src
+                tag = f"c{c.collective}"
+                if tag not in drawn[(tail, head)]:
+                    drawn[(tail, head)].append(tag)
+            elif src.kind == "cut" or v.kind == "cut":
                 cut = v if v.kind == "cut" else src
                 tag = f"e{cut.edge}" if cut.edge is not None else ""
                 if tag and tag not in drawn[(tail, head)]:
@@ -522,7 +551,12 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
         elif head in output_ids:
             g.edge(tail, head, color="#aaaaaa")
         elif tags:
-            g.edge(tail, head, label=_short_tags(tags), color=CODEC_BORDER, fontcolor="#b45f06")
+            if all(t in kept for t in tags):  # only collectives left alone: grey, not orange
+                g.edge(tail, head, label=_short_tags(tags), color=coll.KEPT_BORDER,
+                       fontcolor="#666666")
+            else:
+                g.edge(tail, head, label=_short_tags(tags), color=CODEC_BORDER,
+                       fontcolor="#b45f06")
         elif box_stage.get(tail, -1) != box_stage.get(head, -1) and tail in box_stage \
                 and head in box_stage:
             # no codec between two stages: a tied parameter's gradients being summed

@@ -176,9 +176,42 @@ def _dp_summary(plan: Plan, wire_series: Mapping[str, list[float]]) -> list[tupl
     return items
 
 
+def _collective_calls(ledger) -> dict[tuple[int, int], int]:
+    """(graph, collective index) → calls the ledger counted (empty without a ledger)."""
+    if ledger is None:
+        return {}
+    return {(c.graph, c.edge): c.calls for c in ledger.entries("collective")}
+
+
+def _collective_summary(plan: Plan, ledger) -> list[tuple[str, str]]:
+    """The headline of a plan's collectives: how many are compressed, the bytes one rank sends
+    per step (every graph's forward and backward once) and what that saves; what the ledger
+    measured when it ran."""
+    from ccfx.codecs import spelled
+
+    rows = plan.collectives
+    raw = sum(c.raw_bytes for c in rows)
+    wire = sum(c.wire_bytes for c in rows)
+    items = [("collective codec", spelled(plan.config.get("collective_codec", "none"))),
+             ("collectives (compressed / all)",
+              f"{sum(c.codec != 'none' for c in rows)} / {len(rows)}"),
+             ("collective bytes per rank per step, raw → wire",
+              f"{human_bytes(raw)} → {human_bytes(wire)}"),
+             ("collective bytes saved per rank per step", human_bytes(raw - wire)),
+             ("collective saving (raw / wire)", f"{raw / wire:.1f}×" if wire else "–")]
+    if ledger is not None and ledger.steps and _collective_calls(ledger):
+        r, w = ledger.per_step("collective")
+        items.append((f"collectives measured per step ({ledger.steps} steps)",
+                      f"{human_bytes(r)} → {human_bytes(w)}"))
+    return items
+
+
 def _summary(plan: Plan, ledger, wire_series: Mapping[str, list[float]] | None = None) -> str:
+    if plan.collectives and not plan.edges and not plan.buckets:
+        return _cards(_collective_summary(plan, ledger))
+    extra = _cards(_collective_summary(plan, ledger)) if plan.collectives else ""
     if plan.buckets and not plan.edges:
-        return _cards(_dp_summary(plan, wire_series or {}))
+        return _cards(_dp_summary(plan, wire_series or {})) + extra
     raw = sum(e.total_raw_bytes for e in plan.edges)
     wire_f = sum(e.total_wire_fwd for e in plan.edges)
     wire_b = sum(e.total_wire_bwd for e in plan.edges)
@@ -200,7 +233,7 @@ def _summary(plan: Plan, ledger, wire_series: Mapping[str, list[float]] | None =
         r, w = ledger.per_step()
         items.append((f"measured per step, both directions ({ledger.steps} steps)",
                       f"{human_bytes(r)} → {human_bytes(w)}"))
-    return _cards(items)
+    return _cards(items) + extra
 
 
 def _fmt_cost(v: float, balance: str) -> str:
@@ -274,6 +307,37 @@ def _edge_section(plan: Plan) -> str:
     return "".join(out)
 
 
+def _collective_section(plan: Plan, ledger) -> str:
+    """Every collective of the plan: what it is, its codec, the bytes this rank sends per call
+    raw and on the wire, the calls the ledger counted, and why one was left alone."""
+    from . import collectives as coll
+
+    calls = _collective_calls(ledger)
+    rows = []
+    for c in sorted(plan.collectives, key=lambda c: (c.graph, c.index)):
+        codec = _Raw(f"<b>{escape(c.codec)}</b>") if c.codec != "none" else c.codec
+        rows.append([c.graph, f"c{c.index}", c.part, coll.kind_text(c), coll.group_text(c),
+                     fmt_shape(c.shape), c.dtype.replace("torch.", ""), codec,
+                     human_bytes(c.raw_bytes), human_bytes(c.wire_bytes), f"{c.ratio:.3f}",
+                     calls.get((c.graph, c.index), "–") if ledger is not None else "–",
+                     c.reason])
+    out = [('<p class="muted">The functional collectives of the compiled forward, backward and '
+           "inference graphs (tensor and sequence parallel, sharded parameters, the model's own "
+           "funcol code): bytes this rank sends per call, uncompressed (an all-reduce sends "
+           "2(W−1)/W of its input) and as it runs; calls as the ledger counted them.</p>"),
+           _table(["graph", "collective", "part", "kind", "group", "shape", "dtype", "codec",
+                   "raw / call", "wire / call", "wire / raw", "calls", "left alone because"],
+                  rows, numeric=(8, 9, 10, 11))]
+    many = len(plan.graphs) > 1
+    cols = sorted(plan.collectives, key=lambda c: (c.graph, c.index))
+    out.append('<div class="chart">' + svgplot.bar_chart(
+        [(f"g{c.graph} " if many else "") + f"c{c.index} {c.kind}" for c in cols],
+        {"raw": [c.raw_bytes for c in cols], "wire": [c.wire_bytes for c in cols]},
+        title="Bytes per call per collective: raw vs on the wire", fmt=human_bytes,
+        binary=True, colours={"raw": UNCOMPRESSED_COLOUR, "wire": WIRE_COLOUR}) + "</div>")
+    return "".join(out)
+
+
 def _planner_section(plan: Plan) -> str:
     """What ``auto`` chose: per decision the predicted step of every candidate and why."""
     out = []
@@ -296,7 +360,8 @@ def _ledger_section(ledger) -> str:
     if ledger is None or not ledger.steps:
         return ""
     rows = []
-    for d in ("fwd", "bwd"):
+    directions = ("fwd", "bwd", "collective") if ledger.entries("collective") else ("fwd", "bwd")
+    for d in directions:
         r, w = ledger.per_step(d)
         rows.append([d, human_bytes(r), human_bytes(w), f"{w / r:.3f}" if r else "–"])
     return (f"<h3>Measured by the ledger ({ledger.steps} step(s))</h3>"
@@ -317,6 +382,11 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
 
         default = (f"ccfx report · data parallel on {plan.data_parallel.world_size} rank(s) · "
                    f"gradients {spelled(plan.data_parallel.gradient_codec)}")
+    elif plan.collectives and not plan.edges and not plan.buckets:
+        from ccfx.codecs import spelled
+
+        default = (f"ccfx report · {len(plan.collectives)} collectives · collective codec "
+                   f"{spelled(plan.config.get('collective_codec', 'none'))}")
     else:
         default = f"ccfx report · {plan.num_stages} stages · activations {codec}"
     title = title or default
@@ -333,7 +403,10 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
         level = "every node" if d is None else f"modules to depth {d}"
         body.append(f'<p class="muted">The partitioned graph, {escape(level)}: one cluster per '
                     "stage, codec ops in orange between them (each table lists the edges that "
-                    "cross that boundary), tied parameters as gold cylinders.</p>")
+                    "cross that boundary), tied parameters as gold cylinders."
+                    + (" The collectives are tables beside the stages, one per part (forward, "
+                       "backward): orange where one is compressed, grey where all were left "
+                       "alone, with the reason." if plan.collectives else "") + "</p>")
         body.append(_drawing_html(to_dot(backend, which="partitioned", depth=depth), "graph"))
         body.append("<h3>Stages only</h3>")
     body.append(_drawing_html(to_dot(plan, which="plan"), "plan"))
@@ -341,6 +414,9 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
     body.append(_stage_section(plan))
     body.append("<h2>Cut edges</h2>")
     body.append(_edge_section(plan))
+    if plan.collectives:
+        body.append("<h2>Collectives</h2>")
+        body.append(_collective_section(plan, ledger))
     if any(g.decisions for g in plan.graphs):
         body.append("<h2>Planner</h2>")
         body.append(_planner_section(plan))

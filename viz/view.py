@@ -9,6 +9,9 @@ backward graphs do not, so their stages are recovered:
   saved activations are placeholders named like the forward node that produced them;
 * codec ops (``ccfx::cut``) carry their hop's uid, which the partitioned graph's cut nodes map
   to (edge, hop); a backward cut sends the gradient from ``hop[1]`` to ``hop[0]``;
+* the nodes of a functional collective (``CollectiveFacts``: the collective left alone, the
+  nodes spliced for its compressed form, its codec-state placeholders) are kind "collective"
+  with the plan's index, drawn as one node;
 * anything left takes the stage of its inputs (latest in forward, earliest in backward), then of
   its users.
 """
@@ -22,7 +25,16 @@ import torch.fx
 
 from ccfx import cost
 from ccfx.errors import ConfigError
-from ccfx.passes.facts import BucketFacts, CutFacts, NodeFacts, StageFacts, fact, kind_of, stage_of
+from ccfx.passes.facts import (
+    BucketFacts,
+    CollectiveFacts,
+    CutFacts,
+    NodeFacts,
+    StageFacts,
+    fact,
+    kind_of,
+    stage_of,
+)
 from ccfx.passes.graph_utils import module_paths, normalize_fqn
 from ccfx.plan import GraphPlan
 
@@ -46,6 +58,7 @@ class VNode:
     edge: int | None = None  # cut ops
     hop: tuple[int, int] | None = None
     direction: str = "fwd"
+    collective: int | None = None  # kind "collective": the plan's index
 
 
 @dataclass
@@ -165,7 +178,12 @@ def _aot_view(gm: torch.fx.GraphModule, part: torch.fx.GraphModule, plan: GraphP
         if isinstance(value, torch.Tensor):
             v.nbytes = cost.evaluate(cost.nbytes(value), hints) if hints else _int(
                 value.numel() * value.element_size())
-        if n.op == "placeholder":
+        collective = fact(n, CollectiveFacts)  # spliced by passes.compress_collectives
+        if collective is not None:
+            # the collective left alone, a node of its compressed form, or its codec state:
+            # all drawn as one node per collective; its stage comes from its inputs
+            v.kind, v.collective = "collective", collective.collective
+        elif n.op == "placeholder":
             k = _placeholder_index(n)
             desc = type(n.meta.get("desc")).__name__
             if k is not None and k < len(part_placeholders):
