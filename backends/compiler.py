@@ -34,10 +34,11 @@ import torch.fx
 from ccfx import codecs
 from ccfx.codecs.state import CodecState
 from ccfx.config import AUTO, Config
-from ccfx.errors import CcfxError, CcfxWarning, ConfigError
+from ccfx.errors import CcfxError, CcfxWarning, ConfigError, optimize_ddp_error
 from ccfx.passes import annotate, cut_edges, partition, run_passes
 from ccfx.passes.facts import NodeFacts, kind_of, need, stage_of
 from ccfx.passes.graph_utils import val
+from ccfx.passes.partition import uses_parameters
 from ccfx.plan import GraphPlan, Plan
 from ccfx.runtime.cut_op import Hop, hop_of, register_hop
 from ccfx.runtime.data_parallel import DataParallel, inside_ddp
@@ -91,7 +92,8 @@ class CcfxBackend:
     """A configured ccfx backend; pass it as ``torch.compile(model, backend=...)``."""
 
     def __init__(self, config: Config | None = None, mode: str | None = None, *,
-                 option_sources: dict[str, str] | None = None, **options):
+                 option_sources: dict[str, str] | None = None,
+                 codec_state: CodecState | None = None, **options):
         if config is not None and options:
             raise ConfigError("give either a Config or option keywords, not both")
         if config is None:
@@ -106,8 +108,11 @@ class CcfxBackend:
         self.hops: list[Hop] = []
         #: The state of stateful codecs on cut edges and gradient buckets, as buffers named
         #: ``<channel>.<state-name>`` (live tensors: save and load them here; see
-        #: :mod:`ccfx.codecs.state`).
-        self.codec_state = CodecState()
+        #: :mod:`ccfx.codecs.state`). Deferred until the first compile: a checkpoint loaded
+        #: before it is applied as each channel is made, before its first encode. ``codec_state``:
+        #: the holder ``ccfx.codec_state(compiled)`` gave out before this backend existed.
+        self.codec_state = codec_state if codec_state is not None else CodecState()
+        self.codec_state.deferred = True
         #: Data-parallel gradient synchronization (``data_parallel=True``), made at the first
         #: compile (it creates a process group: every rank compiles together).
         self.data_parallel: DataParallel | None = None
@@ -279,15 +284,36 @@ class CcfxBackend:
         if not reason or any(g.desc.get("code") == desc.get("code") and g.plan.left_whole
                              for g in self.graphs):
             return
+        others = "other" if not uses_parameters(gm) else "larger"
         warnings.warn(f"ccfx: graph {index}: {reason} (stages="
-                      f"{self.config.stages} applies to the model's larger graphs)",
+                      f"{self.config.stages} applies to the model's {others} graphs)",
                       CcfxWarning, stacklevel=2)
+
+    def _check_ddp_optimizer(self) -> None:
+        """Inside DDP's forward with Dynamo's DDP optimizer on, Dynamo hands this backend one
+        piece of the graph per DDP bucket: pipeline stages need the whole graph. Refused here,
+        at the first piece, not later with an error about the pieces."""
+        from torch._dynamo.utils import get_optimize_ddp_mode
+        from torch.nn.parallel import DistributedDataParallel
+
+        cfg = self.config
+        if not (cfg.stages > 1 or cfg.split_points) or not inside_ddp() \
+                or get_optimize_ddp_mode() != "ddp_optimizer":
+            return
+        ddp = DistributedDataParallel._get_active_ddp_module()
+        ctx, _ = _dynamo_callers()
+        name = next((n or type(ddp.module).__name__ for n, m in ddp.module.named_modules()
+                     if ctx is not None and getattr(m, "dynamo_ctx", None) is ctx),
+                    type(getattr(ddp.module, "_orig_mod", ddp.module)).__name__)
+        raise optimize_ddp_error(name)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         if kwargs.get("options"):
             raise ConfigError("this backend is already configured; pass options to ccfx.backend()")
         index = len(self.graphs)
         cfg = self.config
+        self._check_ddp_optimizer()
+        self.codec_state.deferred = False  # a load from now on meets the live channels
         dp = self._setup_data_parallel()
         self._check_local_steps()
         captured = gm.code
@@ -342,10 +368,16 @@ class CcfxBackend:
         # Dynamo keeps what a backend returns until torch._dynamo.reset(): refer to this
         # backend weakly, so its ledger, hops and state die with the compiled model.
         owner = weakref.ref(self)
+        runs = [0]
 
         def run(*args):
             backend = owner()
             if backend is not None:
+                if runs[0] and backend.codec_state.claiming:
+                    # a whole call (forward and backward) is over: every channel this model
+                    # makes exists; a loaded one that none claimed is reported now
+                    backend.codec_state.check_unclaimed()
+                runs[0] += 1
                 backend.ledger.count_call(index)
                 if backend.data_parallel is not None:
                     backend.data_parallel.before_call(index, args)
@@ -489,7 +521,9 @@ def ccfx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options=
         _raise_recompile_limit()
         try:
             config, sources = Config.resolve(options)
-            backend = CcfxBackend(config, mode=mode, option_sources=sources)
+            pending = ctx.__dict__.pop(_PENDING, None) if ctx is not None else None
+            backend = CcfxBackend(config, mode=mode, option_sources=sources,
+                                  codec_state=pending)
         except CcfxError as e:
             raise _through_dynamo(e) from e
         if ctx is not None:
@@ -514,14 +548,68 @@ def config_of(obj) -> Config | None:
     except ConfigError:
         pass
     ctx = getattr(obj, "dynamo_ctx", None)
+    fn = _wrapper_of(ctx)
+    if fn is None:
+        return None
+    if isinstance(fn.compiler_fn, CcfxBackend):
+        return fn.compiler_fn.config
+    return Config.resolve((getattr(fn, "kwargs", None) or {}).get("options"))[0]
+
+
+def _wrapper_of(ctx):
+    """Dynamo's wrapper of ccfx's backend (its ``compiler_fn`` is :func:`ccfx_backend` or a
+    :class:`CcfxBackend`) in the callback chain of ``ctx``; None if it does not compile with
+    ccfx."""
     fn = getattr(ctx, "callback", None)
     for _ in range(8):  # CatchErrorsWrapper -> ConvertFrame -> WrapBackendDebug -> the backend
         if fn is None:
             return None
-        if getattr(fn, "compiler_fn", None) is ccfx_backend:
-            return Config.resolve((getattr(fn, "kwargs", None) or {}).get("options"))[0]
+        inner = getattr(fn, "compiler_fn", None)
+        if inner is ccfx_backend or isinstance(inner, CcfxBackend):
+            return fn
         fn = getattr(fn, "_torchdynamo_orig_backend", None)
     return None
+
+
+#: The Dynamo context's attribute for the CodecState handed out before the backend existed.
+_PENDING = "_ccfx_pending_state"
+
+
+def codec_state_before_first_call(obj) -> CodecState | None:
+    """The codec state holder of a ccfx-compiled model that has not run yet (None if ccfx did
+    not compile it): the backend's own for ``backend=ccfx.backend(...)``; for
+    ``backend="ccfx"``, whose backend is made at the first compile, a holder kept on the
+    Dynamo context, which that backend adopts. Loaded now, it applies the checkpoint as the
+    compile makes each channel, before the first encode."""
+    for ctx in _contexts_of(obj):
+        fn = _wrapper_of(ctx)
+        if fn is None:
+            continue
+        if isinstance(fn.compiler_fn, CcfxBackend):
+            return fn.compiler_fn.codec_state
+        holder = ctx.__dict__.get(_PENDING)
+        if holder is None:
+            holder = CodecState()
+            holder.deferred = True
+            setattr(ctx, _PENDING, holder)
+        return holder
+    return None
+
+
+def _contexts_of(obj) -> list:
+    """The Dynamo contexts a compiled module (``torch.compile(model)``, ``model.compile()``)
+    or compiled function may run under."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    candidates = [getattr(obj, "dynamo_ctx", None)]
+    inner = getattr(obj, "_compiled_call_impl", None)  # nn.Module.compile()
+    for fn in (obj, inner):
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                candidates.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+    return [c for c in candidates if isinstance(c, _TorchDynamoContext)]
 
 
 def backend_of(obj) -> CcfxBackend:

@@ -78,33 +78,30 @@ def codec_state(compiled):
     residuals, PowerSGD's Q), named ``<channel>.<state-name>``:
     ``graph0.edge3.hop1to2.fwd.residual``, ``graph0.bucket2.q0000`` (the scheme every ccfx
     checkpoint uses: :mod:`ccfx.codecs.state`).
-    Checkpoint its ``state_dict()`` beside the model's. To resume, compile the restored model,
-    run one forward with grad enabled (ccfx allocates the state when it compiles the training
-    graph; a ``no_grad`` call compiles a separate inference graph with its own state), then
-    ``load_state_dict`` the saved state: names, shapes or dtypes that do not fit (another codec,
-    other options) are a :class:`ConfigError` naming the option; so is a checkpoint made for
-    another codec of the same shape, or (data parallel) another rank or world size.
-
-    Before the model's first call there is no state to load into, and this is a
-    :class:`ConfigError` saying so. (Loading lazily, kept and applied when ccfx allocates the
-    state, would need the backend, which ccfx makes at the first compile, to exist earlier.)"""
-    from ccfx.backends.compiler import backend_of, config_of
+    Checkpoint its ``state_dict()`` beside the model's. To resume, compile the restored model
+    and ``load_state_dict`` the saved state, before or after the first call. Before it, the
+    holder keeps the checkpoint and applies it as ccfx makes each channel when it compiles,
+    before anything is encoded: the run goes on bit for bit. Names, shapes or dtypes that do
+    not fit (another codec, other options) are a :class:`ConfigError` naming the option; so is
+    a checkpoint made for another codec of the same shape, or (data parallel) another rank or
+    world size: after the first call at once, before it when ccfx makes the channel. A saved
+    channel this model never makes is a :class:`ConfigError` at the start of the second call
+    (when the first call's forward and backward have made every channel; ``strict=False``
+    drops it instead). After the first call, note that a ``no_grad`` first call compiles a
+    separate inference graph with its own state."""
+    from ccfx.backends.compiler import backend_of, codec_state_before_first_call
 
     try:
         return backend_of(compiled).codec_state
     except ConfigError:
-        # before the first call, or not compiled by ccfx (a model.compile()d module cannot
-        # tell which before its first call)
-        known = config_of(compiled) is not None
-        raise ConfigError(
-            "ccfx.codec_state(compiled) before the model's first call: ccfx makes the codec "
-            "state (error-feedback residuals, PowerSGD's Q, the warm-up count) when it "
-            "compiles the training graph, at the first call. To resume, run one forward with "
-            "grad enabled first (a training batch; no backward or optimizer step needed), then "
-            "ccfx.codec_state(compiled).load_state_dict(saved)"
-            + ("" if known else f". If this {type(compiled).__name__} was not compiled with "
-               "backend='ccfx', compile it: torch.compile(model, backend='ccfx', "
-               "options={...})")) from None
+        pass
+    holder = codec_state_before_first_call(compiled)
+    if holder is not None:
+        return holder
+    raise ConfigError(
+        f"ccfx.codec_state: this {type(compiled).__name__} was not compiled with "
+        "backend='ccfx': compile it with torch.compile(model, backend='ccfx', options={...}) "
+        "(or backend=ccfx.backend(...)) and ask again") from None
 
 
 def build_stages(compiled, rank: int | None = None, device="cpu", group=None, *,

@@ -48,24 +48,6 @@ def _refused(got: dict, *needles: str) -> None:
 # -- one process ------------------------------------------------------------------------------
 
 
-def test_codec_state_before_the_first_call_says_to_run_one_forward():
-    compiled = torch.compile(models.MLP(depth=2), backend="ccfx",
-                             options={"stages": 2, "activation_codec": "int8:ef",
-                                      "lowering": "eager"})
-    module = models.MLP(depth=2)
-    module.compile(backend="ccfx", options={"stages": 2})
-    for model, unsure in ((compiled, False), (module, True)):
-        with pytest.raises(ccfx.ConfigError) as e:
-            ccfx.codec_state(model)
-        message = str(e.value)
-        assert "ccfx.codec_state(compiled) before the model's first call" in message
-        assert "run one forward with grad enabled" in message and "plan_of" not in message
-        # a module.compile()d model cannot tell, before its first call, whether ccfx compiled it
-        assert ("If this MLP was not compiled with backend='ccfx'" in message) == unsure
-    compiled(torch.randn(4, 32))
-    assert ccfx.codec_state(compiled).channels(), "after the first call the state exists"
-
-
 def _trained(codec: str) -> torch.nn.Module:
     model = models.MLP(depth=4)
     compiled, _ = compile_ccfx(model, stages=2, activation_codec=codec)

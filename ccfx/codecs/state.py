@@ -239,6 +239,16 @@ class CodecState(torch.nn.Module):
         self._meta: dict[str, torch.Tensor] = {}
         #: meta.codecs (see _set_codecs), None until a channel is added
         self._codecs: torch.Tensor | None = None
+        #: True until the owner compiles (``ccfx.codec_state(compiled)`` before the first
+        #: call): a ``load_state_dict`` then keeps the checkpoint's state in ``_pending`` and
+        #: applies it channel by channel as :meth:`add` registers them (see :meth:`unclaimed`).
+        self.deferred = False
+        self._pending: Tensors = {}  # a deferred load's channel tensors, by checkpoint name
+        self._pending_place: dict[str, int] = {}  # its meta entries of PLACE
+        self._pending_codecs: dict[str, str] = {}  # its meta.codecs
+        self._pending_strict = True
+        self._deferred_load = False  # a deferred load happened; its channels are being claimed
+        self._strict = True  # the strict of the load_state_dict running
         self._hook = self.register_load_state_dict_pre_hook(self._before_load)
 
     # -- channels ---------------------------------------------------------------------------
@@ -255,6 +265,8 @@ class CodecState(torch.nn.Module):
                 child = torch.nn.Module()
                 module.add_module(segment, child)
             module = child
+        if self._deferred_load and channel not in self._tensors:
+            self._apply_pending(channel, spec, tensors, legacy)
         for name in self._tensors.get(channel, {}):
             module._buffers.pop(name, None)
         for name, t in tensors.items():
@@ -288,6 +300,8 @@ class CodecState(torch.nn.Module):
     def set_meta(self, name: str, value: int) -> torch.Tensor:
         """Record ``meta.<name>`` (an int64 scalar buffer, in the state_dict); returns it (a
         counter is updated in place)."""
+        if name in self._pending_place:  # a deferred load's place, checked as it is set
+            check_place({name: self._pending_place.pop(name)}, {name: int(value)})
         module = self._meta_module(name.split("."))
         leaf = name.split(".")[-1]
         t = module._buffers.get(leaf)
@@ -334,32 +348,95 @@ class CodecState(torch.nn.Module):
             theirs = json.loads(bytes(saved.tolist()).decode())
         except (ValueError, TypeError):
             return  # not ours to read: the names, shapes and dtypes are still checked
-        differ = [(c, theirs[c], spec) for c, spec in sorted(self._specs.items())
-                  if c in theirs and theirs[c] != spec]
-        if not differ:
-            return
-        lines = "\n".join(f"  {c}: the checkpoint's state is for {old!r}, this model runs "
-                          f"{new!r} ({option_of(c)})" for c, old, new in differ)
-        options = ", ".join(sorted({option_of(c) for c, _, _ in differ}))
-        raise ConfigError(
-            "the checkpoint's codec state was made for other codecs (the state of one codec "
-            f"means nothing to another, even where its shape fits):\n{lines}\nResume with the "
-            f"codecs it was saved with ({options}), or load the parameters and optimizer only "
-            "and leave the codec state out (the codecs start afresh: error feedback from "
-            "zero).")
+        _refuse_other_codecs(theirs, self._specs)
 
     # -- loading ----------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if strict and not state_dict and self._tensors:
             check(self._live(), {}, self._specs)  # names what is missing
+        self._strict = strict
         return super().load_state_dict(state_dict, strict, assign)
+
+    def _defer(self, state_dict, at: str) -> None:
+        """A load before the owner compiled: keep the checkpoint's channels (taken out of
+        ``state_dict``, which torch then finds empty) for :meth:`add` to check and apply;
+        meta entries of :data:`PLACE` are checked as :meth:`set_meta` records them, the others
+        (a graph's backward count) load now."""
+        got = {k[len(at):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(at)}
+        codecs_ = got.pop("meta.codecs", None)
+        self._pending_codecs = {}
+        if codecs_ is not None:
+            try:
+                self._pending_codecs = dict(json.loads(bytes(codecs_.tolist()).decode()))
+            except (ValueError, TypeError):
+                pass  # not ours to read: names, shapes and dtypes are still checked
+        self._pending_place = {}
+        for k in [k for k in got if k.startswith("meta.")]:
+            name, value = k[len("meta."):], got.pop(k)
+            if name in PLACE:
+                self._pending_place[name] = int(value)
+            else:
+                self.set_meta(name, int(value))
+        self._pending = {k: t.detach().clone() for k, t in got.items()}
+        self._pending_strict = self._strict
+        self._deferred_load = True
+
+    def _apply_pending(self, channel: str, spec: str, tensors: Mapping[str, torch.Tensor],
+                       legacy: str | None) -> None:
+        """Check a deferred load's state of ``channel`` against ``tensors`` (just made, not yet
+        used: the codec has not encoded anything) and copy it into them."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        if legacy is not None:  # a checkpoint of the earlier scheme
+            for k in [k for k in self._pending if k.startswith(legacy)]:
+                if k[len(legacy):] in tensors:
+                    self._pending[key(channel, k[len(legacy):])] = self._pending.pop(k)
+        saved = {k: self._pending.pop(k) for k in list(self._pending)
+                 if split_key(k)[0] == channel}
+        if not saved and not self._pending_strict:
+            return
+        check(named(channel, tensors), saved, {channel: str(spec)})
+        saved_spec = self._pending_codecs.pop(channel, None)
+        if saved_spec is not None:
+            _refuse_other_codecs({channel: saved_spec}, {channel: str(spec)})
+        with torch.no_grad(), unset_fake_temporarily():
+            for name, t in tensors.items():
+                t.copy_(saved[key(channel, name)])
+
+    @property
+    def claiming(self) -> bool:
+        """A deferred load's state is being applied (until :meth:`check_unclaimed`)."""
+        return self._deferred_load
+
+    def unclaimed(self) -> list[str]:
+        """The channels a deferred load kept that no :meth:`add` has claimed yet."""
+        return sorted({split_key(k)[0] for k in self._pending})
+
+    def check_unclaimed(self) -> None:
+        """Raise :class:`ccfx.ConfigError` (once) for the channels of a strict deferred load
+        this model never made: its state would be silently dropped."""
+        channels, strict = self.unclaimed(), self._pending_strict
+        lines = "\n".join(f"  {c} ({option_of(c)}={self._pending_codecs.get(c)!r})"
+                          for c in channels)
+        self._pending, self._pending_codecs, self._pending_place = {}, {}, {}
+        self._deferred_load = False
+        if not channels or not strict:
+            return
+        raise ConfigError(
+            "the codec state loaded before the first call has channels this model never made "
+            f"(names are {SCHEME}):\n{lines}\nResume with the options it was saved with (the "
+            "same model, stages, codecs and world size), or load it with strict=False to "
+            "drop what this model does not use.")
 
     def _live(self) -> Tensors:
         return {key(c, k): t for c, ts in self._tensors.items() for k, t in ts.items()}
 
     def _before_load(self, module, state_dict, prefix, *args) -> None:
         at = prefix + self._where
+        if self.deferred and not self._tensors:
+            self._defer(state_dict, at)
+            return
         self._translate(state_dict, prefix, at)
         got = {k[len(at):]: v for k, v in state_dict.items() if k.startswith(at)}
         meta = {k[len("meta."):]: got.pop(k) for k in list(got) if k.startswith("meta.")}
@@ -389,6 +466,23 @@ class CodecState(torch.nn.Module):
                 if rel.startswith(old) and name in self._tensors[channel]:
                     state_dict[at + key(channel, name)] = state_dict.pop(k)
                     break
+
+
+def _refuse_other_codecs(theirs: Mapping[str, str], specs: Mapping[str, str]) -> None:
+    """The channels both have must run the codecs the checkpoint's state was made for."""
+    differ = [(c, theirs[c], spec) for c, spec in sorted(specs.items())
+              if c in theirs and theirs[c] != spec]
+    if not differ:
+        return
+    lines = "\n".join(f"  {c}: the checkpoint's state is for {old!r}, this model runs "
+                      f"{new!r} ({option_of(c)})" for c, old, new in differ)
+    options = ", ".join(sorted({option_of(c) for c, _, _ in differ}))
+    raise ConfigError(
+        "the checkpoint's codec state was made for other codecs (the state of one codec "
+        f"means nothing to another, even where its shape fits):\n{lines}\nResume with the "
+        f"codecs it was saved with ({options}), or load the parameters and optimizer only "
+        "and leave the codec state out (the codecs start afresh: error feedback from "
+        "zero).")
 
 
 def state_of(module: torch.nn.Module) -> CodecState:
