@@ -132,6 +132,20 @@ def tp_plan(rank, world, codec, overrides):
             "explain": ccfx.explain(compiled)}
 
 
+def tp_drawn(rank, world, codec):
+    """The plan as JSON (what ``ccfx report plan.json`` reads) and the forward and backward
+    drawings of the tensor-parallel model, its forward all-reduce in ``codec``, its backward
+    one left alone (``collective 1``: none): tests/test_viz_collectives.py's single process
+    has no group of two."""
+    from ccfx import viz
+
+    compiled = compile_tp(tp_model(world), codec, collective_overrides={"collective 1": "none"})
+    compiled(tp_input()).sum().backward()
+    return {"plan": ccfx.plan_of(compiled).to_json(),
+            "forward": viz.to_dot(compiled, which="forward", depth=None),
+            "backward": viz.to_dot(compiled, which="backward", depth=2)}
+
+
 class Kinds(nn.Module):
     """The user's own funcol code: each kind of collective, and a max reduction."""
 

@@ -272,6 +272,7 @@ def two():
         scenario("shard", w.sharded_zero_pp, 4),
         scenario("data parallel", w.with_data_parallel, "int8"),
         scenario("mismatch", w.mismatched_codecs),
+        scenario("drawn", w.tp_drawn, "int8"),
     ], timeout_s=400)
 
 
@@ -318,6 +319,35 @@ def test_ledger_wire_bytes_are_the_plans_per_call_times_the_calls(two):
             assert calls == r["steps"]
             assert wire == calls * plan[index]["wire_bytes"]
             assert raw == calls * plan[index]["raw_bytes"]
+
+
+@pytest.mark.slow
+def test_drawings_and_report_show_a_compressed_collective_and_one_left_alone(two):
+    """(issue 18 part 4) The forward drawing's all-reduce is one orange node with its codec and
+    bytes, the backward's a grey one saying why; the report from the plan's JSON lists both."""
+    from ccfx.plan import human_bytes
+    from ccfx.viz import to_dot
+    from ccfx.viz.drawing import CODEC_FILL
+    from ccfx.viz.report import report_html
+
+    r0, r1 = two["drawn"]
+    assert r0["plan"] == r1["plan"]
+    plan = Plan.from_json(r0["plan"])
+    fwd, bwd = plan.collectives
+    assert (fwd.part, fwd.codec, bwd.part, bwd.codec) == ("forward", "int8", "backward", "none")
+    for r in (r0, r1):
+        node = next(line for line in r["forward"].splitlines()
+                    if line.strip().startswith('"g0_collective0" ['))
+        assert "c0 · all_reduce (sum) · int8" in node and f'fillcolor="{CODEC_FILL}"' in node
+        assert f"{human_bytes(fwd.raw_bytes)} → {human_bytes(fwd.wire_bytes)} per call" in node
+        assert "all_to_all" not in r["forward"]  # its spliced nodes are folded into it
+        assert "c1 · all_reduce (sum) · none" in r["backward"]
+        assert "left alone: collective_overrides['collective 1'] is 'none'" in r["backward"]
+    assert "g0_collectives_forward" in to_dot(plan)
+    page = report_html(plan)
+    section = page.split("<h2>Collectives</h2>")[1]
+    assert "<b>int8</b>" in section and "collective_overrides[&#x27;collective 1&#x27;]" in section
+    assert human_bytes(fwd.raw_bytes - fwd.wire_bytes) in page  # the bytes saved per step
 
 
 @pytest.mark.slow
