@@ -53,9 +53,9 @@ def _start(seed: int = 0):
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _checkpoint(how: str, steps: int = 2):
+def _checkpoint(how: str, steps: int = 2, **options):
     model, opt = _start()
-    compiled = _compile(model, how)
+    compiled = _compile(model, how, **options)
     _train(compiled, model, opt, range(steps))
     return ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(),
             {k: v.clone() for k, v in ccfx.codec_state(compiled).state_dict().items()})
@@ -230,3 +230,31 @@ def test_the_left_whole_warning_says_which_graphs_get_the_stages(model, graph, w
     assert len(said) == 1 and said[0].startswith(f"ccfx: graph {graph}: left whole"), said
     assert said[0].endswith(f"(stages=2 applies to the model's {which} graphs)"), said
     assert ("uses no parameters" in said[0]) == (which == "other")
+
+
+def test_data_parallel_codec_state_loaded_before_the_first_call(one_rank_group):
+    """Compiled data parallel (a 1-rank group): the buckets' PowerSGD Q and residuals, made
+    when the backward compiles, and the backward count (what ends ``warmup_steps``) resume
+    bit for bit; a checkpoint for another world size is refused when ccfx records its own."""
+    dp = {"data_parallel": True, "gradient_codec": "powersgd:rank=2,ef",
+          "compress_min_numel": 0, "warmup_steps": 1, "stages": 1,
+          "activation_codec": "none", "activation_grad_codec": "none"}
+    model, opt = _start()
+    compiled = _compile(model, "string", **dp)
+    _train(compiled, model, opt, range(4))
+    params, opt_state, codec = _checkpoint("string", **dp)
+    assert any(".bucket" in k and k.endswith("q0000") for k in codec), sorted(codec)
+    assert int(codec["meta.graph0.backward_steps"]) == 2
+    for load in (True, False):
+        again, opt2, compiled2, holder = _resumed("string", (params, opt_state, codec),
+                                                  load_codec_state=load, **dp)
+        _train(compiled2, again, opt2, range(2, 4))
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+        assert same == load, load
+        assert int(holder.state_dict()["meta.graph0.backward_steps"]) == (4 if load else 2)
+    other = {**codec, "meta.world_size": torch.tensor(2)}
+    _, _, compiled3, holder = _resumed("string", (params, opt_state, other), **dp)
+    with pytest.raises(ccfx.ConfigError, match="world_size: the checkpoint's is 2, this run's "
+                                               "is 1"):
+        compiled3(_batch(2))
+

@@ -376,8 +376,9 @@ class CodecState(torch.nn.Module):
             name, value = k[len("meta."):], got.pop(k)
             if name in PLACE:
                 self._pending_place[name] = int(value)
-            else:
+            else:  # registered now; torch loads it like any buffer
                 self.set_meta(name, int(value))
+                state_dict[f"{at}meta.{name}"] = value
         self._pending = {k: t.detach().clone() for k, t in got.items()}
         self._pending_strict = self._strict
         self._deferred_load = True
