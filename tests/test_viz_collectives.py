@@ -69,9 +69,9 @@ def test_plan_drawing_has_a_table_per_part_with_every_collective():
     bwd = _node_attrs(dot, "g0_collectives_backward")
     text = _text(fwd)
     assert "forward collectives · 2 collectives, 1 compressed" in text
-    assert "c0 all_reduce (sum) 2 ranks (0) 4×16 float32 int8 256 B → 72 B" in text
+    assert "c0 all_reduce (sum) 2 ranks, group 0 4×16 float32 int8 256 B → 72 B" in text
     # the collective left alone: codec none, raw bytes on the wire, and why (escaped)
-    assert "c1 all_reduce (max) 2 ranks (0) 4×16 float32 none 256 B → 256 B" in text
+    assert "c1 all_reduce (max) 2 ranks, group 0 4×16 float32 none 256 B → 256 B" in text
     assert f"left alone: {REASON}" in text and "&lt;&amp;&gt;" in fwd
     assert "per call 512 B → 328 B (×0.641)" in text
     assert "c2 reduce_scatter (sum)" in _text(bwd) and "int4:ef" in _text(bwd)
@@ -79,6 +79,7 @@ def test_plan_drawing_has_a_table_per_part_with_every_collective():
     # a compressed one makes the table the codec's orange; placed under the stage
     assert f'fillcolor="{CODEC_FILL}"' in fwd and 'shape="cds"' in fwd
     assert '"g0_stage0" -> "g0_collectives_forward" [style="invis"]' in dot
+    assert "ccfx plan · 1 stages · activations none · collectives int8" in dot
     assert _acyclic(_edges(dot))
 
 

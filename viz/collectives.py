@@ -39,7 +39,8 @@ def kind_text(c: Collective) -> str:
 
 
 def group_text(c: Collective) -> str:
-    return f"{c.group_size} ranks ({c.group})" if c.group else f"{c.group_size} ranks"
+    """``2 ranks, group 0``: the group's size, and its name (torch's process-group name)."""
+    return f"{c.group_size} ranks, group {c.group}" if c.group else f"{c.group_size} ranks"
 
 
 def bytes_text(c: Collective) -> str:

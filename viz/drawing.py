@@ -153,7 +153,12 @@ def _hops_by_boundary(gp: GraphPlan) -> dict[tuple[int, int], list[CutEdge]]:
 def plan_dot(plan: Plan, title: str | None = None) -> str:
     """Stages as boxes, one codec node per stage boundary listing the edges that cross it."""
     codec = plan.config.get("activation_codec", "?")
-    g = _new_graph(title or f"ccfx plan · {plan.num_stages} stages · activations {codec}")
+    default = f"ccfx plan · {plan.num_stages} stages · activations {codec}"
+    if plan.collectives:
+        from ccfx.codecs import spelled
+
+        default += f" · collectives {spelled(plan.config.get('collective_codec', 'none'))}"
+    g = _new_graph(title or default)
     many = len(plan.graphs) > 1
     for gp in plan.graphs:
         prefix = f"g{gp.index}_"
