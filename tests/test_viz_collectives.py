@@ -236,3 +236,16 @@ def test_report_with_collectives_in_headless_chromium(one_rank, tmp_path):
     assert result["drawings_ok"], result["drawings"]
     assert any("forward collectives" in d.get("text", "") for d in result["drawings"])
     assert result["ok"]
+
+
+def test_cli_reads_a_plan_json_with_collectives(tmp_path, capsys):
+    from ccfx import cli
+
+    path = tmp_path / "plan.json"
+    path.write_text(_plan().to_json())
+    assert cli.main(["report", str(path), "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert "<h2>Collectives</h2>" in page and "collective bytes saved per rank per step" in page
+    assert cli.main(["viz", str(path), "-o", str(tmp_path / "p.dot")]) == 0
+    assert "g0_collectives_backward" in (tmp_path / "p.dot").read_text()
+    assert "wrote" in capsys.readouterr().out
