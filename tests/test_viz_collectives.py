@@ -249,3 +249,13 @@ def test_cli_reads_a_plan_json_with_collectives(tmp_path, capsys):
     assert cli.main(["viz", str(path), "-o", str(tmp_path / "p.dot")]) == 0
     assert "g0_collectives_backward" in (tmp_path / "p.dot").read_text()
     assert "wrote" in capsys.readouterr().out
+
+
+def test_titles_and_cards_name_the_overrides_by_kind():
+    plan = _plan()
+    plan.config["collective_overrides"] = {"reduce_scatter": "int4:ef", "collective 1": "none"}
+    said = "int8 (collective 1: none, reduce_scatter: int4:ef)"
+    assert f"· collectives {said}" in viz.to_dot(plan)
+    page = report_html(plan)
+    assert f"<title>ccfx report · 3 collectives · collective codec {said}</title>" in page
+    assert f"<b>{said}</b><span>collective codec</span>" in page

@@ -47,6 +47,18 @@ def bytes_text(c: Collective) -> str:
     return f"{human_bytes(c.raw_bytes)} → {human_bytes(c.wire_bytes)}"
 
 
+def codec_text(config: dict) -> str:
+    """The collective options as the user wrote them: ``none (all_gather: int8,
+    reduce_scatter: int4:ef)``."""
+    from ccfx.codecs import spelled
+
+    text = spelled(config.get("collective_codec", "none"))
+    table = config.get("collective_overrides")
+    if table:
+        text += " (" + ", ".join(f"{k}: {spelled(v)}" for k, v in sorted(table.items())) + ")"
+    return text
+
+
 def by_part(gp: GraphPlan) -> list[tuple[str, list[Collective]]]:
     """The graph's collectives grouped by part, forward first, each in index order."""
     out = []

@@ -155,9 +155,7 @@ def plan_dot(plan: Plan, title: str | None = None) -> str:
     codec = plan.config.get("activation_codec", "?")
     default = f"ccfx plan · {plan.num_stages} stages · activations {codec}"
     if plan.collectives:
-        from ccfx.codecs import spelled
-
-        default += f" · collectives {spelled(plan.config.get('collective_codec', 'none'))}"
+        default += f" · collectives {coll.codec_text(plan.config)}"
     g = _new_graph(title or default)
     many = len(plan.graphs) > 1
     for gp in plan.graphs:

@@ -187,12 +187,12 @@ def _collective_summary(plan: Plan, ledger) -> list[tuple[str, str]]:
     """The headline of a plan's collectives: how many are compressed, the bytes one rank sends
     per step (every graph's forward and backward once) and what that saves; what the ledger
     measured when it ran."""
-    from ccfx.codecs import spelled
+    from .collectives import codec_text
 
     rows = plan.collectives
     raw = sum(c.raw_bytes for c in rows)
     wire = sum(c.wire_bytes for c in rows)
-    items = [("collective codec", spelled(plan.config.get("collective_codec", "none"))),
+    items = [("collective codec", codec_text(plan.config)),
              ("collectives (compressed / all)",
               f"{sum(c.codec != 'none' for c in rows)} / {len(rows)}"),
              ("collective bytes per rank per step, raw → wire",
@@ -383,10 +383,10 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
         default = (f"ccfx report · data parallel on {plan.data_parallel.world_size} rank(s) · "
                    f"gradients {spelled(plan.data_parallel.gradient_codec)}")
     elif plan.collectives and not plan.edges and not plan.buckets:
-        from ccfx.codecs import spelled
+        from .collectives import codec_text
 
         default = (f"ccfx report · {len(plan.collectives)} collectives · collective codec "
-                   f"{spelled(plan.config.get('collective_codec', 'none'))}")
+                   f"{codec_text(plan.config)}")
     else:
         default = f"ccfx report · {plan.num_stages} stages · activations {codec}"
     title = title or default
