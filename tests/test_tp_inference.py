@@ -34,7 +34,7 @@ PPL_REL = 5e-3
 @pytest.fixture(scope="module")
 def two():
     return ranks.run_scenarios(W, [
-        scenario("unsharded", w.generate, "eager", NEW, tp=False),
+        scenario("unsharded", w.generate, "eager", NEW, sharded=False),
         scenario("tp eager", w.generate, "eager", NEW),
         scenario("none", w.generate, "none", NEW),
         scenario("int8", w.generate, "int8", NEW),

@@ -1,9 +1,9 @@
 """What each rank runs in tests/test_tp_inference.py (module-level: spawn pickles them by name);
-bench/tp_inference.py uses the same model and generation. Every worker returns plain data.
+every worker returns plain data.
 
-The model is a Hugging Face Llama built from a config (random weights, nothing downloaded),
-the same seed on every rank, parallelized with torch's own ``ColwiseParallel`` /
-``RowwiseParallel`` per the config's ``base_model_tp_plan`` (q/k/v, gate/up column-wise; o, down
+The model is a Hugging Face Llama built from a config (random weights, nothing downloaded;
+bench/tp_inference.py's builder, smaller), the same seed on every rank, parallelized with
+torch's own ``ColwiseParallel`` / ``RowwiseParallel`` per the config's ``base_model_tp_plan`` (q/k/v, gate/up column-wise; o, down
 row-wise): each decoder layer's two row-wise projections end in an all-reduce, which ccfx's
 ``collective_codec`` replaces in the compiled inference graphs (no input requires grad).
 
@@ -20,53 +20,19 @@ import torch
 import torch.nn.functional as F
 
 import ccfx
+from bench import tp_inference as tp
 
-VOCAB = 256
-
-#: torch's style for each of the plan's words (the config's base_model_tp_plan)
-_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+VOCAB = tp.VOCAB
 
 
-def llama(hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0, max_pos: int = 256):
-    """A random-init LlamaForCausalLM in eval mode (eager attention: no SDPA kernel choice
-    differs between the sharded and unsharded model)."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=max_pos, attention_dropout=0.0, bos_token_id=0,
-        eos_token_id=None, pad_token_id=0, attn_implementation="eager", use_cache=True,
-        tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def tensor_parallel(model, world: int):
-    """Shard ``model`` over every rank per its config's ``base_model_tp_plan``, with torch's
-    styles. Returns the plan used ({module path: style name})."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import parallel
-
-    mesh = init_device_mesh("cpu", (world,))
-    plan = {}
-    for pattern, word in model.config.base_model_tp_plan.items():
-        style = _STYLES.get(word)
-        if style is None:  # the plan's other words (e.g. "gather"): not in Llama's today
-            raise ValueError(f"tp plan word {word!r} for {pattern!r} has no torch style here")
-        plan[pattern] = style
-    layer_plan = {p.split(".*.", 1)[1]: getattr(parallel, s)() for p, s in plan.items()}
-    for layer in model.model.layers:
-        parallel.parallelize_module(layer, mesh, layer_plan)
-    return plan
+def llama():
+    """The test's model: 2 layers, hidden 128, 4 heads (bench/tp_inference.py's, smaller)."""
+    return tp.llama(hidden=128, layers=2, heads=4, max_pos=256)
 
 
 def heldout(length: int = 64) -> torch.Tensor:
     """The prompt: the last ``length`` bytes of the corpus (held-out text), one row."""
-    from ccfx.models import load_corpus
-
-    text = load_corpus().encode("ascii")[-length:]
-    return torch.tensor([list(text)], dtype=torch.long)
+    return tp.heldout(length)
 
 
 @torch.no_grad()
@@ -102,12 +68,12 @@ def compile_ccfx(model, codec: str, dynamic=None):
     return model
 
 
-def generate(rank, world, variant: str, new: int = 32, dynamic=None, tp: bool = True):
+def generate(rank, world, variant: str, new: int = 32, dynamic=None, sharded: bool = True):
     """Greedy tokens of the model under ``variant`` ("eager", "inductor", or a collective codec
     for ``backend="ccfx"``), its perplexity on held-out text, and (ccfx) its plan and ledger."""
     model = llama()
-    if tp:
-        tensor_parallel(model, world)
+    if sharded:
+        tp.tensor_parallel(model, world)
     if variant == "inductor":
         model.compile(dynamic=dynamic)
     elif variant != "eager":
