@@ -114,7 +114,8 @@ def _view() -> GraphView:
         VNode("a2a", "op", 0, (), "all_to_all", (72,), "uint8", inputs=["enc"]),
         VNode("dec", "op", 0, (), "decode", (4, 16), "float32", inputs=["a2a"]),
         VNode("relu", "op", 0, ("lin",), "relu", (4, 16), "float32", inputs=["dec"]),
-        VNode("output", "output", 0, (), "output", inputs=["relu"]),
+        VNode("pg", "object", 0, (), "placeholder", (), "FakeScriptObject"),  # a group handle
+        VNode("output", "output", 0, (), "output", inputs=["relu", "pg"]),
     ]
     for v in nodes[2:6]:
         v.kind, v.collective = "collective", 0
@@ -128,6 +129,7 @@ def test_a_compressed_collective_is_one_orange_node_with_codec_and_bytes(depth):
     assert "c0 · all_reduce (sum) · int8" in attrs and "256 B → 72 B per call" in attrs
     assert f'fillcolor="{CODEC_FILL}"' in attrs
     assert len(re.findall(r'^\s*"g0_collective0" \[', dot, flags=re.MULTILINE)) == 1
+    assert '"g0_pg"' not in dot  # a process group handle is not data: not drawn
     for spliced in ("enc", "a2a", "dec", "cstate"):  # folded into the one node
         assert f'"g0_{spliced}"' not in dot
     edges = _edges(dot)
@@ -259,3 +261,13 @@ def test_titles_and_cards_name_the_overrides_by_kind():
     page = report_html(plan)
     assert f"<title>ccfx report · 3 collectives · collective codec {said}</title>" in page
     assert f"<b>{said}</b><span>collective codec</span>" in page
+
+
+def test_a_process_group_handle_placeholder_is_an_object_not_an_input():
+    from ccfx.viz.view import _is_object
+
+    class FakeScriptObject:  # what a ProcessGroup input of ccfx.shard's graphs is while traced
+        pass
+
+    assert _is_object(FakeScriptObject()) and not _is_object(torch.ones(1))
+    assert not _is_object(3) and not _is_object(None)

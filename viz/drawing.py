@@ -409,6 +409,8 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
             if v.kind == "collective":
                 rep[v.name] = f"{prefix}collective{v.collective}"
                 continue  # one node per collective, drawn below
+            if v.kind == "object":
+                continue  # a process group handle: not drawn
             if v.kind == "cut":
                 rep[v.name] = nid
                 continue  # drawn below with the codec style

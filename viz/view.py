@@ -44,7 +44,7 @@ WHICH = ("partitioned", "forward", "backward")
 @dataclass
 class VNode:
     name: str
-    kind: str  # op, cut, param, buffer, input, symint, saved, tangent, output
+    kind: str  # op, cut, collective, param, buffer, input, symint, object, saved, tangent, output
     stage: int | None
     paths: tuple[str, ...]  # enclosing modules, outermost first
     op: str
@@ -143,6 +143,11 @@ def _sources(meta_from_node) -> list:
     return out
 
 
+def _is_object(value) -> bool:
+    """A TorchScript object input (a ProcessGroup handle, fake while tracing)."""
+    return isinstance(value, torch.ScriptObject) or type(value).__name__ == "FakeScriptObject"
+
+
 def _placeholder_index(node: torch.fx.Node) -> int | None:
     desc = node.meta.get("desc")
     idx = getattr(desc, "idx", None)
@@ -183,6 +188,8 @@ def _aot_view(gm: torch.fx.GraphModule, part: torch.fx.GraphModule, plan: GraphP
             # the collective left alone, a node of its compressed form, or its codec state:
             # all drawn as one node per collective; its stage comes from its inputs
             v.kind, v.collective = "collective", collective.collective
+        elif n.op == "placeholder" and _is_object(value):
+            v.kind = "object"  # a process group handle (ccfx.shard's gathers): not data
         elif n.op == "placeholder":
             k = _placeholder_index(n)
             desc = type(n.meta.get("desc")).__name__
@@ -259,7 +266,7 @@ def _fill_stages(nodes: list[VNode], backward: bool, last_stage: int) -> None:
         if v.stage is None and v.kind not in ("output",):
             known = [by_name[a].stage for a in v.inputs
                      if a in by_name and by_name[a].stage is not None
-                     and by_name[a].kind not in ("param", "buffer", "symint")]
+                     and by_name[a].kind not in ("param", "buffer", "symint", "object")]
             if known:
                 v.stage = pick(known)
     users: dict[str, list[VNode]] = {}
