@@ -185,6 +185,7 @@ def test_forward_and_backward_drawings_show_the_collective_left_alone_and_why(on
         for depth in (None, 2):
             dot = viz.to_dot(one_rank, which=which, depth=depth)
             attrs = _node_attrs(dot, f"g0_collective{index}")
+            assert f"· collectives int8 · {'every node' if depth is None else 'modules'}" in dot
             assert f"c{index} · all_reduce (sum) · none" in attrs
             assert "left alone: collective_codec='int8' refused: a group of one" in attrs
             assert f'fillcolor="{KEPT_FILL}"' in attrs

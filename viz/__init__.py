@@ -8,6 +8,12 @@
 ``compiled`` is anything ccfx compiled (the module ``torch.compile`` returned, a
 ``CcfxBackend``), run at least once. A :class:`~ccfx.plan.Plan` alone has no graph, so it draws
 stages and the edges between them.
+
+Functional collectives (tensor / sequence parallel, ``ccfx.shard``, the model's funcol code;
+``collective_codec``) appear beside the stages as one table per part (forward, backward) in the
+plan and partitioned drawings, and as one node each where they run in the forward and backward
+drawings: the codec's orange when compressed (kind, codec, raw -> wire bytes per call), grey
+with the reason when left alone. The report has a "Collectives" section and cards.
 """
 
 from __future__ import annotations
@@ -81,8 +87,11 @@ def to_dot(compiled_or_plan, *, which: str | None = None, depth=DEFAULT_DEPTH,
     from .view import graph_views
 
     views = graph_views(backend, which, graph)
+    from .collectives import codec_text
+
     return graph_dot(views, normalize_depth(depth), title,
-                     codec=plan.config.get("activation_codec"))
+                     codec=plan.config.get("activation_codec"),
+                     collectives=codec_text(plan.config))
 
 
 def draw(compiled_or_plan, path: str | os.PathLike, *, format: str | None = None,

@@ -367,14 +367,17 @@ def _full_label(v: VNode, edges: dict[int, CutEdge]) -> str:
 
 
 def graph_dot(views: list[GraphView], depth: int | None = 2, title: str | None = None,
-              codec: str | None = None) -> str:
+              codec: str | None = None, collectives: str | None = None) -> str:
     """One drawing of ``views`` (one per graph): modules to ``depth`` levels, or every node
-    when ``depth`` is None."""
+    when ``depth`` is None. ``collectives``: the collective options, named in the title when
+    a graph has collectives."""
     which = views[0].which if views else "partitioned"
     stages = max((v.num_stages for v in views), default=0)
     level = "every node" if depth is None else f"modules to depth {depth}"
+    named = (f"collectives {collectives} · "
+             if collectives and any(v.plan.collectives for v in views) else "")
     g = _new_graph(title or f"ccfx · {which} graph · {stages} stages · "
-                   f"activations {codec or '?'} · {level}")
+                   f"activations {codec or '?'} · {named}{level}")
     many = len(views) > 1
     for view in views:
         prefix = f"g{view.index}_"
