@@ -258,3 +258,21 @@ def test_data_parallel_codec_state_loaded_before_the_first_call(one_rank_group):
                                                "is 1"):
         compiled3(_batch(2))
 
+
+
+def test_a_deferred_holder_translates_earlier_names_and_names_what_is_missing():
+    """The holder alone: a checkpoint of the earlier scheme is matched when ``add`` says its
+    prefix; a channel the checkpoint lacks is refused (strict) when it is made."""
+    from ccfx.codecs import state as cs
+
+    holder = cs.CodecState()
+    holder.deferred = True
+    holder.load_state_dict({"graph0_edge3_hop0to1_fwd_residual": torch.full((4,), 2.0)})
+    assert holder.channels() == {} and holder.unclaimed() == ["graph0_edge3_hop0to1_fwd_residual"]
+    live = holder.add(cs.edge_channel(0, 3, (0, 1), "fwd"), "topk:ef",
+                      {"residual": torch.zeros(4)}, legacy="graph0_edge3_hop0to1_fwd_")
+    assert torch.equal(live["residual"], torch.full((4,), 2.0)) and holder.unclaimed() == []
+    with pytest.raises(ccfx.ConfigError, match=r"graph0\.bucket0, gradient_codec='powersgd'"
+                                               r": this model needs q0000 \(3, 1\) float32, "
+                                               r"the checkpoint has none"):
+        holder.add(cs.bucket_channel(0, 0), "powersgd", {"q0000": torch.zeros(3, 1)})

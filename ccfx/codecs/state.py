@@ -412,7 +412,7 @@ class CodecState(torch.nn.Module):
 
     def unclaimed(self) -> list[str]:
         """The channels a deferred load kept that no :meth:`add` has claimed yet."""
-        return sorted({split_key(k)[0] for k in self._pending})
+        return sorted({split_key(k)[0] or k for k in self._pending})  # or an earlier name
 
     def check_unclaimed(self) -> None:
         """Raise :class:`ccfx.ConfigError` (once) for the channels of a strict deferred load
