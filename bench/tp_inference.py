@@ -16,8 +16,9 @@ Variants (the same seed, model and prompt on every rank):
 * ``ccfx-int8``, ``ccfx-fp8``: ``collective_codec`` set to that codec.
 
 Each variant runs on 2 (``--world``) ranks inside a fresh network namespace whose loopback is
-limited with tc tbf (bench/shaped.py; root): one untimed generation (compiles every graph), a
-barrier, then ``--repeats`` timed generations of ``--new`` tokens. TTFT is the prefill call up
+limited with tc tbf (bench/shaped.py; root): ``--warmup`` untimed generations (default 2:
+under ccfx int8 the second generation still recompiles three small graphs, measured: 61 calls
+captured, then none), a barrier, then ``--repeats`` timed generations of ``--new`` tokens. TTFT is the prefill call up
 to its first token; decode tokens/s counts the calls after it; each is the slowest rank's mean.
 "x inductor" is the baseline's time over the variant's (TTFT) or the variant's rate over the
 baseline's (decode), in the same run. "agree" is how many of the first 32 greedy tokens equal
@@ -141,7 +142,7 @@ def _wire(model) -> tuple[float, float] | None:
 
 
 def time_rank(rank: int, world: int, *, variant: str, new: int = NEW, prompt: int = PROMPT,
-              repeats: int = 2) -> dict:
+              repeats: int = 2, warmup: int = 2) -> dict:
     import torch.distributed as dist
 
     model = llama()
@@ -151,9 +152,10 @@ def time_rank(rank: int, world: int, *, variant: str, new: int = NEW, prompt: in
     else:
         model.compile(backend="ccfx", options={"collective_codec": CODECS[variant]})
     ids = heldout(prompt)
-    t = time.perf_counter()
-    tokens, _, _ = _generate(model, ids, new)  # compiles prefill and both decode graphs
-    _log(rank, f"warm-up generation (compiles): {time.perf_counter() - t:.1f} s")
+    for i in range(warmup):  # compiles prefill and both decode graphs (and recompiles)
+        t = time.perf_counter()
+        tokens, _, _ = _generate(model, ids, new)
+        _log(rank, f"warm-up generation {i}: {time.perf_counter() - t:.1f} s")
     before = _wire(model)
     dist.barrier()
     ttft, decode = [], []
@@ -178,13 +180,14 @@ def _progress(msg: str) -> None:
 
 
 def run_time(variant: str, world: int, rate: float | None, new: int, repeats: int,
-             threads: int) -> dict:
+             warmup: int, threads: int) -> dict:
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
     t0 = time.perf_counter()
     try:
         with shaped_namespace(rate) as ns:
             ranks = run_ranks("bench.tp_inference", "time_rank", world,
-                              {"variant": variant, "new": new, "repeats": repeats}, netns=ns,
+                              {"variant": variant, "new": new, "repeats": repeats,
+                               "warmup": warmup}, netns=ns,
                               timeout_s=900, threads_per_rank=threads, env=env, stall_s=300)
     except (RankFailed, RankTimeout) as e:
         return {"variant": variant, "status": "fails", "reason": e.reason,
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--new", type=int, default=NEW, help="tokens generated per run")
     ap.add_argument("--repeats", type=int, default=2, help="timed generations per variant")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed generations first")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     a = ap.parse_args(argv)
@@ -246,12 +250,13 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             for v in a.variants:
                 _progress(f"[{label}] {v} ...")
-                row = run_time(v, a.world, rate, a.new, a.repeats, a.threads)
+                row = run_time(v, a.world, rate, a.new, a.repeats, a.warmup, a.threads)
                 _progress(f"    {row['status']}" + (
                     f" TTFT {row['ttft_s']:.3f} s, {row['decode_tps']:.1f} tok/s"
                     if row["status"] == "ok" else f": {row['reason']}"))
                 rows.append(row)
-            print(f"\n{label}, {a.world} ranks, {a.repeats} timed generations after 1 warm-up")
+            print(f"\n{label}, {a.world} ranks, {a.repeats} timed generations after {a.warmup} "
+                  "warm-up")
             cells, notes = time_table(rows)
             print(common.table(cells, ["variant", "TTFT s", "x inductor", "decode tok/s",
                                        "x inductor", "wire MiB/gen/rank", "agree"]))
