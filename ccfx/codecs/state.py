@@ -59,6 +59,13 @@ another codec is a :class:`ccfx.ConfigError` saying what differs and what to do
 (:func:`check_place`, also what the DDP comm hook's and local steps' ``load_state_dict``
 call). A checkpoint saved before ``meta`` existed, or without one of its entries, loads as
 before: what it does not record is not checked.
+
+A holder whose owner has not compiled yet (:attr:`CodecState.deferred`:
+``ccfx.codec_state(compiled)`` before the first call) keeps a loaded checkpoint and checks and
+copies each channel's state into the tensors :meth:`CodecState.add` registers, before the
+codec's first encode; saved channels no ``add`` claimed are a ConfigError from
+:meth:`CodecState.check_unclaimed`, which the backend calls at the second call (every channel
+exists once a first forward and backward have run).
 """
 
 from __future__ import annotations
