@@ -458,6 +458,10 @@ def group(what: str, desc: dict, ranks: Sequence[int] | None = None, *, timeout_
     name = group_name(what, desc, ranks)
     pg = _GROUPS.get(name)
     if pg is not None and name in dist.distributed_c10d._world.pg_names.values():
+        # the name leaves the timeout out (how long a rank waits is its own business): a
+        # later compile of the same model with another collective_timeout_s reuses the group,
+        # and waits as long as it asked
+        pg.set_timeout(datetime.timedelta(seconds=timeout_s))
         return pg
     meet(what, desc, ranks, timeout_s=timeout_s, hint=hint)
     pg = _make_group(name, ranks, timeout_s, what)
