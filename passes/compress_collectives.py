@@ -43,6 +43,7 @@ import torch.fx
 from ccfx.errors import CcfxError
 
 from .facts import CollectiveFacts, put
+from .graph_utils import splice_traced, trace_phase
 
 #: The collectives ccfx compresses: the functional op's name → the wire layer's kind.
 KIND_OF_OP = {
@@ -187,11 +188,6 @@ def _splits(value) -> tuple | None:
     return tuple(int(v) if isinstance(v, int) else str(v) for v in value)
 
 
-def _trace(fn, args, decompositions) -> torch.fx.GraphModule:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions or {})(*args)
-
 
 def _default_comm(group_name: str, world: int):
     from ccfx.wire.comm import FunctionalComm
@@ -259,8 +255,8 @@ def compress_collectives(gm: torch.fx.GraphModule, found: Sequence[FoundCollecti
             def fn(*flat, phase=phase, n_s=n_s, comm=comm):
                 return list(phase(flat[0], list(flat[1:1 + n_s]), list(flat[1 + n_s:]), comm))
 
-            traced = _trace(fn, [n.meta["val"] for n in inputs], decompositions)
-            carry = _splice(graph, traced, inputs, anchor,
+            traced = trace_phase(fn, [n.meta["val"] for n in inputs], decompositions)
+            carry = splice_traced(graph, traced, inputs, anchor,
                             CollectiveFacts(r.index, r.codec, phase=k))
         out = carry[0] if len(carry) == 1 else None
         _check_result(f, r, out, wait)
@@ -301,13 +297,3 @@ def _describe(v) -> str:
     return type(v).__name__
 
 
-def _splice(graph, traced, inputs, before, tag: CollectiveFacts) -> list[torch.fx.Node]:
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    val_map = dict(zip(placeholders, inputs))
-    existing = set(graph.nodes)
-    with graph.inserting_before(before):
-        out = graph.graph_copy(traced.graph, val_map)
-    for node in graph.nodes:
-        if node not in existing:
-            put(node, tag)
-    return list(out) if isinstance(out, (list, tuple)) else [out]

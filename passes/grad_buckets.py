@@ -39,6 +39,7 @@ from ccfx.wire.exchange import Exchange, exchange_for
 from ccfx.wire.policy import BucketAssignment, GradSlot
 
 from .facts import BucketFacts, put
+from .graph_utils import splice_traced, trace_phase
 
 
 def _output_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
@@ -70,11 +71,6 @@ def find_param_grads(gm: torch.fx.GraphModule, param_names: Mapping[int, str]) -
                               value.dtype, pos[node]))
     return sorted(slots, key=lambda s: (s.ready, s.output_index))
 
-
-def _trace(fn, args, decompositions) -> torch.fx.GraphModule:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions or {})(*args)
 
 
 def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
@@ -132,8 +128,8 @@ def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
             return list(phase(list(flat[:n_g]), list(flat[n_g:n_g + n_s]),
                               list(flat[n_g + n_s:]), comm))
 
-        traced = _trace(fn, [n.meta["val"] for n in inputs], decompositions)
-        new_nodes = _tag_and_splice(graph, traced, inputs, anchor, BucketFacts(b.index, phase=k))
+        traced = trace_phase(fn, [n.meta["val"] for n in inputs], decompositions)
+        new_nodes = splice_traced(graph, traced, inputs, anchor, BucketFacts(b.index, phase=k))
         carry[i] = new_nodes
 
     for i, b in enumerate(buckets):
@@ -149,13 +145,3 @@ def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
     return gm
 
 
-def _tag_and_splice(graph, traced, inputs, before, tag: BucketFacts) -> list[torch.fx.Node]:
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    val_map = dict(zip(placeholders, inputs))
-    existing = set(graph.nodes)
-    with graph.inserting_before(before):
-        out = graph.graph_copy(traced.graph, val_map)
-    for node in graph.nodes:
-        if node not in existing:
-            put(node, tag)
-    return list(out) if isinstance(out, (list, tuple)) else [out]

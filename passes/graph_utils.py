@@ -44,6 +44,32 @@ def insert_call(
     return node
 
 
+def trace_phase(fn, args, decompositions=None) -> torch.fx.GraphModule:
+    """``fn`` traced over fake ``args`` with ``make_fx`` and the decomposition table of the
+    compiler it is spliced for (without it, inductor finds "both a fallback and a decomp for the
+    same op"): how a wire-layer phase (a bucket's exchange, a compressed collective) becomes
+    graph nodes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions or {})(*args)
+
+
+def splice_traced(graph: torch.fx.Graph, traced: torch.fx.GraphModule,
+                  inputs: Sequence[torch.fx.Node], before: torch.fx.Node,
+                  tag: Any) -> list[torch.fx.Node]:
+    """Copy ``traced``'s nodes into ``graph`` before ``before``, its placeholders bound to
+    ``inputs`` in order; every new node gets the fact ``tag``. Returns the nodes standing for
+    ``traced``'s outputs."""
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    existing = set(graph.nodes)
+    with graph.inserting_before(before):
+        out = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+    for node in graph.nodes:
+        if node not in existing:
+            put(node, tag)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
 def is_stage_marker(node: torch.fx.Node) -> bool:
     """A ``pipe_split()`` call (``ccfx.stage_boundary()``), as Dynamo records it: no inputs,
     no value; partition cuts there and removes it."""
