@@ -44,6 +44,7 @@ from ccfx.passes.compress_collectives import (
     compress_collectives,
     find_collectives,
 )
+from ccfx.passes.graph_utils import copy_graph, device_of
 from ccfx.plan import Collective, GraphPlan
 from ccfx.runtime.ledger import Ledger
 
@@ -118,12 +119,12 @@ class Collectives:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():  # compiled inside AOT's fake mode: real state tensors
-            device = _device_of(gm)
+            device = device_of(gm)
             for r in rewrites:
                 if r.compressed is not None:
                     r.state = r.compressed.init_state(device)
                     self._register(plan.index, r)
-        rewritten = compress_collectives(_copy(gm), found, rewrites, decompositions)
+        rewritten = compress_collectives(copy_graph(gm), found, rewrites, decompositions)
         plan.collectives.extend(rows)
         log.info("ccfx: graph %d %s: %d collective(s), %d compressed", plan.index, part,
                  len(rows), sum(r.codec != "none" for r in rows))
@@ -254,24 +255,4 @@ def failed(e: BaseException, what: str, described: str) -> CollectiveError:
         "rank's own error.")
 
 
-def _device_of(gm: torch.fx.GraphModule):
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(v, torch.Tensor):
-            return v.device
-    return None
-
-
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """An independent copy of an AOT graph (the original is what a recorded graph or a
-    fallback keeps)."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    new_out = graph.output(out)
-    old_out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    new_out.meta = dict(old_out.meta)  # aot_autograd's output descriptors (data parallel)
-    copy = torch.fx.GraphModule(gm, graph)
-    copy.meta = dict(gm.meta)
-    copy.meta["ccfx"] = dict(gm.meta.get("ccfx", {}))
-    return copy
 

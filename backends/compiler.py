@@ -615,22 +615,13 @@ def _contexts_of(obj) -> list:
 def backend_of(obj) -> CcfxBackend:
     """The CcfxBackend behind a compiled module (``torch.compile(model)``, or a model after
     ``model.compile()``), a compiled function, or a backend itself."""
-    from torch._dynamo.eval_frame import _TorchDynamoContext
-
     if isinstance(obj, CcfxBackend):
         return obj
-    candidates = [getattr(obj, "dynamo_ctx", None)]
-    inner = getattr(obj, "_compiled_call_impl", None)  # nn.Module.compile()
-    for fn in (obj, inner):
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                candidates.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                pass
-    for c in candidates:
-        if isinstance(c, _TorchDynamoContext) and getattr(c, "_ccfx_backend", None) is not None:
+    contexts = _contexts_of(obj)
+    for c in contexts:
+        if getattr(c, "_ccfx_backend", None) is not None:
             return c._ccfx_backend
     raise ConfigError(
         f"{type(obj).__name__} was not compiled by ccfx, or has not run yet: call "
         "torch.compile(model, backend='ccfx', options={...}) and run it once before plan_of()"
-        + fallbacks.why_not_compiled(candidates))
+        + fallbacks.why_not_compiled(contexts))

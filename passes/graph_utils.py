@@ -44,6 +44,30 @@ def insert_call(
     return node
 
 
+def device_of(gm: torch.fx.GraphModule):
+    """The device of an AOT graph's first tensor input (None without one): where codec state
+    for the graph is made."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """An independent copy of an AOT graph, its output descriptors (which outputs are
+    parameter gradients) and ccfx facts included: a pass rewrites the copy, and the original
+    stays what a recorded graph or another variant (a warm-up backward) starts from."""
+    graph = torch.fx.Graph()
+    new_out = graph.output(graph.graph_copy(gm.graph, {}))
+    old_out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    new_out.meta = dict(old_out.meta)
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    copy.meta["ccfx"] = dict(gm.meta.get("ccfx", {}))
+    return copy
+
+
 def trace_phase(fn, args, decompositions=None) -> torch.fx.GraphModule:
     """``fn`` traced over fake ``args`` with ``make_fx`` and the decomposition table of the
     compiler it is spliced for (without it, inductor finds "both a fallback and a decomp for the

@@ -52,6 +52,7 @@ from ..codecs.state import CodecState, bucket_channel
 from ..config import AUTO, Config
 from ..errors import CollectiveError, ConfigError
 from ..passes.grad_buckets import find_param_grads, grad_buckets
+from ..passes.graph_utils import copy_graph, device_of
 from ..plan import Bucket, DataParallelInfo
 from ..wire import agree
 from ..wire.comm import FunctionalComm, LocalComm
@@ -251,16 +252,16 @@ class DataParallel:
             states = []
             for b, ex in zip(buckets, exchanges):
                 states.append(self.state.add(bucket_channel(index, b.index), b.spec,
-                                             ex.init_state(_device_of(gm)),
+                                             ex.init_state(device_of(gm)),
                                              legacy=f"buckets.graph{index}_bucket{b.index}_"))
-        compressed = grad_buckets(_copy(gm), buckets, states, comm, decompositions)
+        compressed = grad_buckets(copy_graph(gm), buckets, states, comm, decompositions)
         if record is not None:
             record(compressed)
         variants = [(compile_fn(compressed), [t for s in states for _, t in sorted(s.items())])]
         warm = None
         if cfg.warmup_steps and any(b.spec != "none" for b in buckets):
             plain = [type(b)(b.index, b.slots, "none", "warm-up") for b in buckets]
-            warm = compile_fn(grad_buckets(_copy(gm), plain, [{} for _ in plain], comm,
+            warm = compile_fn(grad_buckets(copy_graph(gm), plain, [{} for _ in plain], comm,
                                            decompositions))
         g.buckets = [self._plan_bucket(index, b, ex) for b, ex in zip(buckets, exchanges)]
         plain_rows = [(b.index, b.raw_bytes, b.raw_bytes) for b in g.buckets]
@@ -427,19 +428,3 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _device_of(gm: torch.fx.GraphModule):
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(v, torch.Tensor):
-            return v.device
-    return None
-
-
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """An independent copy of a backward graph (each variant is rewritten on its own)."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    copy = torch.fx.GraphModule(gm, graph)
-    copy.meta = dict(gm.meta)
-    return copy
