@@ -96,3 +96,18 @@ def diverged(rank: int, world: int) -> dict:
     got = caught(lambda: compiled(batch(rank, 0)))
     time.sleep(2)  # rank 0 hosts the store: its peer reads the verdict before it ends
     return got
+
+
+def met_again(rank: int, world: int) -> dict:
+    """The ranks diverge at an agreement (rank 0 arrives first: rank 1 gives up on seeing it),
+    then meet at rank 0's description again, rank 1 late: rank 1's old verdict was about rank
+    0's first wait, not this one, so the second meeting succeeds."""
+    from ccfx.wire import agree
+
+    what = "a test agreement"
+    time.sleep(0.5 * rank)
+    first = caught(lambda: agree.meet(what, {"x": rank}, timeout_s=30))
+    time.sleep(1.5 * rank)  # rank 0 waits again while rank 1's record still says it gave up
+    second = caught(lambda: agree.meet(what, {"x": 0}, timeout_s=30))
+    time.sleep(1)  # rank 0 hosts the store
+    return {"first": first, "second": second}

@@ -4,7 +4,7 @@ A model compiled on one rank only (an eval copy, a rank-0-only evaluation that r
 training model) publishes other fingerprints and never shifts the keys, groups or broadcasts
 the training waits on; ranks that truly diverge fail with a ConfigError naming both
 fingerprints and what differs, within seconds. One spawn (tests/ranks.py); the diverging
-scenario last."""
+scenarios last."""
 
 import re
 
@@ -26,6 +26,7 @@ def two():
         scenario("pipeline", w.pipeline_auto, False),
         scenario("pipeline, extra model on rank 0", w.pipeline_auto, True),
         scenario("diverged", w.diverged),
+        scenario("met again", w.met_again),
     ], timeout_s=500)
 
 
@@ -68,6 +69,15 @@ def test_ranks_with_different_options_fail_within_seconds_naming_both_fingerprin
         found = re.findall(r"fingerprint ([0-9a-f]{16})|has ([0-9a-f]{16})", r["message"])
         prints.append({a or b for a, b in found})
     assert len(prints[0]) == 2 and prints[0] == prints[1]
+
+
+@pytest.mark.slow
+def test_a_verdict_on_one_wait_does_not_fail_a_later_wait_at_the_same_agreement(two):
+    # the same description reached again (a retried build, the next scenario in one process)
+    for r in two["met again"]:
+        assert r["first"]["error"] == "ConfigError", r
+        assert r["second"]["error"] is None, r["second"]
+    assert two["met again"][0]["second"]["value"] == two["met again"][1]["second"]["value"]
 
 
 def test_fingerprints_are_canonical_and_diffs_name_the_paths():

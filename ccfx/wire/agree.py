@@ -54,6 +54,7 @@ import datetime
 import hashlib
 import json
 import pickle
+import secrets
 import time
 from collections.abc import Callable, Sequence
 
@@ -166,6 +167,9 @@ def _wait(store, rank: int, at: dict, needs: dict[int, str], timeout_s: float, h
     """Wait until every key of ``needs`` (peer rank → the key it must set) exists, watching the
     peers' records (see the module docstring)."""
     needs_ = {str(r): k for r, k in needs.items()}
+    # this wait's own token: a peer that gave up on an earlier wait at the same fingerprint
+    # (the same agreement reached again: a retried build, the next test) does not fail this one
+    at = {**at, "wait": secrets.token_hex(6)}
     _RECORD.write(store, rank, "waiting", at, needs=needs_)
     start = time.monotonic()
     try:
@@ -193,6 +197,11 @@ def _wait(store, rank: int, at: dict, needs: dict[int, str], timeout_s: float, h
     _RECORD.write(store, rank, "running")
 
 
+def _wait_id(at: dict) -> str:
+    """One wait of one rank: the agreement's fingerprint and the wait's token."""
+    return f"{at.get('fp')}#{at.get('wait', '')}"
+
+
 def _check_peer(store, rank: int, peer: int, key: str, at: dict, hint: str) -> None:
     """Raise if ``peer`` cannot reach this agreement (``key``: what it would set)."""
     rec = _read_record(store, peer)
@@ -212,14 +221,14 @@ def _check_peer(store, rank: int, peer: int, key: str, at: dict, hint: str) -> N
         if (same_kind or (need is not None and not store.check([need]))) \
                 and not store.check([key]):  # it has not passed this one meanwhile
             e = _diverged(rank, peer, at, theirs, hint, same_kind)
-            e.ccfx_seen = {str(peer): theirs.get("fp")}
+            e.ccfx_seen = {str(peer): _wait_id(theirs)}
             raise e
     elif (rec["state"] == "collective" and involved
           and int(rec.get("n", -1)) >= _ENTERED.get(theirs.get("fp"), 0)
           and not store.check([key])):
         # it waits in a collective this rank has not entered (and cannot while it waits here)
         raise _in_other_collective(rank, peer, at, rec)
-    elif (rec["state"] == "failed" and (rec.get("seen") or {}).get(str(rank)) == at["fp"]
+    elif (rec["state"] == "failed" and (rec.get("seen") or {}).get(str(rank)) == _wait_id(at)
           and not store.check([key])):  # it gave up because of this very wait
         raise _diverged(rank, peer, at, theirs, hint, same_kind,
                         f" (rank {peer} gave up: {_short(rec.get('reason', ''), 200)})")
@@ -302,7 +311,7 @@ def _in_other_collective(rank: int, peer: int, at: dict, rec: dict) -> Diverged:
         f"in {theirs.get('what')} (step {int(rec.get('n', 0)) + 1} on group "
         f"{theirs.get('fp')}), which this rank has not entered: neither can go on.{why} "
         f"{SHAPES_HINT}.")
-    e.ccfx_seen = {str(peer): theirs.get("fp")}
+    e.ccfx_seen = {str(peer): _wait_id(theirs)}
     return e
 
 
