@@ -34,6 +34,7 @@ Facts: every collective node kept, every node spliced in and every state placeho
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -82,6 +83,16 @@ class FoundCollective:
     problem: str = ""
     input_splits: tuple | None = None
     output_splits: tuple | None = None
+
+    @property
+    def agreed_shape(self) -> list:
+        """The shape the ranks of its group agree on: the input's, but an all_to_all with
+        unequal split sizes (an expert dispatch or combine) has ``"rows"`` for dim 0, since its
+        ranks send different numbers of rows by design."""
+        call = self.call
+        if call is not None and call.by_rows and self.shape:
+            return ["rows", *self.shape[1:]]
+        return list(self.shape)
 
     @property
     def call(self):
@@ -180,6 +191,21 @@ def find_collectives(gm: torch.fx.GraphModule,
                                      kind, group, world, static or (), dtype, reduce_op, problem,
                                      *splits))
     return found
+
+
+_SPLIT_LITERALS = re.compile(
+    r"(_c10d_functional\.all_to_all_single(?:\.default)?\([^,\[\]()]+, )"
+    r"\[[0-9, ]*\], \[[0-9, ]*\]")
+
+
+def agreed_code(code: str) -> str:
+    """A graph's code as the ranks of a group agree on it: the split sizes an
+    ``all_to_all_single`` is given as int literals (an expert-parallel dispatch or combine, whose
+    sizes differ from rank to rank by design, or a graph Dynamo resumed after ``.tolist()``,
+    which specialises them) left out; everything else as it is. Ranks whose splits do not
+    match fail as they would uncompressed (the compressed all-to-all sends whole rows with the
+    same splits)."""
+    return _SPLIT_LITERALS.sub(r"\1[splits], [splits]", code)
 
 
 def _splits(value) -> tuple | None:

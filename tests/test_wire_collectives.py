@@ -286,9 +286,15 @@ def _call(kind="all_reduce", shape=(8, 4), dtype=torch.float32, world=2, op="aut
     (_call("reduce_scatter", op="min"), "int8", "'min' reduction"),
     (_call(dtype=torch.int64), "int8", "torch.int64 data"),
     (_call(world=1), "int8", "group of one"),
-    (_call("all_to_all", input_splits=(3, 5)), "int8", "unequal input splits"),
+    (_call("all_to_all", input_splits=(3, 5)), "int8", "output split sizes missing"),
     (_call("all_to_all", output_splits=(2, 2, 4), world=3, shape=(9, 4)), "int8",
-     "unequal output splits"),
+     "input split sizes missing"),
+    (_call("all_to_all", input_splits=(3, 4), output_splits=(3, 5)), "int8",
+     "do not add up to dim 0"),
+    (_call("all_to_all", input_splits=(3, 5), output_splits=(3, 5)), "topk:ratio=0.25",
+     "cannot encode each row of 4 elements on its own"),
+    (_call("all_to_all", shape=(8, 0), input_splits=(3, 5), output_splits=(3, 5)), "int8",
+     "rows of 0 elements"),
     (_call("reduce_scatter", shape=(5, 4), world=2), "int8", "does not split into 2"),
     (_call("all_gather", shape=()), "int8", "0-d input"),
     (_call(shape=(0, 4)), "int8", "empty tensor"),
@@ -307,7 +313,7 @@ def test_refuse_symbolic_splits():
     import sympy
 
     call = _call("all_to_all", input_splits=(4, sympy.Symbol("s0")))
-    assert "symbolic input splits" in refuse(call, "int8")
+    assert "data-dependent input split sizes (4, s0)" in refuse(call, "int8")
 
 
 @pytest.mark.parametrize("kind", KINDS)

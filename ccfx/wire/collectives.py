@@ -94,12 +94,33 @@ class CollectiveCall:
         return math.prod(self.shape)
 
     @property
+    def by_rows(self) -> bool:
+        """An all_to_all whose split sizes are given and are not ``W`` equal chunks of dim 0
+        (an expert-parallel dispatch or combine): it sends whole rows, ``input_splits[j]`` of
+        them to rank ``j``, and the ranks' shapes differ."""
+        if self.kind != "all_to_all" or not (self.input_splits or self.output_splits):
+            return False
+        rows = self.shape[0] if self.shape else None
+        if not isinstance(rows, int) or rows % self.world:
+            return True
+        equal = [rows // self.world] * self.world
+        return any(splits and [*splits] != equal  # a side not given: equal chunks
+                   for splits in (self.input_splits, self.output_splits))
+
+    @property
+    def row(self) -> int:
+        """Elements per row of dim 0 (the hidden size of a token)."""
+        return math.prod(self.shape[1:])
+
+    @property
     def out_shape(self) -> tuple[int, ...]:
         """The shape the collective + wait returns."""
         if self.kind == "all_gather":
             return (self.shape[0] * self.world, *self.shape[1:])
         if self.kind == "reduce_scatter":
             return (self.shape[0] // self.world, *self.shape[1:])
+        if self.by_rows:
+            return (sum(self.output_splits), *self.shape[1:])
         return tuple(self.shape)
 
     @property
@@ -156,25 +177,50 @@ def refuse(call: CollectiveCall, spec: str) -> str | None:
         if op not in SUMMABLE_OPS:
             return (f"a {call.reduce_op!r} reduction: only sum and avg can be taken over "
                     "decoded values (a max / min / product runs unchanged)")
-    if call.numel == 0:
-        return "an empty tensor: nothing crosses the wire"
     if call.kind != "all_reduce" and len(call.shape) == 0:
         return f"a 0-d input: {call.kind} splits or stacks dim 0"
+    if call.by_rows:
+        # Every rank must decide alike, and the ranks' row counts differ (one may send or
+        # receive none): only what they share (world, row, dtype, codec) decides.
+        return _rows_reason(call, codec)
+    if call.numel == 0:
+        return "an empty tensor: nothing crosses the wire"
     if call.kind in ("reduce_scatter", "all_to_all") and call.shape[0] % call.world:
         return (f"dim 0 of {tuple(call.shape)} does not split into {call.world} equal chunks "
                 f"(torch's {call.kind} needs it too)")
-    if call.kind == "all_to_all":
-        for which, splits in (("input", call.input_splits), ("output", call.output_splits)):
-            if not splits:  # None or empty: equal splits (c10d's convention)
-                continue
-            if not _static(splits):
-                return f"symbolic {which} splits {tuple(splits)}"
-            if len(splits) != call.world or set(splits) != {call.shape[0] // call.world}:
-                return (f"unequal {which} splits {tuple(splits)}: only equal splits are "
-                        "compressed for now")
     if codec.name == "none":
         return None
     return _codec_reason(codec, call.dtype)
+
+
+def _rows_reason(call: CollectiveCall, codec: Codec) -> str | None:
+    """Why an all_to_all with unequal splits (:attr:`CollectiveCall.by_rows`) cannot be
+    compressed with ``codec``, or None."""
+    splits = {"input": call.input_splits, "output": call.output_splits}
+    for which, sizes in splits.items():
+        if sizes and not _static(sizes):
+            return (f"data-dependent {which} split sizes {tuple(sizes)} (symbolic when the graph "
+                    "was compiled, e.g. counts from the router read with .tolist()): a "
+                    "compressed all-to-all needs them as ints at compile time")
+    for which, sizes in splits.items():
+        if not sizes:
+            return (f"{which} split sizes missing beside the "
+                    f"{'output' if which == 'input' else 'input'} ones (torch needs both)")
+        if len(sizes) != call.world or min(sizes) < 0:
+            return f"{which} split sizes {tuple(sizes)} are not {call.world} sizes >= 0"
+    if sum(call.input_splits) != call.shape[0]:
+        return (f"input split sizes {tuple(call.input_splits)} do not add up to dim 0 of "
+                f"{tuple(call.shape)}")
+    if call.row == 0:
+        return "rows of 0 elements: nothing crosses the wire"
+    if codec.name == "none":
+        return None
+    why = _codec_reason(codec, call.dtype)
+    if why is None and _row_encoding(codec, call.row, call.dtype) is None:
+        why = (f"codec {codec.spec!r} cannot encode each row of {call.row} elements on its own "
+               "(unequal splits send whole rows, each decodable by itself: use int8, fp8, int4, "
+               "bf16, fp16...)")
+    return why
 
 
 # -- packing one chunk's payload into one message --------------------------------------------
@@ -280,6 +326,33 @@ def _rows_chunk(codec: Codec, used: int, rows: int, dtype: torch.dtype) -> tuple
     return used, False
 
 
+def _row_encoding(codec: Codec, row: int, dtype: torch.dtype) -> int | None:
+    """How rows of ``row`` elements are encoded, each on its own but all in one call: the
+    elements each row is encoded as (``row``, or zero-padded to whole blocks), or None when the
+    codec cannot. One row's message is then the payload of encoding ``row`` elements alone
+    (``payload_layout((row,))``): from a padded row only the first entries of each payload
+    tensor travel (a block-scaled codec's codes of the real elements, and every scale), and
+    the receiver pads them back with zeros before one decode (what the padding decodes to is
+    thrown away)."""
+    from ..codecs.blockwise import BlockScaled
+
+    if _rows_split(codec, row, 2, dtype):
+        return row
+    inner = _inner(codec)
+    if not isinstance(inner, BlockScaled):
+        return None
+    padded = -(-row // inner.block) * inner.block
+    if not _rows_split(codec, padded, 2, dtype):
+        return None
+    one = codec.payload_layout((row,), dtype)
+    full = codec.payload_layout((padded,), dtype)
+    if len(one) != len(full) or any(
+            od != fd or len(os) != 1 or int(os[0]) > int(fs[0])
+            for (os, od), (fs, fd) in zip(one, full)):
+        return None
+    return padded
+
+
 class CompressedCollective:
     """One collective through a codec, as phases (see the module docstring).
 
@@ -299,6 +372,11 @@ class CompressedCollective:
         self.spec = self.codec.spec
         self.identity = self.codec.name == "none"
         self._avg = (call.reduce_op or "").lower() == "avg"
+        #: Unequal all_to_all splits: whole rows, each encoded on its own (``_rows_issue``).
+        self.by_rows = call.by_rows
+        if self.by_rows:
+            self._init_rows()
+            return
         w, n, dtype = call.world, call.numel, call.dtype
         #: Elements of the input per chunk: the local shard (all_gather), else 1/W of the input
         #: (the last chunk zero-padded).
@@ -332,6 +410,30 @@ class CompressedCollective:
                              if call.kind == "all_reduce" and not self.identity else {})
         self._owner_names = sorted(self._owner_state)
 
+    def _init_rows(self) -> None:
+        """An all_to_all with unequal splits: every row (``call.row`` elements) is encoded on
+        its own, as ``row_padded`` elements, all rows in one encode; one row's message is
+        ``packing.nbytes`` bytes, so chunk ``j``'s bytes are ``input_splits[j]`` rows of them
+        and the bytes travel as a ``(rows, nbytes)`` uint8 tensor through an all_to_all with
+        the original splits: the receiver knows every size from the splits it already has."""
+        call, dtype = self.call, self.call.dtype
+        self.chunks, self.rows = call.shape[0], True
+        self.used = self.chunk = call.row
+        self.row_padded = call.row
+        if not self.identity:
+            self.row_padded = _row_encoding(self.codec, call.row, dtype)
+        self.packing = _Packing.of(self.codec.payload_layout((call.row,), dtype))
+        #: Entries per row of each payload tensor: encoded (padded row) and sent (real row).
+        self._row_sizes = [
+            (int(math.prod(f)), int(math.prod(o))) for (f, _), (o, _) in zip(
+                self.codec.payload_layout((self.row_padded,), dtype),
+                self.codec.payload_layout((call.row,), dtype))]
+        self._inner_spec = codecs.prototype(_inner(self.codec).spec).spec
+        self._encode_state = dict(self.codec.state_layout(
+            (self.chunks * self.row_padded,), dtype)) if not self.identity else {}
+        self._chunk_names = [sorted(self._encode_state)]
+        self._owner_state, self._owner_names = {}, []
+
     # -- what the plan and the pass read --------------------------------------------------
 
     @property
@@ -348,6 +450,9 @@ class CompressedCollective:
         sends what the uncompressed collective sends."""
         if self.identity:
             return self.raw_bytes
+        if self.by_rows:  # the input's rows, (W-1)/W of them (the raw bytes' convention)
+            w = self.call.world
+            return -(-(w - 1) * self.chunks * self.packing.nbytes // w)
         rounds = 2 if self.kind == "all_reduce" else 1
         return rounds * (self.call.world - 1) * self.packing.nbytes
 
@@ -359,6 +464,8 @@ class CompressedCollective:
         if self.identity:
             return [(self.kind, self.call.numel * self.call.dtype.itemsize)]
         b, w = self.packing.nbytes, self.call.world
+        if self.by_rows:
+            return [("all_to_all", self.chunks * b)]
         if self.kind == "all_reduce":
             return [("all_to_all", w * b), ("all_gather", b)]
         if self.kind == "all_gather":
@@ -374,6 +481,9 @@ class CompressedCollective:
 
     def init_state(self, device=None) -> dict[str, torch.Tensor]:
         dtype = self.call.dtype
+        if self.by_rows:
+            return {} if self.identity else self.codec.init_state(
+                (self.chunks * self.row_padded,), dtype, device)
         if self.rows or self.chunks == 1:
             out = self.codec.init_state((self.chunks * self.chunk,), dtype, device)
         else:
@@ -398,6 +508,8 @@ class CompressedCollective:
             return [self._gather_issue, self._gather_finish]
         if self.kind == "reduce_scatter":
             return [self._scatter_issue, self._reduce_finish]
+        if self.by_rows:
+            return [self._rows_issue, self._rows_finish]
         return [self._scatter_issue, self._a2a_finish]
 
     def run(self, x: torch.Tensor, state: dict[str, torch.Tensor], comm) -> torch.Tensor:
@@ -510,6 +622,41 @@ class CompressedCollective:
     def _a2a_finish(self, x, state, carry, comm):
         return [self._decode_all(comm.wait(carry[0])).reshape(self.call.out_shape)]
 
+    # unequal all_to_all splits: whole rows
+
+    def _rows_issue(self, x, state, carry, comm):
+        """Every row encoded on its own (one encode), each row's payload packed into one
+        ``packing.nbytes`` message, the ``(rows, nbytes)`` bytes sent with the call's splits."""
+        rows, b = self.chunks, self.packing.nbytes
+        call = self.call
+        if rows == 0:  # nothing to encode (this rank may still receive)
+            buf = torch.empty((0, b), dtype=torch.uint8, device=x.device)
+        else:
+            flat = x.reshape(rows, self.used)
+            if self.row_padded > self.used:
+                flat = torch.cat([flat, flat.new_zeros(rows, self.row_padded - self.used)], 1)
+            payload = self._encode(flat.reshape(-1), self.spec, state)
+            sent = [p.reshape(rows, full)[:, :keep]
+                    for p, (full, keep) in zip(payload, self._row_sizes)]
+            buf = self.packing.pack_rows(sent, rows).view(rows, b)
+        return [comm.all_to_all(buf, list(call.output_splits), list(call.input_splits))]
+
+    def _rows_finish(self, x, state, carry, comm):
+        """The rows received, each message unpacked (padded back to a whole row's payload
+        where rows are padded), all decoded in one call."""
+        buf = comm.wait(carry[0])
+        out_shape = self.call.out_shape
+        rows = out_shape[0]
+        if rows == 0:
+            return [x.new_empty(out_shape)]
+        parts = self.packing.unpack_rows(buf.reshape(-1), rows)
+        if self.row_padded > self.used:
+            parts = [torch.cat([p.view(rows, keep), p.new_zeros(rows, full - keep)], 1)
+                     .reshape(-1) if full > keep else p
+                     for p, (full, keep) in zip(parts, self._row_sizes)]
+        flat = self._decode(parts, rows * self.row_padded).view(rows, self.row_padded)
+        return [flat[:, :self.used].reshape(out_shape)]
+
     # the identity: the original collective itself
 
     def _plain_issue(self, x, state, carry, comm):
@@ -520,6 +667,9 @@ class CompressedCollective:
             return [comm.all_gather(x)]
         if kind == "reduce_scatter":
             return [comm.reduce_scatter(x)]
+        if self.by_rows:
+            return [comm.all_to_all(x, list(self.call.output_splits),
+                                    list(self.call.input_splits))]
         return [comm.all_to_all(x)]
 
     def _plain_finish(self, x, state, carry, comm):

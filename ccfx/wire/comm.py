@@ -46,12 +46,14 @@ class FunctionalComm:
         return torch.ops._c10d_functional.reduce_scatter_tensor(
             t.contiguous(), "sum", self.world, self.group_name)
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        """Equal splits of dim 0: chunk ``j`` goes to rank ``j``, the result's chunk ``j`` came
-        from rank ``j`` (``all_to_all_single``)."""
-        splits = [t.shape[0] // self.world] * self.world
+    def all_to_all(self, t: torch.Tensor, output_splits=None, input_splits=None) -> torch.Tensor:
+        """Chunk ``j`` of dim 0 goes to rank ``j``, the result's chunk ``j`` came from rank ``j``
+        (``all_to_all_single``): equal chunks, or the rows ``input_splits`` / ``output_splits``
+        give (ints or SymInts, both or neither)."""
+        if output_splits is None:
+            output_splits = input_splits = [t.shape[0] // self.world] * self.world
         return torch.ops._c10d_functional.all_to_all_single(
-            t.contiguous(), splits, splits, self.group_name)
+            t.contiguous(), list(output_splits), list(input_splits), self.group_name)
 
     def wait(self, t: torch.Tensor) -> torch.Tensor:
         return torch.ops._c10d_functional.wait_tensor(t)
@@ -77,7 +79,7 @@ class LocalComm:
     def reduce_scatter(self, t):
         return t
 
-    def all_to_all(self, t):
+    def all_to_all(self, t, output_splits=None, input_splits=None):
         return t
 
     def wait(self, t):
@@ -126,11 +128,18 @@ class ProcessGroupComm:
         return _InFlight(dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=True),
                          out)
 
-    def all_to_all(self, t: torch.Tensor) -> _InFlight:
-        """Equal splits of dim 0: chunk ``j`` to rank ``j``, from rank ``j`` into chunk ``j``."""
+    def all_to_all(self, t: torch.Tensor, output_splits=None, input_splits=None) -> _InFlight:
+        """Chunk ``j`` of dim 0 to rank ``j``, from rank ``j`` into chunk ``j``: equal chunks, or
+        the rows ``input_splits`` / ``output_splits`` give (both or neither)."""
         inp = t.detach().contiguous()
-        out = torch.empty_like(inp)
-        return _InFlight(dist.all_to_all_single(out, inp, group=self.group, async_op=True), out)
+        if output_splits is None:
+            out = torch.empty_like(inp)
+            work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+        else:
+            out = inp.new_empty((sum(output_splits), *inp.shape[1:]))
+            work = dist.all_to_all_single(out, inp, list(output_splits), list(input_splits),
+                                          group=self.group, async_op=True)
+        return _InFlight(work, out)
 
     def wait(self, handle: _InFlight) -> torch.Tensor:
         handle.work.wait()
