@@ -174,9 +174,10 @@ class CcfxBackend:
         """The graph as Dynamo captured it, its inputs, the options (``collective_timeout_s``
         apart: how long a rank waits is its own business) and the grad mode: equal on every
         rank that compiles the same model with the same options at the same step."""
+        from ccfx.passes.compress_collectives import agreed_code
         from ccfx.wire.agree import code_hash
 
-        code = "\n".join(line for line in gm.code.splitlines()
+        code = "\n".join(line for line in agreed_code(gm.code).splitlines()
                          if line.strip() and not line.strip().startswith("#"))
         inputs = [[[str(d) for d in t.shape], str(t.dtype), bool(t.requires_grad)]
                   if isinstance(t, torch.Tensor) else type(t).__name__ for t in example_inputs]
