@@ -178,7 +178,7 @@ class Collectives:
         for name, ranks in sorted(groups.items(), key=lambda kv: (kv[1], kv[0])):
             if len(ranks) < 2:
                 continue
-            mine = [[c.index, c.kind, c.reduce_op, c.shape, c.dtype, c.codec]
+            mine = [[c.index, c.kind, c.reduce_op, f.agreed_shape, c.dtype, c.codec]
                     for f, c in zip(found, rows) if f.group_name == name]
             agree.meet(WHAT, {"graph": desc, "part": part, "group": name, "collectives": mine},
                        ranks, timeout_s=self.config.collective_timeout_s, hint=HINT)
