@@ -36,7 +36,7 @@ import torch.fx
 
 from ccfx import codecs
 from ccfx.codecs.state import CodecState
-from ccfx.config import Config
+from ccfx.config import AUTO, Config
 from ccfx.errors import CollectiveError
 from ccfx.passes.compress_collectives import (
     FoundCollective,
@@ -112,11 +112,14 @@ class Collectives:
         found = find_collectives(gm, self.world_of)
         if not found:
             return compile_fn(gm)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         base = len(plan.collectives)
-        rewrites = [self._decide(base + f.position, f) for f in found]
+        with unset_fake_temporarily():  # compiled inside AOT's fake mode: real timings
+            auto = self._plan_auto(plan, desc, part, gm, found, base)
+        rewrites = [self._decide(base + f.position, f, auto) for f in found]
         rows = [self._row(plan.index, part, f, r) for f, r in zip(found, rewrites)]
         self._agree(desc, part, found, rows)
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():  # compiled inside AOT's fake mode: real state tensors
             device = device_of(gm)
@@ -140,19 +143,64 @@ class Collectives:
 
     # -- decisions ------------------------------------------------------------------------
 
-    def _decide(self, index: int, f: FoundCollective) -> Rewrite:
+    def _decide(self, index: int, f: FoundCollective,
+                auto: dict[int, tuple[str, str]]) -> Rewrite:
         from ccfx.wire.collectives import CompressedCollective, refuse
 
         spec, source = self.config.collective_spec(index, f.kind or f.op)
-        spec = codecs.canonical(spec)
         if f.problem:
             return Rewrite(index, "none", f.problem)
+        if spec == AUTO:
+            if index not in auto:
+                return Rewrite(index, "none", f"{source}='auto': a group of one, nothing to price")
+            spec, why = auto[index]
+            if spec == "none":
+                return Rewrite(index, "none", f"{source}='auto' kept it raw: {why}")
+            source = chose = f"{source}='auto' (chose {spec}: {why})"
+        else:
+            chose = ""
+        spec = codecs.canonical(spec)
         if spec == "none":
             return Rewrite(index, "none", f"{source} is 'none'")
         why = refuse(f.call, spec)
         if why is not None:
             return Rewrite(index, "none", f"{source}={codecs.spelled(spec)!r} refused: {why}")
-        return Rewrite(index, spec, "", CompressedCollective(f.call, spec))
+        return Rewrite(index, spec, chose, CompressedCollective(f.call, spec))
+
+    def _plan_auto(self, plan: GraphPlan, desc: dict, part: str, gm: torch.fx.GraphModule,
+                   found: Sequence[FoundCollective], base: int) -> dict[int, tuple[str, str]]:
+        """``collective_codec="auto"``: the planner's codec and reason for each collective the
+        options leave to it (:mod:`ccfx.planner.plan_collectives`), decided per group by the
+        group's first rank and taken by every rank of it (measured timings differ between
+        ranks, the codecs must not); the decisions and the predicted time go into the plan."""
+        from ccfx.planner.plan_collectives import GraphCollective, plan_collective_codecs
+        from ccfx.wire import agree
+
+        asked: dict[str, list[GraphCollective]] = {}
+        for f in found:
+            index = base + f.position
+            if (self.config.collective_spec(index, f.kind or f.op)[0] != AUTO or f.problem
+                    or f.call is None or f.world < 2 or f.wait is None):
+                continue
+            asked.setdefault(f.group_name, []).append(GraphCollective(index, f.call, f.node,
+                                                                      f.wait))
+        out: dict[int, tuple[str, str]] = {}
+        groups = sorted(asked, key=lambda name: (self.ranks_of(name), name))
+        for name in groups:
+            mine = asked[name]
+            question = {"graph": desc, "part": part, "collectives": [
+                [c.index, c.call.kind, list(c.call.shape), str(c.call.dtype), c.call.world,
+                 c.call.reduce_op] for c in mine]}
+            ranks = self.ranks_of(name) if _dist() is not None else None
+            chosen, decisions, predicted = agree.from_rank0(
+                "collective_codec='auto' for a graph's collectives", question,
+                lambda mine=mine: plan_collective_codecs(gm, part, mine, self.config),
+                ranks=ranks, timeout_s=self.config.collective_timeout_s, hint=HINT)
+            why = {int(d.what.split()[-1]): d.reason for d in decisions}
+            out.update({i: (spec, why.get(i, "")) for i, spec in chosen.items()})
+            plan.decisions.extend(decisions)
+            _add_prediction(plan, predicted)
+        return out
 
     @staticmethod
     def _row(graph: int, part: str, f: FoundCollective, r: Rewrite) -> Collective:
@@ -193,6 +241,24 @@ class Collectives:
             by_channel.setdefault(f"{base}.{sub}" if sub else base, {})[leaf] = t
         for channel, tensors in by_channel.items():
             self.state.add(channel, r.codec, tensors)
+
+
+def _add_prediction(plan: GraphPlan, predicted) -> None:
+    """The graph's predicted time: the forward's and the backward's collectives add up; a
+    prediction made for other choices (cut edges, buckets) stays, and this one is a note."""
+    from ccfx.planner.collective_model import SCHEDULE
+
+    have = plan.prediction
+    if have is None:
+        plan.prediction = predicted
+    elif have.schedule == SCHEDULE:
+        have.uncompressed_s += predicted.uncompressed_s
+        have.chosen_s += predicted.chosen_s
+        have.compute = f"{have.compute}; {predicted.compute}"
+    else:
+        plan.notes.append(f"collective_codec='auto' predicts {predicted.uncompressed_s:.4g} s "
+                          f"uncompressed, {predicted.chosen_s:.4g} s as chosen for the "
+                          "collectives' graph part")
 
 
 def _raw_bytes(f: FoundCollective) -> int:

@@ -114,7 +114,9 @@ class Config:
     graph, the user's own funcol code; ``backends.collectives``):
 
     collective_codec: the codec of every all_reduce, all_gather, reduce_scatter and all_to_all
-        ("none" (default): left as they are, "int8", "fp8", "int4:ef", "bf16", ...). A
+        ("none" (default): left as they are, "int8", "fp8", "int4:ef", "bf16", ..., or
+        "auto": the planner prices each one on the link, ``link_gbps`` and friends, and
+        compresses it only where that is predicted faster: ``ccfx.explain`` says why). A
         collective a codec cannot carry (a max reduction, integer data, a group of one) runs
         unchanged, and the plan says why.
     collective_overrides: codecs for some collectives, beating ``collective_codec``:
@@ -251,8 +253,7 @@ class Config:
             if not isinstance(value, str):
                 raise ConfigError(f"{where} = {value!r}: give a codec spec such as 'int8'")
             if value.strip().lower() == AUTO:
-                raise ConfigError(f"{where}='auto' is not yet supported for collectives; give a "
-                                  "spec such as 'int8', 'fp8' or 'int4:ef' (or 'none')")
+                return AUTO
             return codecs.canonical_as_written(value)
 
         object.__setattr__(self, "collective_codec",
@@ -308,7 +309,9 @@ class Config:
 
     @property
     def uses_auto(self) -> bool:
-        return AUTO in (self.activation_codec, self.activation_grad_codec, self.gradient_codec)
+        return (AUTO in (self.activation_codec, self.activation_grad_codec, self.gradient_codec,
+                         self.collective_codec)
+                or AUTO in dict(self.collective_overrides or ()).values())
 
     def _check_planner(self) -> None:
         from . import codecs

@@ -425,7 +425,7 @@ def format_plan(plan: Plan) -> str:
 
 def _collectives_table(rows: list[Collective]) -> list[str]:
     """The collectives of one graph: what each one is, its codec, its bytes per call, and why
-    one was left alone."""
+    (one left alone, one ``auto`` chose)."""
     out = ["", ("  collectives (functional collectives of the compiled graphs; bytes this rank "
                 "sends per call):")]
     table = [[c.index, c.part, c.kind + (f" ({c.reduce_op})" if c.reduce_op else ""),
@@ -435,7 +435,7 @@ def _collectives_table(rows: list[Collective]) -> list[str]:
              for c in rows]
     out += ["  " + r for r in _table(
         table, ["coll", "graph", "kind", "ranks (group)", "shape", "dtype", "codec", "raw/call",
-                "wire/call", "ratio", "left alone because"])]
+                "wire/call", "ratio", "why"])]
     raw = sum(c.raw_bytes for c in rows)
     wire = sum(c.wire_bytes for c in rows)
     done = sum(c.codec != "none" for c in rows)

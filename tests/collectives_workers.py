@@ -125,11 +125,15 @@ def tp_train(rank, world, codec, steps):
     }
 
 
-def tp_plan(rank, world, codec, overrides):
-    compiled = compile_tp(tp_model(world), codec, collective_overrides=overrides)
+def tp_plan(rank, world, codec, overrides, **options):
+    compiled = compile_tp(tp_model(world), codec, collective_overrides=overrides, **options)
     compiled(tp_input()).sum().backward()
-    return {"plan": plan_rows(compiled), "text": str(ccfx.plan_of(compiled)),
-            "explain": ccfx.explain(compiled)}
+    plan = ccfx.plan_of(compiled)
+    decisions = [dataclasses.asdict(d) for d in plan.graphs[0].decisions]
+    predicted = plan.graphs[0].prediction
+    return {"plan": plan_rows(compiled), "text": str(plan), "explain": ccfx.explain(compiled),
+            "decisions": decisions,
+            "prediction": dataclasses.asdict(predicted) if predicted is not None else None}
 
 
 def tp_drawn(rank, world, codec):

@@ -196,7 +196,8 @@ def test_options_pick_a_codec_per_collective_index_beating_kind():
 
 
 @pytest.mark.parametrize("options, words", [
-    ({"collective_codec": "auto"}, "not yet supported for collectives"),
+    ({"collective_codec": "auto"}, "need the link they will run on: give link_gbps"),
+    ({"collective_overrides": {"all_reduce": "auto"}}, "give link_gbps"),
     ({"collective_overrides": {"allreduce": "int8"}}, "did you mean 'all_reduce'"),
     ({"collective_overrides": {"all_gather": "in8"}}, "did you mean 'int8'"),
     ({"collective_overrides": "int8"}, "is a dict"),
@@ -273,6 +274,10 @@ def two():
         scenario("data parallel", w.with_data_parallel, "int8"),
         scenario("mismatch", w.mismatched_codecs),
         scenario("drawn", w.tp_drawn, "int8"),
+        # auto on a 100 kbit/s link (the 512-byte all-reduces take 40 ms raw: int8 pays,
+        # ~10x its codec time) and on a 100 Gbit/s one (latency and codec time dominate: raw)
+        scenario("auto slow", w.tp_plan, "auto", {}, link_gbps=0.0001),
+        scenario("auto fast", w.tp_plan, "auto", {}, link_gbps=100.0),
     ], timeout_s=400)
 
 
@@ -372,7 +377,7 @@ def test_user_funcol_collectives_of_every_kind_compressed_a_max_left_alone(two):
             "all_gather": "int8", "reduce_scatter": "int8", "all_to_all": "int8",
             "all_reduce": "none"}
         assert "'max' reduction" in kinds["all_reduce"]["reason"]
-        assert "left alone because" in r["text"] and "'max' reduction" in r["text"]
+        assert "why" in r["text"] and "'max' reduction" in r["text"]
         for kind, err in r["errors"].items():
             assert err <= r["bounds"][kind], (kind, err, r["bounds"][kind])
         assert r["max_exact"]  # the max reduction ran unchanged: torch's own result
@@ -415,3 +420,31 @@ def test_ranks_given_different_codecs_fail_at_compile_time_saying_what_differs(t
         assert r["error"] in ("ConfigError", "CollectiveError"), r
         assert "collective_codec" in r["message"]
         assert "Received data size" not in r["message"]
+
+
+@pytest.mark.slow
+def test_auto_compresses_on_a_slow_link_and_says_why(two):
+    r0, r1 = two["auto slow"]
+    assert r0["plan"] == r1["plan"] and r0["decisions"] == r1["decisions"]  # rank 0's choice
+    # the fewest bytes win here: int8 for the forward's activations, int4:ef (within the
+    # loss budget for activation gradients, not for activations) for the backward's
+    assert [(c["part"], c["codec"]) for c in r0["plan"]] == [("forward", "int8"),
+                                                              ("backward", "int4:ef")]
+    assert [d["what"] for d in r0["decisions"]] == ["collective 0", "collective 1"]
+    for d, c in zip(r0["decisions"], r0["plan"]):
+        assert d["chosen"] == c["codec"] == d["candidates"][0][0], d  # the fastest
+        assert "exposed uncompressed" in d["reason"] and "'auto' (chose" in c["reason"], d
+        weighed = dict(d["candidates"])
+        assert weighed[d["chosen"]] < weighed["none"] / 2
+    p = r0["prediction"]
+    assert p["chosen_s"] < p["uncompressed_s"] and "exposed time" in p["schedule"]
+    assert "collective 0" in r0["explain"] and "int8" in r0["explain"]
+
+
+@pytest.mark.slow
+def test_auto_keeps_collectives_raw_on_a_fast_link(two):
+    r0, r1 = two["auto fast"]
+    assert r0["plan"] == r1["plan"]
+    assert [c["codec"] for c in r0["plan"]] == ["none", "none"]
+    assert all("'auto' kept it raw" in c["reason"] for c in r0["plan"])
+    assert all(d["chosen"] == "none" for d in r0["decisions"])

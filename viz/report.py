@@ -326,7 +326,7 @@ def _collective_section(plan: Plan, ledger) -> str:
            "funcol code): bytes this rank sends per call, uncompressed (an all-reduce sends "
            "2(W−1)/W of its input) and as it runs; calls as the ledger counted them.</p>"),
            _table(["graph", "collective", "part", "kind", "group", "shape", "dtype", "codec",
-                   "raw / call", "wire / call", "wire / raw", "calls", "left alone because"],
+                   "raw / call", "wire / call", "wire / raw", "calls", "why"],
                   rows, numeric=(8, 9, 10, 11))]
     many = len(plan.graphs) > 1
     cols = sorted(plan.collectives, key=lambda c: (c.graph, c.index))

@@ -19,21 +19,22 @@ def explain_plan(plan: Plan) -> str:
     collectives = _collectives(plan)
     if not out and not collectives:
         out = [("ccfx explain: nothing was chosen by the planner (no option is 'auto'); "
-               "set activation_codec, activation_grad_codec or gradient_codec to 'auto'")]
+               "set activation_codec, activation_grad_codec, gradient_codec or collective_codec "
+               "to 'auto'")]
     return "\n".join(out + collectives + measured_loss_costs(plan))
 
 
 def _collectives(plan: Plan) -> list[str]:
-    """The compiled graphs' collectives: the codec each one got from the options
-    (``collective_codec``, ``collective_overrides``; not priced by the planner yet) and why one
-    runs unchanged."""
+    """The compiled graphs' collectives: the codec each one got (from the options,
+    ``collective_codec`` and ``collective_overrides``, or priced by ``auto``: its decision
+    follows with the graph's) and why one runs unchanged."""
     rows = plan.collectives
     if not rows:
         return []
     done = [c for c in rows if c.codec != "none"]
     raw, wire = sum(c.raw_bytes for c in rows), sum(c.wire_bytes for c in rows)
-    out = [(f"collectives: {len(done)} of {len(rows)} compressed as the options say "
-            f"(collective_codec, collective_overrides; 'auto' does not price them yet), "
+    out = [(f"collectives: {len(done)} of {len(rows)} compressed (collective_codec, "
+            f"collective_overrides; 'auto' ones are priced below with the graph's decisions), "
             f"{raw} B raw -> {wire} B on the wire per call of each graph")]
     for c in rows:
         what = (f"{codecs.spelled(c.codec)}, {c.raw_bytes} -> {c.wire_bytes} B"
@@ -99,6 +100,7 @@ def _graph(g: GraphPlan, plan: Plan) -> list[str]:
                    f"{p.chosen_s:.4g} s with these choices ({gain:.0%} faster)")
     edges = {e.index: e for e in g.edges}
     buckets = {b.index: b for b in g.buckets}
+    collectives = {c.index: c for c in g.collectives}
     for d in g.decisions:
         kind, _, rest = d.what.partition(" ")
         index = int(rest.split()[0]) if rest else -1
@@ -111,6 +113,10 @@ def _graph(g: GraphPlan, plan: Plan) -> list[str]:
         elif kind == "bucket" and index in buckets:
             b = buckets[index]
             about = f" ({len(b.params)} params, {b.numel} elements)"
+        elif kind == "collective" and index in collectives:
+            c = collectives[index]
+            about = (f" ({c.part} {c.kind}, {'x'.join(map(str, c.shape))} "
+                     f"{c.dtype.replace('torch.', '')} on {c.group_size} ranks)")
         out.append(f"  {d.what}{about}: {d.chosen}")
         out.append("    predicted s/step: " + "  ".join(
             f"{spec} {secs:.4g}" + (" *" if spec == d.chosen else "")
