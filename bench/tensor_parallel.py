@@ -15,7 +15,10 @@ Variants (all compiled, AdamW, the same seed on every rank):
 
 * ``inductor``: ``torch.compile(backend="inductor")``, uncompressed: the baseline;
 * ``ccfx-none``: ``backend="ccfx"`` with ``collective_codec="none"`` (must match the baseline);
-* ``ccfx-int8``, ``ccfx-fp8``, ``ccfx-bf16``: ``collective_codec`` set to that codec.
+* ``ccfx-int8``, ``ccfx-fp8``, ``ccfx-bf16``: ``collective_codec`` set to that codec;
+* ``ccfx-auto``: ``collective_codec="auto"`` with the shaped link's rate (``link_gbps``,
+  ``link_shared``): the planner picks per collective, and its predicted step is printed beside
+  the measured one (the goal: within 25 %).
 
 Two parts:
 
@@ -54,7 +57,10 @@ from bench.shaped import (
 
 WIDTH, LAYERS, HEADS, BLOCK, VOCAB = 512, 4, 8, 64, 96
 BATCH, LR = 8, 3e-3
-CODECS = {"ccfx-none": "none", "ccfx-int8": "int8", "ccfx-fp8": "fp8", "ccfx-bf16": "bf16"}
+CODECS = {"ccfx-none": "none", "ccfx-int8": "int8", "ccfx-fp8": "fp8", "ccfx-bf16": "bf16",
+          "ccfx-auto": "auto"}
+#: The link ``auto`` plans for in the loss part (unshaped): the time part's slowest rate.
+LOSS_PLAN_MBIT = 100.0
 VARIANTS = ("inductor", *CODECS)
 EVAL_BATCHES = 8
 
@@ -135,7 +141,28 @@ def _log(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", flush=True)
 
 
-def _build(variant: str, seed: int, world: int):
+def _options(variant: str, rate: float | None) -> dict:
+    """ccfx's options for a variant; ``auto`` plans for the shaped link (``rate`` Mbit/s, one
+    loopback every rank's bytes cross: shared)."""
+    out = {"collective_codec": CODECS[variant]}
+    if CODECS[variant] == "auto":
+        out.update(link_gbps=(rate or LOSS_PLAN_MBIT) / 1000, link_shared=True)
+    return out
+
+
+def _predicted(compiled) -> dict | None:
+    """The planner's predicted step (forward + backward graphs: compute and exposed
+    collectives; the optimizer step is not in it), uncompressed and as chosen."""
+    import ccfx
+
+    try:
+        p = ccfx.plan_of(compiled).graphs[0].prediction
+    except Exception:  # noqa: BLE001 (another backend: nothing predicted)
+        return None
+    return None if p is None else {"uncompressed_s": p.uncompressed_s, "chosen_s": p.chosen_s}
+
+
+def _build(variant: str, seed: int, world: int, rate: float | None = None):
     """The model parallelized over every rank and compiled for ``variant``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -147,8 +174,7 @@ def _build(variant: str, seed: int, world: int):
     if variant == "inductor":
         compiled = torch.compile(model, backend="inductor")
     else:
-        compiled = torch.compile(model, backend="ccfx",
-                                 options={"collective_codec": CODECS[variant]})
+        compiled = torch.compile(model, backend="ccfx", options=_options(variant, rate))
     return model, compiled
 
 
@@ -164,12 +190,12 @@ def _wire_bytes(compiled) -> float | None:
 
 
 def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 2,
-              seed: int = 0) -> dict:
+              seed: int = 0, rate: float | None = None) -> dict:
     """Warm up (compiles), barrier, time ``steps`` steps on a fixed random batch."""
     import torch.distributed as dist
 
     try:
-        model, compiled = _build(variant, seed, world)
+        model, compiled = _build(variant, seed, world, rate)
     except Exception as e:
         if type(e).__name__ == "ConfigError":
             return {"skipped": f"ccfx rejects the options: {str(e).splitlines()[0]}"}
@@ -205,7 +231,8 @@ def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 
         _log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.4f}, {times[-1]:.3f} s")
     after = _wire_bytes(compiled)
     wire = None if before is None or after is None else (after - before) / steps
-    return {"times": times, "losses": losses, "wire_bytes": wire}
+    return {"times": times, "losses": losses, "wire_bytes": wire,
+            "predicted": _predicted(compiled)}
 
 
 def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> dict:
@@ -262,7 +289,7 @@ def run_time(variant: str, world: int, rate: float | None, steps: int, threads: 
     try:
         with shaped_namespace(rate) as ns:
             ranks = run_ranks("bench.tensor_parallel", "time_rank", world,
-                              {"variant": variant, "steps": steps}, netns=ns,
+                              {"variant": variant, "steps": steps, "rate": rate}, netns=ns,
                               timeout_s=600 + 3 * link * (steps + 2), threads_per_rank=threads,
                               env=env, stall_s=240 + 3 * link)
     except (RankFailed, RankTimeout) as e:
@@ -274,7 +301,7 @@ def run_time(variant: str, world: int, rate: float | None, steps: int, threads: 
     return {"variant": variant, "status": "ok", "step_s": max(statistics.mean(r["times"])
                                                               for r in ranks),
             "wire_bytes": ranks[0]["wire_bytes"], "loss": ranks[0]["losses"][-1],
-            "wall_s": time.perf_counter() - t0}
+            "predicted": ranks[0].get("predicted"), "wall_s": time.perf_counter() - t0}
 
 
 def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
@@ -288,6 +315,15 @@ def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
         ratio = f"{base['step_s'] / r['step_s']:.2f}" if base else "-"
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 2**20:.2f}"
         out.append([r["variant"], f"{r['step_s']:.3f}", ratio, wire, f"{r['loss']:.4f}"])
+        p = r.get("predicted")
+        if p:  # the planner's step against what ran: as chosen, and uncompressed (inductor's)
+            line = (f"planner ({r['variant']}): predicted {p['chosen_s']:.3f} s/step as chosen, "
+                    f"measured {r['step_s']:.3f} ({p['chosen_s'] / r['step_s'] - 1:+.0%})")
+            if base:
+                line += (f"; predicted {p['uncompressed_s']:.3f} s uncompressed, inductor "
+                         f"measured {base['step_s']:.3f} "
+                         f"({p['uncompressed_s'] / base['step_s'] - 1:+.0%})")
+            notes.append(line + " (the prediction leaves out the optimizer step)")
     return out, notes
 
 
