@@ -13,7 +13,10 @@ Variants (the same seed, model and prompt on every rank):
 
 * ``inductor``: ``model.compile()`` (inductor), uncompressed: the baseline;
 * ``ccfx-none``: ``backend="ccfx"``, ``collective_codec="none"``;
-* ``ccfx-int8``, ``ccfx-fp8``: ``collective_codec`` set to that codec.
+* ``ccfx-int8``, ``ccfx-fp8``: ``collective_codec`` set to that codec;
+* ``ccfx-auto``: ``collective_codec="auto"`` planned for the shaped link (``link_gbps``,
+  ``link_shared``): the planner prices each graph's all-reduces (prefill's and decode's apart)
+  and compresses only where it predicts a gain.
 
 Each variant runs on 2 (``--world``) ranks inside a fresh network namespace whose loopback is
 limited with tc tbf (bench/shaped.py; root): ``--warmup`` untimed generations (default 2:
@@ -33,6 +36,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -49,7 +53,7 @@ from bench.shaped import (
 VOCAB = 256
 HIDDEN, LAYERS, HEADS, MLP = 512, 4, 8, 1024
 PROMPT, NEW = 512, 32
-CODECS = {"ccfx-none": "none", "ccfx-int8": "int8", "ccfx-fp8": "fp8"}
+CODECS = {"ccfx-none": "none", "ccfx-int8": "int8", "ccfx-fp8": "fp8", "ccfx-auto": "auto"}
 VARIANTS = ("inductor", *CODECS)
 
 #: torch's style for each word of a config's base_model_tp_plan
@@ -141,8 +145,26 @@ def _wire(model) -> tuple[float, float] | None:
     return float(raw), float(wire)
 
 
+def _options(variant: str, rate: float | None) -> dict:
+    out = {"collective_codec": CODECS[variant]}
+    if CODECS[variant] == "auto":  # planned for the link it runs on (unshaped: 10 Gbit/s)
+        out.update(link_gbps=(rate or 10_000.0) / 1000, link_shared=True)
+    return out
+
+
+def _chosen(model) -> list[tuple[str, str]] | None:
+    """(graph part, codec) of every collective, per compiled graph (None: not ccfx)."""
+    import ccfx
+
+    try:
+        plan = ccfx.plan_of(model)
+    except Exception:  # noqa: BLE001 (another backend)
+        return None
+    return [(f"graph {c.graph} {c.part}", c.codec) for c in plan.collectives]
+
+
 def time_rank(rank: int, world: int, *, variant: str, new: int = NEW, prompt: int = PROMPT,
-              repeats: int = 2, warmup: int = 2) -> dict:
+              repeats: int = 2, warmup: int = 2, rate: float | None = None) -> dict:
     import torch.distributed as dist
 
     model = llama()
@@ -150,7 +172,7 @@ def time_rank(rank: int, world: int, *, variant: str, new: int = NEW, prompt: in
     if variant == "inductor":
         model.compile()
     else:
-        model.compile(backend="ccfx", options={"collective_codec": CODECS[variant]})
+        model.compile(backend="ccfx", options=_options(variant, rate))
     ids = heldout(prompt)
     for i in range(warmup):  # compiles prefill and both decode graphs (and recompiles)
         t = time.perf_counter()
@@ -168,7 +190,8 @@ def time_rank(rank: int, world: int, *, variant: str, new: int = NEW, prompt: in
             raise RuntimeError(f"greedy tokens changed between runs: {tokens} then {got}")
     after = _wire(model)
     per_gen = None if before is None else [(y - x) / repeats for x, y in zip(before, after)]
-    return {"tokens": tokens, "ttft": ttft, "decode": decode, "bytes": per_gen}
+    return {"tokens": tokens, "ttft": ttft, "decode": decode, "bytes": per_gen,
+            "chosen": _chosen(model)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +210,7 @@ def run_time(variant: str, world: int, rate: float | None, new: int, repeats: in
         with shaped_namespace(rate) as ns:
             ranks = run_ranks("bench.tp_inference", "time_rank", world,
                               {"variant": variant, "new": new, "repeats": repeats,
-                               "warmup": warmup}, netns=ns,
+                               "warmup": warmup, "rate": rate}, netns=ns,
                               timeout_s=900, threads_per_rank=threads, env=env, stall_s=300)
     except (RankFailed, RankTimeout) as e:
         return {"variant": variant, "status": "fails", "reason": e.reason,
@@ -197,7 +220,8 @@ def run_time(variant: str, world: int, rate: float | None, new: int, repeats: in
     return {"variant": variant, "status": "ok", "tokens": ranks[0]["tokens"],
             "ttft_s": max(statistics.mean(r["ttft"]) for r in ranks),
             "decode_tps": min(statistics.mean(r["decode"]) for r in ranks),
-            "bytes": ranks[0]["bytes"], "wall_s": time.perf_counter() - t0}
+            "bytes": ranks[0]["bytes"], "chosen": ranks[0].get("chosen"),
+            "wall_s": time.perf_counter() - t0}
 
 
 def agree(a: list[int], b: list[int], first: int = 32) -> int:
@@ -223,6 +247,14 @@ def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
         wire = "-" if r["bytes"] is None else f"{r['bytes'][1] / 2**20:.2f}"
         out.append([r["variant"], f"{r['ttft_s']:.3f}", x_ttft, f"{r['decode_tps']:.1f}",
                     x_dec, wire, n])
+        if CODECS.get(r["variant"]) == "auto" and r.get("chosen"):
+            by_graph: dict[str, list[str]] = {}
+            for where, codec in r["chosen"]:
+                by_graph.setdefault(where, []).append(codec)
+            notes.append(f"{r['variant']} chose: " + "; ".join(
+                f"{where}: " + ", ".join(f"{n} {c}" for c, n in
+                                         sorted(Counter(codecs).items()))
+                for where, codecs in by_graph.items()))
     return out, notes
 
 
