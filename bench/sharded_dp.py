@@ -1,0 +1,413 @@
+"""Sharded data parallel (FSDP / ZeRO-3) on a bandwidth-limited link: torch's FSDP2
+``fully_shard`` beside ``ccfx.shard``, uncompressed, int8, and ZeRO++'s int8 weights + int4
+gradients.
+
+The model is bench/tensor_parallel's :class:`TPGPT` (4 layers, width 512, 12.7 M parameters),
+here not tensor-parallel: every rank holds 1/W of every parameter and trains on a batch of its
+own (8 x 64 tokens, a different one on every rank), AdamW, the same seed. Per step each weight is
+all-gathered in the forward, gathered again in the backward (neither keeps the whole weight for
+backward) and its gradient reduce-scattered.
+
+Variants (all compiled unless the name says eager):
+
+* ``fsdp2``: ``fully_shard`` (torch.distributed.fsdp) on every block and on the root, gloo CPU,
+  ``torch.compile(backend="inductor")`` (Dynamo skips FSDP2's hooks by default, so the
+  gathers and reduce-scatters run eagerly between compiled graphs); ``fsdp2-eager`` the same
+  without compile;
+* ``ccfx-eager``: ``ccfx.shard(model)``, not compiled (uncompressed);
+* ``ccfx-none``: ``ccfx.shard(model)`` + ``backend="ccfx"``, ``collective_codec="none"``;
+* ``ccfx-int8``: ``collective_overrides`` all_gather and reduce_scatter int8;
+* ``ccfx-zero++``: all_gather int8, reduce_scatter ``int4:ef`` (ZeRO++'s qwZ / qgZ shape).
+
+Three parts:
+
+* ``--part time`` (default): each variant in a fresh network namespace whose loopback is limited
+  with tc tbf (bench/shaped.py; root), 2 warm-up steps then N timed steps; the step time is the
+  slowest rank's mean; "x fsdp2" and "x ccfx-none" are those rows' step times over the
+  variant's, measured in the same table.
+* ``--part memory``: per rank, the peak of parameters, gradients and optimizer state of one
+  training step (after a first one: AdamW allocates its state there) against the unsharded model
+  on one rank. Eager steps under torch.distributed._tools.MemTracker (by category); compiled
+  ones by counting the bytes of this rank's parameters, gradients (after backward) and AdamW
+  state (MemTracker's dispatch mode keeps compiled graphs from running). The issue's goal is
+  within 1.1 x 1/W.
+* ``--part loss``: unshaped, ``--steps`` steps on the embedded corpus for each ``--seeds`` seed
+  (each rank its own batches), the held-out loss per seed, and mean and spread per variant.
+
+    python -m bench.sharded_dp                              # time part, 100 and 1000 Mbit/s
+    python -m bench.sharded_dp --part memory
+    python -m bench.sharded_dp --part loss --variants ccfx-none --seeds 0 1 2 --steps 40
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from bench import common
+from bench.shaped import (
+    RankFailed,
+    RankTimeout,
+    ShapingUnavailable,
+    exit_cleanly_on_sigterm,
+    run_ranks,
+    shaped_namespace,
+)
+from bench.tensor_parallel import BATCH, BLOCK, LAYERS, LR, TPGPT, VOCAB, WIDTH, num_parameters
+
+OVERRIDES = {
+    "ccfx-none": {},
+    "ccfx-int8": {"all_gather": "int8", "reduce_scatter": "int8"},
+    "ccfx-zero++": {"all_gather": "int8", "reduce_scatter": "int4:ef"},
+}
+VARIANTS = ("fsdp2", "fsdp2-eager", "ccfx-eager", *OVERRIDES)
+DEFAULT_VARIANTS = ("fsdp2", *OVERRIDES)
+EVAL_BATCHES = 8
+_CACHE_OFF = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+
+
+def _log(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# What one rank runs.
+
+
+def _shard(variant: str, seed: int, world: int) -> torch.nn.Module:
+    """The model, sharded over every rank the way ``variant`` does it (not compiled)."""
+    torch.manual_seed(seed)
+    model = TPGPT()
+    if variant.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    import ccfx
+
+    return ccfx.shard(model)
+
+
+def _compile(model: torch.nn.Module, variant: str):
+    if variant == "fsdp2":
+        return torch.compile(model, backend="inductor")
+    if variant in ("fsdp2-eager", "ccfx-eager"):
+        return model
+    return torch.compile(model, backend="ccfx", options={
+        "collective_codec": "none", "collective_overrides": OVERRIDES[variant]})
+
+
+def _wire_bytes(compiled) -> float | None:
+    """Bytes this rank handed to its collectives, per the ccfx ledger (None: not ccfx)."""
+    import ccfx
+    from ccfx.errors import ConfigError
+
+    try:
+        return float(ccfx.ledger_of(compiled).totals()[1])
+    except ConfigError:  # compiled by another backend, or not at all
+        return None
+
+
+def _graphs() -> dict:
+    """How many graphs Dynamo compiled and how many graph breaks it took (compiled variants:
+    FSDP2's hooks are skipped by Dynamo, so its graphs are the modules' compute only)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values())}
+
+
+def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 2,
+              seed: int = 0) -> dict:
+    """Warm up (compiles), barrier, time ``steps`` steps on a fixed random batch of this rank."""
+    import torch.distributed as dist
+
+    model = _shard(variant, seed, world)
+    compiled = _compile(model, variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g)
+    y = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    losses = []
+    for i in range(warmup):
+        losses.append(step())
+        _log(rank, f"warm-up step {i}: loss {losses[-1]:.4f}")
+    before = _wire_bytes(compiled)
+    graphs = _graphs()
+    _log(rank, f"Dynamo: {graphs}")
+    dist.barrier()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t)
+        _log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.4f}, {times[-1]:.3f} s")
+    after = _wire_bytes(compiled)
+    wire = None if before is None or after is None else (after - before) / steps
+    return {"times": times, "losses": losses, "wire_bytes": wire, "graphs": graphs}
+
+
+def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> dict:
+    """``steps`` AdamW steps on the corpus (each rank its own batches), then the held-out loss
+    (the same held-out batches on every rank)."""
+    from ccfx.models import CharTokenizer, batches, load_corpus
+
+    text = load_corpus()
+    data = CharTokenizer(text).encode(text)
+    cut = int(data.numel() * 0.9)
+    model = _shard(variant, seed, world)
+    compiled = _compile(model, variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    train = batches(data[:cut], BATCH, BLOCK, 1000 + 100 * seed + rank)
+    held = batches(data[cut:], BATCH, BLOCK, 10_000 + seed)
+    held_out = [next(held) for _ in range(EVAL_BATCHES)]
+    t0 = time.perf_counter()
+    for i in range(steps):
+        x, y = next(train)
+        opt.zero_grad(set_to_none=True)
+        compiled(x, y).backward()
+        opt.step()
+        if i % 10 == 0:
+            _log(rank, f"step {i} ({time.perf_counter() - t0:.0f} s)")
+    with torch.no_grad():
+        val = sum(compiled(x, y).item() for x, y in held_out) / len(held_out)
+    return {"held_out": val, "train_s": time.perf_counter() - t0}
+
+
+def _local_bytes(t: torch.Tensor | None) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if t is None:
+        return 0
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def _counted(model, opt) -> dict:
+    return {"params": sum(_local_bytes(p) for p in model.parameters()),
+            "grads": sum(_local_bytes(p.grad) for p in model.parameters()),
+            "optimizer": sum(_local_bytes(v) for st in opt.state.values() for v in st.values()
+                             if isinstance(v, torch.Tensor))}
+
+
+def memory_rank(rank: int, world: int, *, variants: list[str], seed: int = 0) -> dict:
+    """Per variant (and ``unsharded``: the plain model on this rank alone): eager, MemTracker's
+    peak by category of the second training step; compiled, this rank's bytes of parameters,
+    gradients (after backward, before the step) and AdamW state (after the step)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g)
+    y = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g)
+    out: dict = {}
+    kinds = {"unsharded": "eager", "fsdp2-eager": "eager", "fsdp2": "compiled",
+             "ccfx-eager": "eager", "ccfx-none": "compiled", "ccfx-int8": "compiled",
+             "ccfx-zero++": "compiled"}
+    for variant in ["unsharded", *variants]:
+        _log(rank, f"memory: {variant}")
+        if variant == "unsharded":
+            torch.manual_seed(seed)
+            model = run = TPGPT()
+        else:
+            model = _shard(variant, seed, world)
+            run = _compile(model, variant)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def step(model=model, run=run, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            run(x, y).backward()
+            grads = _counted(model, opt)["grads"]
+            opt.step()
+            return grads
+
+        step()  # compiles; AdamW allocates its state
+        row: dict = {"how": kinds[variant]}
+        if kinds[variant] == "eager":
+            tracker = MemTracker()
+            tracker.track_external(model, opt)
+            with tracker:
+                step()
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            row["peak"] = {str(k).split(".")[-1]: v for k, v in peak.items()}
+        grads = step()
+        row["counted"] = {**_counted(model, opt), "grads": grads}
+        out[variant] = row
+        torch._dynamo.reset()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent.
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _link_s(world: int, rate: float | None) -> float:
+    """Seconds the uncompressed collectives of one step need on the shared loopback: every
+    weight gathered twice (forward, backward) and every gradient reduce-scattered, each moving
+    (W-1)/W of the model out of each of the W ranks."""
+    if rate is None:
+        return 0.0
+    per_step = 3 * (world - 1) * num_parameters() * 4
+    return per_step * 8 / (rate * 1e6)
+
+
+def run_time(variant: str, world: int, rate: float | None, steps: int, threads: int) -> dict:
+    link = _link_s(world, rate)
+    t0 = time.perf_counter()
+    try:
+        with shaped_namespace(rate) as ns:
+            ranks = run_ranks("bench.sharded_dp", "time_rank", world,
+                              {"variant": variant, "steps": steps}, netns=ns,
+                              timeout_s=600 + 3 * link * (steps + 2), threads_per_rank=threads,
+                              env=_CACHE_OFF, stall_s=240 + 3 * link)
+    except (RankFailed, RankTimeout) as e:
+        return {"variant": variant, "status": "fails", "reason": e.reason,
+                "details": e.details[-4000:], "wall_s": time.perf_counter() - t0}
+    return {"variant": variant, "status": "ok",
+            "step_s": max(statistics.mean(r["times"]) for r in ranks),
+            "wire_bytes": ranks[0]["wire_bytes"], "loss": ranks[0]["losses"][-1],
+            "graphs": ranks[0]["graphs"], "wall_s": time.perf_counter() - t0}
+
+
+def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
+    def ok(name):
+        return next((r for r in rows if r["variant"] == name and r["status"] == "ok"), None)
+
+    bases = [ok("fsdp2") or ok("fsdp2-eager"), ok("ccfx-none")]
+    out, notes = [], []
+    for r in rows:
+        if r["status"] != "ok":
+            notes.append(f"({len(notes) + 1}) {r['variant']} {r['status']}: {r['reason']}")
+            out.append([r["variant"], f"{r['status']} ({len(notes)})", "", "", "", ""])
+            continue
+        ratios = [f"{b['step_s'] / r['step_s']:.2f}" if b else "-" for b in bases]
+        wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 2**20:.2f}"
+        out.append([r["variant"], f"{r['step_s']:.3f}", *ratios, wire, f"{r['loss']:.4f}"])
+    return out, notes
+
+
+def memory_table(ranks: list[dict], world: int) -> list[list[str]]:
+    """One row per variant: the largest rank's figures, and their ratio to the unsharded ones."""
+    rows = []
+    whole = ranks[0]["unsharded"]
+    w_peak = sum(whole["peak"][k] for k in ("PARAM", "GRAD", "OPT"))
+    w_count = sum(whole["counted"].values())
+    for variant in ranks[0]:
+        got = [r[variant] for r in ranks]
+        count = max(sum(g["counted"].values()) for g in got)
+        peak = total = "-"
+        if "peak" in got[0]:
+            p = max(sum(g["peak"][k] for k in ("PARAM", "GRAD", "OPT")) for g in got)
+            t = max(g["peak"]["Total"] for g in got)
+            peak = f"{p / 2**20:.1f} ({p / w_peak:.3f})"
+            total = f"{t / 2**20:.1f} ({t / whole['peak']['Total']:.3f})"
+        rows.append([variant, got[0]["how"], peak, total,
+                     f"{count / 2**20:.1f} ({count / w_count:.3f})",
+                     f"{count / w_count * world:.3f}"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__doc__)
+    ap.add_argument("--part", choices=("time", "memory", "loss"), default="time")
+    ap.add_argument("--rates", nargs="+", default=["100", "1000"],
+                    help="link rates in Mbit/s ('none': unshaped); time part")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps (time part, default 3) or training steps (loss, 40)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="loss part")
+    ap.add_argument("--variants", nargs="+", default=None, choices=VARIANTS)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    a = ap.parse_args(argv)
+    exit_cleanly_on_sigterm()
+    params = num_parameters()
+    print(f"TPGPT: {LAYERS} layers, width {WIDTH}, {params / 1e6:.1f} M parameters "
+          f"({params * 4 / 2**20:.1f} MiB fp32); {a.world} sharded data-parallel ranks, "
+          f"batch {BATCH} x {BLOCK} tokens per rank (each its own)")
+    results: dict = {"params": params, "world": a.world, "part": a.part}
+    if a.part == "time":
+        variants = a.variants or list(DEFAULT_VARIANTS)
+        rates = [None if r.lower() in ("none", "unshaped") else float(r) for r in a.rates]
+        steps = a.steps or 3
+        results["tables"] = []
+        try:
+            for rate in rates:
+                rows = []
+                label = "unshaped" if rate is None else f"{rate:g} Mbit/s"
+                for v in variants:
+                    _progress(f"[{label}] {v} ...")
+                    row = run_time(v, a.world, rate, steps, a.threads)
+                    _progress(f"    {row['status']}" + (f" {row['step_s']:.3f} s/step, "
+                                                       f"{row['graphs']}"
+                                                       if row["status"] == "ok" else
+                                                       f": {row['reason']}"))
+                    rows.append(row)
+                print(f"\n{label}, {a.world} ranks, {steps} timed steps after 2 warm-up")
+                cells, notes = time_table(rows)
+                print(common.table(cells, ["variant", "s/step", "x fsdp2", "x ccfx-none",
+                                           "wire MiB/step/rank", "loss"]))
+                print("\n".join(notes), flush=True)
+                results["tables"].append({"rate_mbit": rate, "rows": rows})
+        except ShapingUnavailable as e:
+            print(f"cannot shape the network: {e}", file=sys.stderr)
+            return 2
+    elif a.part == "memory":
+        variants = a.variants or ["fsdp2-eager", "ccfx-eager", "fsdp2", "ccfx-none",
+                                  "ccfx-zero++"]
+        ranks = run_ranks("bench.sharded_dp", "memory_rank", a.world, {"variants": variants},
+                          netns=None, timeout_s=1200, threads_per_rank=a.threads,
+                          env=_CACHE_OFF, stall_s=300)
+        print(f"\nper-rank memory of a training step over the unsharded model on one rank "
+              f"(1/W = {1 / a.world:.3f}; the largest rank)")
+        print(common.table(memory_table(ranks, a.world),
+                           ["variant", "run", "MemTracker peak params+grads+opt MiB (ratio)",
+                            "MemTracker peak total MiB (ratio)",
+                            "counted params+grads+opt MiB (ratio)", "counted x W"]))
+        results["memory"] = ranks
+    else:
+        variants = a.variants or list(DEFAULT_VARIANTS)
+        steps = a.steps or 40
+        rows = []
+        for v in variants:
+            vals, secs = [], []
+            for seed in a.seeds:
+                _progress(f"[loss] {v} seed {seed} ...")
+                t0 = time.perf_counter()
+                ranks = run_ranks("bench.sharded_dp", "loss_rank", a.world,
+                                  {"variant": v, "steps": steps, "seed": seed}, netns=None,
+                                  timeout_s=1800, threads_per_rank=a.threads, env=_CACHE_OFF,
+                                  stall_s=300)
+                secs.append(time.perf_counter() - t0)
+                vals.append(ranks[0]["held_out"])
+                _progress(f"    held-out {vals[-1]:.4f} ({secs[-1]:.0f} s)")
+            sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
+            rows.append([v, " ".join(f"{x:.4f}" for x in vals),
+                         f"{statistics.mean(vals):.4f} ± {sd:.4f}", f"{max(secs):.0f}"])
+            results.setdefault("loss", {})[v] = vals
+        print(f"\nheld-out loss after {steps} steps ({len(a.seeds)} seeds), {a.world} ranks")
+        print(common.table(rows, ["variant", "per seed", "mean ± std", "s per seed (max)"]))
+    common.write_json(a.json, "sharded_dp", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
