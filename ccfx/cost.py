@@ -163,4 +163,13 @@ def hints_of(gm: torch.fx.GraphModule) -> dict:
     if env is None:
         return {}
     table = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
-    return dict(table)
+    hints = dict(table)
+    # unbacked sizes (``.item()``, ``.tolist()`` with capture_scalar_outputs) have no example
+    # value: costs take the smallest value their range allows, at least 1
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    for sym, bounds in getattr(env, "var_to_range", {}).items():
+        if sym not in hints and symbol_is_type(sym, SymT.UNBACKED_INT):
+            lower = bounds.lower
+            hints[sym] = max(1, int(lower) if lower.is_finite else 1)
+    return hints
