@@ -85,6 +85,13 @@ def traced(world: int) -> list[tuple]:
             and c[2] in (shapes(c[0], world)[0], shapes(c[0], world)[2])]
 
 
+#: Unequal all_to_all splits (whole rows): a row inside one block (7), one across blocks
+#: (300: padded to 512 for the encode, 300 codes sent) and whole blocks (256).
+ROW_SPECS = ["none", "int8", "int4", "fp8", "bf16", "int8:ef"]
+ROW_CASES = [(s, row) for s in ROW_SPECS for row in (7, 300, 256)]
+ROW_TRACED = [("none", 7), ("int8", 7), ("int8", 300), ("bf16", 256)]
+
+
 @pytest.fixture(scope="module")
 def spawned():
     """One spawn of 3 ranks: the 3-rank cases on all of them, the 2-rank cases on the subgroup
@@ -98,7 +105,8 @@ def spawned():
             scenario(f"ef_ar{world}", w.error_feedback, members, "all_reduce", "int8:ef",
                      (7, 50), 2),
             scenario(f"interleaved{world}", w.interleaved, members),
-            scenario(f"non_finite{world}", w.non_finite, members)]
+            scenario(f"non_finite{world}", w.non_finite, members),
+            scenario(f"rows{world}", w.unequal_rows, members, ROW_CASES, ROW_TRACED)]
     scenarios.append(scenario("int8_error", w.int8_all_reduce_error, (192, 1000)))
     return run_scenarios(3, scenarios, timeout_s=240)
 
@@ -237,6 +245,30 @@ def test_all_reduce_error_feedback_stays_bit_identical(ranks):
     assert all(row["norm"] > 0 for r in rows for row in r["rows"])
     for step in range(2):
         assert len({r["rows"][step]["out_digest"] for r in rows}) == 1, step
+
+
+@pytest.mark.slow
+def test_unequal_all_to_all_sends_whole_rows_within_the_bound(ranks):
+    """Unequal splits (some of 0 rows, a rank that sends nothing): the identity is torch's
+    all_to_all_single bit for bit; a lossy codec decodes every received value within its
+    half step of the largest |input| (a row is encoded on its own: its scale is its own
+    largest value, at most that); traced equals eager; the bytes sent are wire_bytes."""
+    world, got = ranks
+    for case in ROW_CASES:
+        spec = case[0].split(":")[0]
+        for rank, r in enumerate(got["rows"]):
+            row = r[case]
+            assert row["shape_ok"] and row["issued_as_said"], (world, rank, case, row)
+            assert row["sent"] == row["wire_bytes"], (world, rank, case, row)
+            if spec == "none":
+                assert row["equals_torch"], (world, rank, case)
+            else:
+                assert row["max_err"] <= 1.1 * HALF_STEP[spec] * row["absmax"], (world, case, row)
+            if case in ROW_TRACED:
+                assert row["traced_equal"], (world, rank, case)
+    sends_nothing = [r for r in got["rows"] if r[("int8", 7)]["rows_in"] == 0]
+    assert len(sends_nothing) == (1 if world == 3 else 0)
+    assert sends_nothing == [] or sends_nothing[0][("int8", 7)]["wire_bytes"] == 0
 
 
 @pytest.mark.slow
@@ -531,3 +563,94 @@ def test_local_comm_is_the_identity():
 def test_unknown_kind_is_a_config_error():
     with pytest.raises(ConfigError, match="collective kind 'broadcast'"):
         refuse(CollectiveCall("broadcast", (4,), torch.float32, 2), "int8")
+
+
+# -- unequal all_to_all splits: whole rows ---------------------------------------------------------
+
+
+class LoopbackComm:
+    """One rank's view of a group whose split matrix is symmetric and whose every rank holds the
+    same rows: what comes back is what was sent (plain torch, traceable without a group)."""
+
+    world = 2
+
+    def all_to_all(self, t, output_splits=None, input_splits=None):
+        assert list(output_splits) == list(input_splits)
+        return t.clone()
+
+    def wait(self, t):
+        return t
+
+
+def _row_round_trip(x: torch.Tensor, spec: str) -> torch.Tensor:
+    """Each row of ``x`` through the codec on its own (its own encode and decode)."""
+    out = []
+    for row in x:
+        payload, _ = torch.ops.ccfx_codecs.encode(row, spec, [])
+        got, _ = torch.ops.ccfx_codecs.decode(list(payload), spec, [row.numel()], row.dtype, [])
+        out.append(got.view(row.shape))
+    return torch.stack(out)
+
+
+def test_unequal_splits_are_rows_sized_from_the_splits():
+    call = _call("all_to_all", shape=(8, 300), input_splits=(3, 5), output_splits=(6, 0))
+    assert call.by_rows and call.row == 300 and call.out_shape == (6, 300)
+    assert not _call("all_to_all", shape=(8, 3), input_splits=(4, 4), output_splits=(4, 4)).by_rows
+    assert not _call("all_to_all", shape=(8, 3), input_splits=(4, 4)).by_rows  # the other: equal
+    cc = CompressedCollective(call, "int8")
+    # a row of 300 is encoded padded to 2 blocks (512); its 300 codes and 2 scales travel
+    assert cc.row_padded == 512 and cc.packing.nbytes == 300 + 2 * 4
+    assert cc.messages() == [("all_to_all", 8 * 308)]
+    assert cc.wire_bytes() == 8 * 308 // 2 and call.raw_bytes == 8 * 300 * 4 // 2
+    assert cc.state_layout() == {}
+    ef = CompressedCollective(call, "int8:ef")
+    assert ef.state_layout() == {"residual": ((8 * 512,), torch.float32)}
+    # a rank that sends no rows: nothing to encode, and the same decision as its peers
+    empty = _call("all_to_all", shape=(0, 300), input_splits=(0, 0), output_splits=(3, 6))
+    assert refuse(empty, "int8") is None and CompressedCollective(empty, "int8").wire_bytes() == 0
+
+
+@pytest.mark.parametrize("spec, row", [("int8", 7), ("int8", 300), ("int4", 7), ("fp8", 256),
+                                       ("bf16", 5)])
+def test_each_row_decodes_as_if_encoded_alone(spec, row):
+    """One encode of every row (padded to whole blocks where needed, only the real codes
+    sent, the padding restored before one decode) gives each row's own round trip bit for bit,
+    eagerly and traced, with a split of 0 rows."""
+    from .wire_collectives_workers import traced_phases
+
+    x = torch.randn(9, row, generator=torch.Generator().manual_seed(row))
+    call = _call("all_to_all", shape=(9, row), input_splits=(9, 0), output_splits=(9, 0))
+    cc = CompressedCollective(call, spec)
+    want = _row_round_trip(x, spec)
+    assert torch.equal(cc.run(x, {}, LoopbackComm()), want)
+    _, traced = traced_phases(cc, LoopbackComm(), x, [])
+    assert torch.equal(traced, want)
+    assert not torch.equal(want, x)  # the codec really ran
+
+
+def test_the_pass_compresses_an_unequal_all_to_all_and_agrees_without_its_splits():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ccfx.passes.compress_collectives import (
+        Rewrite,
+        agreed_code,
+        compress_collectives,
+        find_collectives,
+    )
+
+    f = torch.ops._c10d_functional
+
+    def fn(x):
+        return f.wait_tensor(f.all_to_all_single(x * 2, [3, 0], [3, 0], "fake")) + 1
+
+    x = torch.randn(3, 16)
+    gm = make_fx(fn, tracing_mode="fake")(x)
+    (found,) = find_collectives(gm, lambda _: 2)
+    assert (found.input_splits, found.output_splits) == ((3, 0), (3, 0)) and not found.problem
+    assert found.agreed_shape == ["rows", 16]
+    assert "[splits], [splits]" in agreed_code(gm.code) and "[3, 0]" not in agreed_code(gm.code)
+    cc = CompressedCollective(found.call, "int8")
+    out = compress_collectives(gm, [found], [Rewrite(0, "int8", "", cc, {})],
+                               comm_for=lambda name, world: LoopbackComm())
+    assert not [n for n in out.graph.nodes if n.target is f.all_to_all_single.default]
+    assert torch.equal(out(x), _row_round_trip(x * 2, "int8") + 1)

@@ -48,8 +48,9 @@ class CountingComm:
     def reduce_scatter(self, t):
         return self._issue("reduce_scatter", t)
 
-    def all_to_all(self, t):
-        return self._issue("all_to_all", t)
+    def all_to_all(self, t, *splits):
+        self.issued.append(("all_to_all", t.numel() * t.element_size()))
+        return self.inner.all_to_all(t, *splits)
 
     def wait(self, h):
         return self.inner.wait(h)
@@ -246,3 +247,48 @@ def non_finite(rank, world, members):
     y = cc.run(x, cc.init_state(), ProcessGroupComm(group))
     return {"nan_at": torch.isnan(y).nonzero().view(-1).tolist(), "digest": digest(y),
             "chunk": cc.chunk}
+
+
+#: Rows rank r sends to rank j in the unequal all_to_all cases (2 ranks, 3 ranks): splits of 0
+#: rows, a rank that sends nothing (rank 1 of 3) and one that receives a single row.
+SPLITS = {2: ((3, 5), (6, 0)), 3: ((3, 5, 0), (0, 0, 0), (6, 2, 1))}
+
+
+def unequal_rows(rank, world, members, cases, to_trace):
+    """On the group of ``members``: per case ``(spec, row)``, an all_to_all of ``SPLITS`` rows
+    of ``row`` elements: whether the eager result equals torch's all_to_all_single bit for bit,
+    its largest error and every rank's largest |input|, the traced phases' digest against the
+    eager one's, its shape against ``out_shape``, the bytes sent against ``wire_bytes`` and the
+    messages issued against ``messages()``."""
+    group, me = join(rank, world, members)
+    if group is None:
+        return None
+    size = len(members)
+    matrix = SPLITS[size]
+    ins, outs = matrix[me], tuple(matrix[i][me] for i in range(size))
+    out = {}
+    for i, (spec, row) in enumerate(cases):
+        x = sample(me, 300 + i, (sum(ins), row))
+        call = CollectiveCall("all_to_all", tuple(x.shape), x.dtype, size, None, ins, outs)
+        cc = CompressedCollective(call, spec)
+        counting = CountingComm(ProcessGroupComm(group))
+        eager = cc.run(x, cc.init_state(), counting)
+        want = x.new_empty(call.out_shape)
+        dist.all_to_all_single(want, x, list(outs), list(ins), group=group)
+        traced = None
+        if (spec, row) in to_trace:
+            state = cc.init_state()
+            _, traced = traced_phases(cc, FunctionalComm(group.group_name, size), x,
+                                      [state[k] for k in sorted(state)])
+        top = torch.tensor([x.abs().max().item() if x.numel() else 0.0])
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        out[(spec, row)] = {
+            "equals_torch": bool(torch.equal(eager, want)),
+            "max_err": (eager - want).abs().max().item() if want.numel() else 0.0,
+            "absmax": top.item(), "rows_in": len(ins) and sum(ins),
+            "shape_ok": tuple(eager.shape) == call.out_shape,
+            "traced_equal": None if traced is None else digest(traced) == digest(eager),
+            "sent": counting.sent(), "wire_bytes": cc.wire_bytes(),
+            "issued_as_said": counting.issued == cc.messages(),
+        }
+    return out
