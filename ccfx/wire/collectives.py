@@ -33,6 +33,16 @@ The algorithms (rank ``r`` of ``W``; ``B`` is one chunk's packed payload):
   this rank's chunk decoded and summed in fp32 in rank order: ``(W-1) B``.
 * **all_to_all** (equal splits) → each destination's chunk encoded, one all-to-all, decoded on
   arrival: ``(W-1) B``.
+* **all_to_all with unequal split sizes** (an expert-parallel MoE's dispatch and combine, whose
+  ranks send different numbers of rows, some none) → every row of dim 0 (a token's hidden
+  vector) encoded on its own, all rows in one encode (a row that is not whole blocks is
+  zero-padded to them for the encode, and only its real codes are sent), each row's payload
+  packed into one message of ``b`` bytes, and the ``(rows, b)`` bytes sent by one all-to-all
+  *with the original splits*: the receiver derives every size from the splits it already has,
+  nothing extra is exchanged; one decode on arrival. ``(W-1) / W`` of the rows' messages, the
+  raw bytes' convention. The backward's all-to-all (the splits swapped) is compressed the same
+  way on its own. Split sizes that are symbolic when the graph compiles (read from the router's
+  counts with ``.tolist()``) are refused: the plan says why and torch's collective runs.
 
 Codecs run as their ops (``ccfx_codecs::encode`` / ``decode``) on explicit state tensors: error
 feedback (``"int4:ef"``) keeps *this rank's* residual of what it encoded from its own input
