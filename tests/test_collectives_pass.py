@@ -426,10 +426,10 @@ def test_ranks_given_different_codecs_fail_at_compile_time_saying_what_differs(t
 def test_auto_compresses_on_a_slow_link_and_says_why(two):
     r0, r1 = two["auto slow"]
     assert r0["plan"] == r1["plan"] and r0["decisions"] == r1["decisions"]  # rank 0's choice
-    # the fewest bytes win here: int8 for the forward's activations, int4:ef (within the
-    # loss budget for activation gradients, not for activations) for the backward's
-    assert [(c["part"], c["codec"]) for c in r0["plan"]] == [("forward", "int8"),
-                                                              ("backward", "int4:ef")]
+    # int8 or int4:ef (within the loss budget for activation gradients, not for activations;
+    # fewer bytes, more codec time: which one wins depends on this machine's codec timings)
+    assert [c["part"] for c in r0["plan"]] == ["forward", "backward"]
+    assert r0["plan"][0]["codec"] == "int8" and r0["plan"][1]["codec"] in ("int8", "int4:ef")
     assert [d["what"] for d in r0["decisions"]] == ["collective 0", "collective 1"]
     for d, c in zip(r0["decisions"], r0["plan"]):
         assert d["chosen"] == c["codec"] == d["candidates"][0][0], d  # the fastest

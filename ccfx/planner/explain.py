@@ -118,7 +118,9 @@ def _graph(g: GraphPlan, plan: Plan) -> list[str]:
             about = (f" ({c.part} {c.kind}, {'x'.join(map(str, c.shape))} "
                      f"{c.dtype.replace('torch.', '')} on {c.group_size} ranks)")
         out.append(f"  {d.what}{about}: {d.chosen}")
-        out.append("    predicted s/step: " + "  ".join(
+        label = ("predicted s of this collective (exposed + codec)" if kind == "collective"
+                 else "predicted s/step")
+        out.append(f"    {label}: " + "  ".join(
             f"{spec} {secs:.4g}" + (" *" if spec == d.chosen else "")
             for spec, secs in d.candidates))
         out.append(f"    why: {d.reason}")
