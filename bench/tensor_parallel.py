@@ -282,6 +282,19 @@ def _link_s(world: int, rate: float | None) -> float:
     return per_step * 8 / (rate * 1e6)
 
 
+def formula_mib(variant: str, world: int) -> float | None:
+    """Bytes one rank sends to its all-reduces per step by the wire layer's formula (MiB): per
+    layer 2 forward and 4 backward all-reduces of one activation, each ``2 (W-1)/W`` of it
+    uncompressed, ``2 (W-1)`` packed chunks compressed; None for ``auto`` (per collective)."""
+    from ccfx.wire.collectives import CollectiveCall, CompressedCollective
+
+    spec = "none" if variant == "inductor" else CODECS[variant]
+    if spec == "auto":
+        return None
+    call = CollectiveCall("all_reduce", (BATCH, BLOCK, WIDTH), torch.float32, world, "sum")
+    return 6 * LAYERS * CompressedCollective(call, spec).wire_bytes() / 2**20
+
+
 def run_time(variant: str, world: int, rate: float | None, steps: int, threads: int) -> dict:
     link = _link_s(world, rate)
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -304,17 +317,19 @@ def run_time(variant: str, world: int, rate: float | None, steps: int, threads: 
             "predicted": ranks[0].get("predicted"), "wall_s": time.perf_counter() - t0}
 
 
-def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
+def time_table(rows: list[dict], world: int) -> tuple[list[list[str]], list[str]]:
     base = next((r for r in rows if r["variant"] == "inductor" and r["status"] == "ok"), None)
     out, notes = [], []
     for r in rows:
         if r["status"] != "ok":
             notes.append(f"({len(notes) + 1}) {r['variant']} {r['status']}: {r['reason']}")
-            out.append([r["variant"], f"{r['status']} ({len(notes)})", "", "", ""])
+            out.append([r["variant"], f"{r['status']} ({len(notes)})", "", "", "", ""])
             continue
         ratio = f"{base['step_s'] / r['step_s']:.2f}" if base else "-"
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 2**20:.2f}"
-        out.append([r["variant"], f"{r['step_s']:.3f}", ratio, wire, f"{r['loss']:.4f}"])
+        formula = formula_mib(r["variant"], world)
+        out.append([r["variant"], f"{r['step_s']:.3f}", ratio, wire,
+                    "-" if formula is None else f"{formula:.2f}", f"{r['loss']:.4f}"])
         p = r.get("predicted")
         if p:  # the planner's step against what ran: as chosen, and uncompressed (inductor's)
             line = (f"planner ({r['variant']}): predicted {p['chosen_s']:.3f} s/step as chosen, "
@@ -360,9 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                 label = "unshaped" if rate is None else f"{rate:g} Mbit/s"
                 print(f"\n{label}, {a.world} ranks, {steps} timed steps after 2 warm-up")
-                cells, notes = time_table(rows)
+                cells, notes = time_table(rows, a.world)
                 print(common.table(cells, ["variant", "s/step", "x inductor",
-                                           "wire MiB/step/rank", "loss"]))
+                                           "wire MiB/step/rank", "formula", "loss"]))
                 print("\n".join(notes), flush=True)
                 results["tables"].append({"rate_mbit": rate, "rows": rows})
         except ShapingUnavailable as e:
