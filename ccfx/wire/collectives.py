@@ -665,7 +665,8 @@ class CompressedCollective:
                      .reshape(-1) if full > keep else p
                      for p, (full, keep) in zip(parts, self._row_sizes)]
         flat = self._decode(parts, rows * self.row_padded).view(rows, self.row_padded)
-        return [flat[:, :self.used].reshape(out_shape)]
+        # contiguous, as the collective's own result (inductor checks the strides it planned)
+        return [flat[:, :self.used].contiguous().reshape(out_shape)]
 
     # the identity: the original collective itself
 
