@@ -4,7 +4,9 @@ Ranks 0 and 1 of the group time two things with the same point-to-point ops the 
 uses (``dist.send`` / ``dist.recv`` on the group's backend): a ping-pong of one byte (half the
 round trip is the latency) and a tensor sent one way, sized from a first small transfer so that
 it takes about ``seconds`` (the bandwidth: bytes over the time after the latency). Every rank
-of the group calls :func:`probe_link` and gets rank 0's answer.
+of the group calls :func:`probe_link` and gets rank 0's answer. :func:`probe_pair` is the same
+measurement between any two ranks ``a`` → ``b`` of the group (what ``Cluster.probe`` runs for
+every ordered pair).
 """
 
 from __future__ import annotations
@@ -26,30 +28,44 @@ def probe_link(group=None, *, seconds: float = 0.3, repeats: int = 3,
 
         raise ConfigError("probe_link needs a process group (dist.init_process_group); without "
                           "one give link_gbps yourself")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    out = [None]
-    if rank < 2 and world >= 2:
-        peer = dist.get_global_rank(group, 1 - rank) if group is not None else 1 - rank
-        latency = statistics.median(_ping(peer, rank, group) for _ in range(repeats)) / 2
-        small = 1 << 20
-        first = _one_way(peer, rank, small, group)
-        # rank 0 sizes the real transfer and tells rank 1
-        size = torch.tensor([0], dtype=torch.int64)
-        if rank == 0:
-            per_s = small / max(first - 2 * latency, 1e-6)
-            size[0] = int(min(max(per_s * seconds, small), 1 << 28))
-            dist.send(size, peer, group=group)
-        else:
-            dist.recv(size, peer, group=group)
-        nbytes = int(size[0])
-        best = min(_one_way(peer, rank, nbytes, group) for _ in range(repeats))
-        if rank == 0:
-            gbps = nbytes * 8 / max(best - 2 * latency, 1e-9) / 1e9
-            out = [Link(gbps, latency * 1e3, shared)]
+    world = dist.get_world_size(group)
+    out = [probe_pair(0, 1, group, seconds=seconds, repeats=repeats, shared=shared)
+           if world >= 2 else None]
     if world > 1:
         src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(out, src=src, group=group)
     return out[0]
+
+
+def probe_pair(a: int, b: int, group=None, *, seconds: float = 0.3, repeats: int = 3,
+               shared: bool = False) -> Link | None:
+    """The link from group rank ``a`` to group rank ``b`` (a ping-pong for the latency, a
+    transfer ``a`` → ``b`` sized to take about ``seconds`` for the bandwidth), measured by those
+    two ranks: ``a`` returns it, ``b`` and every other rank return None at once (they do not
+    take part)."""
+    rank = dist.get_rank(group)
+    if rank not in (a, b) or a == b:
+        return None
+    role = 0 if rank == a else 1  # 0 sends and measures, 1 receives and acknowledges
+    other = b if role == 0 else a
+    peer = dist.get_global_rank(group, other) if group is not None else other
+    latency = statistics.median(_ping(peer, role, group) for _ in range(repeats)) / 2
+    small = 1 << 20
+    first = _one_way(peer, role, small, group)
+    # the sender sizes the real transfer and tells the receiver
+    size = torch.tensor([0], dtype=torch.int64)
+    if role == 0:
+        per_s = small / max(first - 2 * latency, 1e-6)
+        size[0] = int(min(max(per_s * seconds, small), 1 << 28))
+        dist.send(size, peer, group=group)
+    else:
+        dist.recv(size, peer, group=group)
+    nbytes = int(size[0])
+    best = min(_one_way(peer, role, nbytes, group) for _ in range(repeats))
+    if role != 0:
+        return None
+    gbps = nbytes * 8 / max(best - 2 * latency, 1e-9) / 1e9
+    return Link(gbps, latency * 1e3, shared)
 
 
 def _ping(peer: int, rank: int, group) -> float:
@@ -58,8 +74,9 @@ def _ping(peer: int, rank: int, group) -> float:
 
 
 def _one_way(peer: int, rank: int, nbytes: int, group) -> float:
-    """Seconds from rank 0's send to its receipt of rank 1's one-byte acknowledgement (the
-    transfer plus one round trip of latency), as rank 0 measures it."""
+    """Seconds from the sender's (``rank`` 0's) send to its receipt of the receiver's (``rank``
+    1's) one-byte acknowledgement (the transfer plus one round trip of latency), as the sender
+    measures it. ``rank`` is the role in the pair, ``peer`` the other's global rank."""
     t = torch.empty(nbytes, dtype=torch.uint8)
     ack = torch.zeros(1, dtype=torch.uint8)
     start = time.perf_counter()
