@@ -257,7 +257,21 @@ def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> 
             _log(rank, f"step {i}")
     with torch.no_grad():
         val = sum(compiled(x, y).item() for x, y in held_out) / len(held_out)
-    return {"held_out": val}
+    return {"held_out": val, "chosen": _chosen(compiled)}
+
+
+def _chosen(compiled) -> str | None:
+    """What ran on each collective (``auto``'s choice), as "forward int8 x8, backward ..."."""
+    import collections
+
+    import ccfx
+
+    try:
+        rows = ccfx.plan_of(compiled).collectives
+    except Exception:  # noqa: BLE001 (another backend)
+        return None
+    counts = collections.Counter((c.part, c.codec) for c in rows)
+    return ", ".join(f"{part} {codec} x{n}" for (part, codec), n in sorted(counts.items()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                                   env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                                        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"})
                 vals.append(ranks[0]["held_out"])
+                if ranks[0].get("chosen") and CODECS.get(v) == "auto":
+                    _progress(f"    {v} ran: {ranks[0]['chosen']}")
             sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
             rows.append([v, " ".join(f"{x:.4f}" for x in vals),
                          f"{statistics.mean(vals):.4f} ± {sd:.4f}"])
