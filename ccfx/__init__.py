@@ -16,6 +16,7 @@ from .errors import (
     PartitionError,
 )
 from .plan import CutEdge, GraphPlan, Plan, SharedParam, Stage
+from .planner.cluster import Cluster  # devices and links, for the layout planner
 from .runtime import cut_op as _cut_op  # noqa: F401  (registers torch.ops.ccfx.cut)
 from .runtime.shard import shard  # sharded data parallel: collectives as graph nodes
 
@@ -200,6 +201,7 @@ def draw(compiled_or_plan, path, **kw):
 __all__ = [
     "CcfxError",
     "CcfxWarning",
+    "Cluster",
     "CodecError",
     "CollectiveError",
     "Config",
