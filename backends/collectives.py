@@ -189,8 +189,9 @@ class Collectives:
         for name in groups:
             mine = asked[name]
             question = {"graph": desc, "part": part, "collectives": [
-                [c.index, c.call.kind, list(c.call.shape), str(c.call.dtype), c.call.world,
-                 c.call.reduce_op] for c in mine]}
+                [c.index, c.call.kind,  # unequal all_to_all splits: rows differ by rank
+                 ["rows", *c.call.shape[1:]] if c.call.by_rows else list(c.call.shape),
+                 str(c.call.dtype), c.call.world, c.call.reduce_op] for c in mine]}
             ranks = self.ranks_of(name) if _dist() is not None else None
             chosen, decisions, predicted = agree.from_rank0(
                 "collective_codec='auto' for a graph's collectives", question,
