@@ -131,13 +131,13 @@ def _step(model, x, target):
     return out.detach(), loss.item(), grads
 
 
-def compare(rank, world, codec, lowering="eager"):
+def compare(rank, world, codec, lowering="eager", **options):
     """One forward and backward of the capacity MoE compiled with ``backend="ccfx"``, ``codec``
-    and ``lowering`` against the same model run eagerly (torch's own all_to_all): the errors,
-    the scales their bound is derived from, the plan and the ledger."""
+    and ``lowering`` (and ``options``) against the same model run eagerly (torch's own
+    all_to_all): the errors, the scales their bound is derived from, the plan and the ledger."""
     model, eager = CapacityMoE(rank, world), CapacityMoE(rank, world)
-    compiled = torch.compile(model, backend="ccfx",
-                             options={"lowering": lowering, "collective_codec": codec})
+    compiled = torch.compile(model, backend="ccfx", options={
+        "lowering": lowering, "collective_codec": codec, **options})
     x, target = _inputs(rank)
     out, _, grads = _step(compiled, x, target)
     want, _, want_grads = _step(eager, x, target)

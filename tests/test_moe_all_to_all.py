@@ -43,6 +43,7 @@ def two():
         scenario("none", w.compare, "none"),
         scenario("int8", w.compare, "int8"),
         scenario("int8 inductor", w.compare, "int8", "inductor"),
+        scenario("auto", w.compare, "auto", "eager", link_gbps=0.01, link_latency_ms=0.0),
         scenario("train int8", w.train, "int8", 6),
         scenario("train none", w.train, "none", 6),
         scenario("counted", w.counted, "int8", 1),
@@ -147,3 +148,20 @@ def test_unbacked_split_sizes_run_unchanged_and_the_plan_says_why(two):
         for c in payload:
             assert "data-dependent input split sizes" in c["reason"] or "is dynamic" in c["reason"]
         assert any("data-dependent" in c["reason"] for c in payload)
+
+
+@pytest.mark.slow
+def test_auto_decides_alike_on_ranks_whose_rows_differ(two):
+    """``collective_codec="auto"``: rank 0 decides for the group although the ranks' row
+    counts differ (the question leaves them out); both ranks run the same codecs, and the
+    result is eager's where it chose none, within the bound where it compressed."""
+    r0, r1 = two["auto"]
+    assert _rows(r0, "codec") == _rows(r1, "codec")
+    for r in (r0, r1):
+        assert len(r["plan"]) == 4 and all("auto" in c["reason"] or c["codec"] != "none"
+                                           for c in r["plan"])
+        if {c["codec"] for c in r["plan"]} == {"none"}:
+            assert r["equal"]
+        else:
+            e = 1 / 14  # the coarsest half step auto may pick (int4)
+            assert r["out_err"] <= 1.1 * (r["w_inf"] * e * r["h_max"] + e), r
