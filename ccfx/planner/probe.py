@@ -49,13 +49,16 @@ def probe_pair(a: int, b: int, group=None, *, seconds: float = 0.3, repeats: int
     role = 0 if rank == a else 1  # 0 sends and measures, 1 receives and acknowledges
     other = b if role == 0 else a
     peer = dist.get_global_rank(group, other) if group is not None else other
-    latency = statistics.median(_ping(peer, role, group) for _ in range(repeats)) / 2
+    pings = [_ping(peer, role, group) for _ in range(repeats)]
+    latency = statistics.median(pings) / 2
     small = 1 << 20
     first = _one_way(peer, role, small, group)
-    # the sender sizes the real transfer and tells the receiver
+    # the sender sizes the real transfer and tells the receiver: from the whole first
+    # transfer's time, latency included (subtracting a noisy latency from a fast transfer's
+    # time can leave ~0 and size the transfer at the 256 MiB cap: seconds, not ``seconds``)
     size = torch.tensor([0], dtype=torch.int64)
     if role == 0:
-        per_s = small / max(first - 2 * latency, 1e-6)
+        per_s = small / max(first, 1e-6)
         size[0] = int(min(max(per_s * seconds, small), 1 << 28))
         dist.send(size, peer, group=group)
     else:
@@ -64,7 +67,10 @@ def probe_pair(a: int, b: int, group=None, *, seconds: float = 0.3, repeats: int
     best = min(_one_way(peer, role, nbytes, group) for _ in range(repeats))
     if role != 0:
         return None
-    gbps = nbytes * 8 / max(best - 2 * latency, 1e-9) / 1e9
+    # the fastest transfer less the fastest round trip (both minima: a ping delayed by a busy
+    # core must not eat the transfer's time), and at most twice the raw rate: a transfer as
+    # short as a round trip says little, and must not read as an absurd bandwidth
+    gbps = nbytes * 8 / max(best - min(pings), best / 2) / 1e9
     return Link(gbps, latency * 1e3, shared)
 
 
