@@ -64,6 +64,18 @@ def test_slowest_link_is_what_a_collective_over_the_devices_sees():
         c.slowest_link(["n0.d0", 0])
 
 
+def test_select_keeps_the_links_between_the_devices_it_keeps():
+    c = two_by_two().select(["n1.d1", "n0.d0"])  # rank 0 on n1.d1, rank 1 on n0.d0
+    assert c.names == ("n1.d1", "n0.d0") and c.link(0, 1) == two_by_two().link(0, 3)
+    assert two_by_two().select(["n0.d1", "n0.d0"]).link(0, 1) == two_by_two().link(0, 1)
+    example = Cluster.from_file(EXAMPLE)
+    assert example.select(["c1", "c0"]).link("c0", "c1").gbps == 200  # node c's own link
+    m = three_matrix().select("ca")
+    assert m.link(0, 1) == three_matrix().link("c", "a") and m.link(1, 0).gbps == 2
+    with pytest.raises(ConfigError, match="lists device 'a' twice"):
+        three_matrix().select("aa")
+
+
 def test_the_example_file_reads_with_regions_and_a_node_with_its_own_link():
     c = Cluster.from_file(EXAMPLE)
     assert c.world == 10
@@ -236,6 +248,9 @@ BAD = {
     "memory without a unit we know": (
         {"devices": dev("a", memory="80 gigs")},
         r"device 'a'\.memory is '80 gigs': write bytes as a number or with a unit"),
+    "flops as a word": (
+        {"devices": [{"name": "a", "memory": 1, "flops": "fast"}]},
+        r"device 'a'\.flops is 'fast': give FLOP/s as a number"),
     "a device without memory": (
         {"devices": [{"name": "a"}]}, r"devices\[0\] has no memory"),
     "links and a matrix": (

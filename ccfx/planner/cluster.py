@@ -146,6 +146,10 @@ class Device:
                               f"{self.name!r}")
         where = f"device {self.name!r}"
         object.__setattr__(self, "memory", parse_memory(self.memory, f"{where}.memory"))
+        if isinstance(self.flops, str):
+            raise ConfigError(f"cluster: {where}.flops is {self.flops!r}: give FLOP/s as a "
+                              "number (e.g. 9.89e14), or leave it out (in a file: \"measure\") "
+                              "to measure it on the machine the planner runs on")
         if self.flops is not None:
             object.__setattr__(self, "flops", _number(self.flops, f"{where}.flops"))
         _label(self.node, f"{where}.node")
@@ -316,6 +320,23 @@ class Cluster:
         links = {self.link(i, j) for i in idx for j in idx if i != j}
         slowest = min(links, key=lambda link: (link.gbps, -link.latency_ms))
         return replace(slowest, latency_ms=max(link.latency_ms for link in links))
+
+    def select(self, devices: Iterable) -> Cluster:
+        """The cluster of ``devices`` only, in that order (a placement: rank r runs on
+        ``devices[r]``), with the same links between them."""
+        idx = [self.index(d) for d in devices]
+        if len(set(idx)) != len(idx):
+            twice = next(self.names[i] for i in idx if idx.count(i) > 1)
+            raise ConfigError(f"cluster: select lists device {twice!r} twice: a device runs "
+                              "one rank")
+        picked = tuple(self.devices[i] for i in idx)
+        if self.matrix is not None:
+            return Cluster(picked, matrix=tuple(tuple(self.matrix[i][j] for j in idx)
+                                                for i in idx))
+        nodes, regions = {d.node for d in picked}, {d.region for d in picked}
+        return Cluster(picked, self.intra_node, self.inter_node, self.inter_region,
+                       tuple(x for x in self.node_links if x[0] in nodes),
+                       tuple(x for x in self.region_links if x[0] in regions))
 
     def memory(self, device) -> int:
         """A device's memory in bytes."""
