@@ -15,11 +15,13 @@ Pieces, one per module:
 * ``compute``: seconds per stage, from FLOPs and a measured machine rate, or timed stage
   modules (``ccfx.backends.profile.profile_stages`` times a compiled model's);
 * ``probe``: the link between two ranks, measured;
-* ``pipeline_model`` / ``dp_model`` / ``local_model``: a choice of codecs → the predicted step;
+* ``pipeline_model`` / ``dp_model`` / ``local_model`` / ``collective_model``: a choice of
+  codecs → the predicted step (a collective's: its exposed time on the link plus its codec's);
 * ``candidates``: the error budget (codecs whose measured effect on the loss is within it);
 * ``auto``: the search, and a ``Decision`` per edge, direction and bucket that says why;
-* ``plan_edges`` / ``plan_buckets`` / ``plan_stages``: what the backend calls at compile time
-  (a partitioned graph → its edges' codecs; a backward's buckets → theirs; PP × DP stages →
+* ``plan_edges`` / ``plan_buckets`` / ``plan_stages`` / ``plan_collectives``: what the backend
+  calls at compile time (a partitioned graph → its edges' codecs; a backward's buckets →
+  theirs; PP × DP stages → theirs; a forward, backward or inference graph's collectives →
   theirs).
 
 The planner imports the wire layer (``ccfx.wire``), never the runtime or the backend: the
