@@ -209,9 +209,13 @@ def agreed_code(code: str) -> str:
 
 
 def _splits(value) -> tuple | None:
+    """An all_to_all_single's split sizes: ints, and a symbolic size as its expression
+    (``"u2"``: the SymInt a graph node holds, not the node's name)."""
     if value is None:
         return None
-    return tuple(int(v) if isinstance(v, int) else str(v) for v in value)
+    return tuple(int(v) if isinstance(v, int) else
+                 str(v.meta.get("val", v.name) if isinstance(v, torch.fx.Node) else v)
+                 for v in value)
 
 
 
