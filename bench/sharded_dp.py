@@ -206,10 +206,24 @@ def _counted(model, opt) -> dict:
                              if isinstance(v, torch.Tensor))}
 
 
+def _codec_state_bytes(run) -> int:
+    """Bytes of this rank's codec state (int4:ef's error-feedback residuals); 0 when the model
+    is not compiled by ccfx or keeps none."""
+    import ccfx
+    from ccfx.errors import ConfigError
+
+    try:
+        state = ccfx.codec_state(run).state_dict()
+    except ConfigError:
+        return 0
+    return sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+
+
 def memory_rank(rank: int, world: int, *, variants: list[str], seed: int = 0) -> dict:
     """Per variant (and ``unsharded``: the plain model on this rank alone): eager, MemTracker's
     peak by category of the second training step; compiled, this rank's bytes of parameters,
-    gradients (after backward, before the step) and AdamW state (after the step)."""
+    gradients (after backward, before the step) and AdamW state (after the step), and apart
+    from them ccfx's codec state (error feedback keeps a residual per rank)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     g = torch.Generator().manual_seed(1000 * seed + rank)
@@ -241,12 +255,17 @@ def memory_rank(rank: int, world: int, *, variants: list[str], seed: int = 0) ->
         if kinds[variant] == "eager":
             tracker = MemTracker()
             tracker.track_external(model, opt)
-            with tracker:
-                step()
-            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-            row["peak"] = {str(k).split(".")[-1]: v for k, v in peak.items()}
+            try:
+                with tracker:
+                    step()
+                peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+                row["peak"] = {str(k).split(".")[-1]: v for k, v in peak.items()}
+            except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
+                row["tracker_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                _log(rank, f"MemTracker failed on {variant}: {row['tracker_error']}")
         grads = step()
         row["counted"] = {**_counted(model, opt), "grads": grads}
+        row["codec_state"] = _codec_state_bytes(run)
         out[variant] = row
         torch._dynamo.reset()
     return out
@@ -305,25 +324,36 @@ def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
     return out, notes
 
 
-def memory_table(ranks: list[dict], world: int) -> list[list[str]]:
-    """One row per variant: the largest rank's figures, and their ratio to the unsharded ones."""
-    rows = []
+def memory_table(ranks: list[dict], world: int) -> tuple[list[list[str]], list[str]]:
+    """One row per variant: the largest rank's figures, and their ratio to the unsharded ones.
+
+    MemTracker's "peak" snapshot is the breakdown at the moment of the total's peak (the start
+    of backward, before gradients exist), so its categories are not each one's own peak: the
+    table gives the total, and the total without activations (data parallel does not shard
+    them: every rank runs its whole batch through the whole model)."""
+    rows, header = [], ["variant", "run", "params+grads+AdamW MiB (ratio)", "x W",
+                        "+ codec state MiB (ratio)", "MemTracker peak MiB (ratio)",
+                        "peak - activations MiB (ratio)"]
     whole = ranks[0]["unsharded"]
-    w_peak = sum(whole["peak"][k] for k in ("PARAM", "GRAD", "OPT"))
     w_count = sum(whole["counted"].values())
+    w_total = whole["peak"]["Total"]
+    w_rest = w_total - whole["peak"]["ACT"]
     for variant in ranks[0]:
         got = [r[variant] for r in ranks]
         count = max(sum(g["counted"].values()) for g in got)
-        peak = total = "-"
-        if "peak" in got[0]:
-            p = max(sum(g["peak"][k] for k in ("PARAM", "GRAD", "OPT")) for g in got)
+        peak = rest = "-"
+        if any("tracker_error" in g for g in got):
+            peak = "MemTracker: " + next(g["tracker_error"] for g in got if "tracker_error" in g)
+        elif "peak" in got[0]:
             t = max(g["peak"]["Total"] for g in got)
-            peak = f"{p / 2**20:.1f} ({p / w_peak:.3f})"
-            total = f"{t / 2**20:.1f} ({t / whole['peak']['Total']:.3f})"
-        rows.append([variant, got[0]["how"], peak, total,
-                     f"{count / 2**20:.1f} ({count / w_count:.3f})",
-                     f"{count / w_count * world:.3f}"])
-    return rows
+            r = max(g["peak"]["Total"] - g["peak"]["ACT"] for g in got)
+            peak = f"{t / 2**20:.1f} ({t / w_total:.3f})"
+            rest = f"{r / 2**20:.1f} ({r / w_rest:.3f})"
+        state = max(count + g.get("codec_state", 0) for g in got)
+        rows.append([variant, got[0]["how"], f"{count / 2**20:.1f} ({count / w_count:.3f})",
+                     f"{count / w_count * world:.2f}",
+                     f"{state / 2**20:.1f} ({state / w_count:.3f})", peak, rest])
+    return rows, header
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,11 +407,14 @@ def main(argv: list[str] | None = None) -> int:
                           netns=None, timeout_s=1200, threads_per_rank=a.threads,
                           env=_CACHE_OFF, stall_s=300)
         print(f"\nper-rank memory of a training step over the unsharded model on one rank "
-              f"(1/W = {1 / a.world:.3f}; the largest rank)")
-        print(common.table(memory_table(ranks, a.world),
-                           ["variant", "run", "MemTracker peak params+grads+opt MiB (ratio)",
-                            "MemTracker peak total MiB (ratio)",
-                            "counted params+grads+opt MiB (ratio)", "counted x W"]))
+              f"(1/W = {1 / a.world:.3f}; the largest rank). params+grads+AdamW: this rank's "
+              "tensors, counted (gradients after backward, AdamW after its step)")
+        print(common.table(*memory_table(ranks, a.world)))
+        for variant in ranks[0]:
+            peak = ranks[0][variant].get("peak")
+            if peak:
+                print(f"  {variant} MemTracker peak by category (MiB, rank 0): " + ", ".join(
+                    f"{k} {v / 2**20:.1f}" for k, v in peak.items() if v))
         results["memory"] = ranks
     else:
         variants = a.variants or list(DEFAULT_VARIANTS)
