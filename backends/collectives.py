@@ -215,7 +215,10 @@ class Collectives:
     def _agree(self, desc: dict, part: str, found: Sequence[FoundCollective],
                rows: Sequence[Collective]) -> None:
         """The ranks of every group meet on the graph and the rows of that group's
-        collectives (see the module docstring)."""
+        collectives (see the module docstring); a group whose collectives the options leave
+        uncompressed does not: torch's own collectives run there, as under inductor, and no
+        rank waits for a peer at compile time (an expert-parallel model that recompiles on one
+        rank only, a graph one rank compiles alone, keep running as they would without ccfx)."""
         if _dist() is None:
             return
         from ccfx.wire import agree
@@ -226,6 +229,10 @@ class Collectives:
                 groups[f.group_name] = self.ranks_of(f.group_name)
         for name, ranks in sorted(groups.items(), key=lambda kv: (kv[1], kv[0])):
             if len(ranks) < 2:
+                continue
+            asked = {self.config.collective_spec(c.index, c.kind)[0]
+                     for f, c in zip(found, rows) if f.group_name == name}
+            if asked == {"none"}:
                 continue
             mine = [[c.index, c.kind, c.reduce_op, f.agreed_shape, c.dtype, c.codec]
                     for f, c in zip(found, rows) if f.group_name == name]

@@ -189,6 +189,27 @@ def funcol_kinds(rank, world, codec):
     }
 
 
+class Doubled(nn.Module):
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+
+
+def only_rank0_compiles(rank, world):
+    """Rank 0 runs a funcol all-reduce compiled with ccfx (collective codec none), the others
+    the same module eagerly: nothing in ccfx may wait for a peer that does not compile."""
+    import time
+
+    x = torch.full((4, 8), float(rank + 1))
+    model = Doubled()
+    run = (torch.compile(model, backend="ccfx", options={"collective_timeout_s": 30.0})
+           if rank == 0 else model)
+    start = time.monotonic()
+    out = run(x)
+    return {"out": out.clone(), "elapsed": time.monotonic() - start}
+
+
 class Scatter(nn.Module):
     def forward(self, y):
         from torch.distributed import _functional_collectives as funcol

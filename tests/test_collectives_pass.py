@@ -273,6 +273,7 @@ def two():
         scenario("shard", w.sharded_zero_pp, 4),
         scenario("data parallel", w.with_data_parallel, "int8"),
         scenario("mismatch", w.mismatched_codecs),
+        scenario("only rank 0 compiles", w.only_rank0_compiles),
         scenario("drawn", w.tp_drawn, "int8"),
         # auto on a 100 kbit/s link (the 512-byte all-reduces take 40 ms raw: int8 pays,
         # ~10x its codec time) and on a 100 Gbit/s one (latency and codec time dominate: raw)
@@ -448,3 +449,13 @@ def test_auto_keeps_collectives_raw_on_a_fast_link(two):
     assert [c["codec"] for c in r0["plan"]] == ["none", "none"]
     assert all("'auto' kept it raw" in c["reason"] for c in r0["plan"])
     assert all(d["chosen"] == "none" for d in r0["decisions"])
+
+
+@pytest.mark.slow
+def test_without_a_collective_codec_no_rank_waits_for_a_peer_at_compile_time(two):
+    # rank 0 compiled with ccfx, rank 1 eager: ccfx adds no agreement where it compresses
+    # nothing (an MoE recompiling on one rank only keeps running, as under inductor)
+    r0, r1 = two["only rank 0 compiles"]
+    want = torch.full((4, 8), 2.0 * (1 + 2) + 1)  # sum over ranks of 2 (rank + 1), plus 1
+    assert torch.equal(r0["out"], want) and torch.equal(r1["out"], want)
+    assert r0["elapsed"] < 25  # compile time; a wait at an agreement would run to 30 s
