@@ -23,7 +23,12 @@ becomes and writes it down:
   (:mod:`ccfx.codecs.state`), passed to the compiled graph as extra inputs at every call;
 * the **plan rows** (:class:`ccfx.plan.Collective`) and the **ledger**: the compiled graph is
   wrapped so that each call appends the state tensors and, once it returned, counts every
-  collective's raw and wire bytes (direction ``"collective"``).
+  collective's raw and wire bytes (direction ``"collective"``). An expert all-to-all whose
+  row count is data-dependent (``.tolist()`` under ``capture_scalar_outputs``) has no bytes
+  per call at compile time: its row quotes one row's bytes (``per_row``, and the reason says
+  so), the ledger counts its calls with 0 bytes (reading the row count back would cost a
+  graph output per collective or a device sync), and ``auto`` keeps it raw, saying why (an
+  unbacked size's hint is a guess, not a price).
 """
 
 from __future__ import annotations
@@ -137,8 +142,11 @@ class Collectives:
                  for i, name in rewritten.meta["ccfx"]["collective_state_inputs"]]
         described = "; ".join(f"collective {c.index}: {c.kind} {c.codec} on group {c.group!r} "
                               f"of {c.group_size}" for c in rows if c.codec != "none")
+        # a collective whose rows are known only at run time: its calls counted, 0 bytes
+        # (its plan row gives the bytes per row and says so)
         return _counting(compiled, extra, self.ledger, plan.index,
-                         [(c.index, c.raw_bytes, c.wire_bytes) for c in rows],
+                         [(c.index, 0, 0) if c.per_row else (c.index, c.raw_bytes, c.wire_bytes)
+                          for c in rows],
                          f"the {part} of graph {plan.index}" if described else "", described)
 
     # -- decisions ------------------------------------------------------------------------
@@ -151,6 +159,12 @@ class Collectives:
         if f.problem:
             return Rewrite(index, "none", f.problem)
         if spec == AUTO:
+            if index not in auto and _sized_at_run_time(f):
+                return Rewrite(index, "none", (
+                    f"{source}='auto' kept it raw: its split sizes {f.input_splits} are only "
+                    "known at run time (data-dependent), and auto does not price a guess; name "
+                    "a codec for it (collective_overrides={'all_to_all': 'int8'}) to compress "
+                    "it"))
             if index not in auto:
                 return Rewrite(index, "none", f"{source}='auto': a group of one, nothing to price")
             spec, why = auto[index]
@@ -180,7 +194,8 @@ class Collectives:
         for f in found:
             index = base + f.position
             if (self.config.collective_spec(index, f.kind or f.op)[0] != AUTO or f.problem
-                    or f.call is None or f.world < 2 or f.wait is None):
+                    or f.call is None or f.world < 2 or f.wait is None
+                    or _sized_at_run_time(f)):  # nothing to price: _decide says so
                 continue
             asked.setdefault(f.group_name, []).append(GraphCollective(index, f.call, f.node,
                                                                       f.wait))
@@ -205,12 +220,21 @@ class Collectives:
 
     @staticmethod
     def _row(graph: int, part: str, f: FoundCollective, r: Rewrite) -> Collective:
-        raw = _raw_bytes(f)
-        wire = int(r.compressed.wire_bytes()) if r.compressed is not None else raw
+        per_row = f.call is not None and f.call.symbolic_rows
+        if per_row:  # rows known only at run time: one row's bytes, and the plan says so
+            raw = f.call.row_bytes
+            wire = int(r.compressed.row_wire_bytes()) if r.compressed is not None else raw
+            note = (f"bytes per row ({f.shape[0]} rows a call, known at run time; the "
+                    "ledger counts its calls, not its bytes)")
+            reason = f"{r.reason}; {note}" if r.reason else note
+        else:
+            raw = _raw_bytes(f)
+            wire = int(r.compressed.wire_bytes()) if r.compressed is not None else raw
+            reason = r.reason
         return Collective(graph=graph, index=r.index, part=part, kind=f.kind or f.op,
                           group=f.group_name, group_size=f.world, shape=list(f.shape),
                           dtype=str(f.dtype), codec=r.codec, raw_bytes=raw, wire_bytes=wire,
-                          reduce_op=f.reduce_op, reason=r.reason)
+                          reduce_op=f.reduce_op, reason=reason, per_row=per_row)
 
     def _agree(self, desc: dict, part: str, found: Sequence[FoundCollective],
                rows: Sequence[Collective]) -> None:
@@ -269,6 +293,14 @@ def _add_prediction(plan: GraphPlan, predicted) -> None:
                           "collectives' graph part")
 
 
+def _sized_at_run_time(f: FoundCollective) -> bool:
+    """An all_to_all with unequal splits whose split sizes are symbolic (data-dependent: the
+    router's counts read with ``.tolist()`` under ``capture_scalar_outputs``)."""
+    call = f.call
+    return call is not None and call.by_rows and not all(
+        isinstance(v, int) for v in (*(f.input_splits or ()), *(f.output_splits or ())))
+
+
 def _raw_bytes(f: FoundCollective) -> int:
     """What the uncompressed collective sends from this rank per call (the wire layer's
     convention), 0 for one ccfx does not know."""
@@ -277,7 +309,7 @@ def _raw_bytes(f: FoundCollective) -> int:
         return 0
     try:
         return int(call.raw_bytes)
-    except (KeyError, ValueError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return 0
 
 

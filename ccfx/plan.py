@@ -111,7 +111,10 @@ class Collective:
     ``group_size`` its ranks; ``shape`` / ``dtype``: the input's; ``codec``: what runs
     (``"none"``: the original collective, ``reason`` says why); ``raw_bytes`` / ``wire_bytes``:
     what this rank sends per call, uncompressed (ring convention: an all-reduce sends
-    2(W-1)/W of its input) and as it runs."""
+    2(W-1)/W of its input) and as it runs; ``per_row``: an expert all-to-all whose row count
+    is only known at run time (data-dependent split sizes; ``shape[0]`` is its expression,
+    ``"u2 + u3"``): ``raw_bytes`` / ``wire_bytes`` are then one row's, a call sends (W-1)/W
+    of its rows."""
 
     graph: int
     index: int
@@ -126,6 +129,7 @@ class Collective:
     wire_bytes: int
     reduce_op: str | None = None
     reason: str = ""
+    per_row: bool = False
 
     @property
     def ratio(self) -> float:
@@ -430,14 +434,17 @@ def _collectives_table(rows: list[Collective]) -> list[str]:
                 "sends per call):")]
     table = [[c.index, c.part, c.kind + (f" ({c.reduce_op})" if c.reduce_op else ""),
               f"{c.group_size} ({c.group})", "x".join(map(str, c.shape)) or "scalar",
-              c.dtype.replace("torch.", ""), spelled(c.codec), human_bytes(c.raw_bytes),
-              human_bytes(c.wire_bytes), f"{c.ratio:.4f}", c.reason]
+              c.dtype.replace("torch.", ""), spelled(c.codec),
+              human_bytes(c.raw_bytes) + ("/row" if c.per_row else ""),
+              human_bytes(c.wire_bytes) + ("/row" if c.per_row else ""), f"{c.ratio:.4f}",
+              c.reason]
              for c in rows]
     out += ["  " + r for r in _table(
         table, ["coll", "graph", "kind", "ranks (group)", "shape", "dtype", "codec", "raw/call",
                 "wire/call", "ratio", "why"])]
-    raw = sum(c.raw_bytes for c in rows)
-    wire = sum(c.wire_bytes for c in rows)
+    per_call = [c for c in rows if not c.per_row]  # a row count known only at run time: out
+    raw = sum(c.raw_bytes for c in per_call)
+    wire = sum(c.wire_bytes for c in per_call)
     done = sum(c.codec != "none" for c in rows)
     out.append(f"  collectives per call of each graph: {human_bytes(raw)} raw -> "
                f"{human_bytes(wire)} on the wire ({wire / raw if raw else 1.0:.4f}); "

@@ -9,7 +9,12 @@ compressed on their own: no autograd rule is needed. Two steps, as ``grad_bucket
 1. :func:`find_collectives`: each collective in node order (a :class:`FoundCollective`: its
    kind, the call it makes (:class:`ccfx.wire.collectives.CollectiveCall`), its group, its
    wait) and what in the graph's shape forbids replacing it (``problem``: no wait, its result
-   read before the wait, a dynamic shape, a collective ccfx does not know). The caller (the compile layer) decides each one's codec, with the wire layer's
+   read before the wait, a dynamic shape, a collective ccfx does not know). An all_to_all
+   with split sizes is sent row by row, so a symbolic row count or symbolic split sizes (an
+   expert dispatch or combine under ``capture_scalar_outputs``) are no problem as long as its
+   rows (the trailing dims) are static; its shape then holds dim 0's expression
+   (``("u2 + u3", 16)``), and a read of its row count before the wait (``sym_size``, which the
+   partitioner saves for the backward) is allowed. The caller (the compile layer) decides each one's codec, with the wire layer's
    ``refuse``, and gives every one an index (the plan's).
 2. :func:`compress_collectives` (the pass): for each :class:`Rewrite` with a compressed form
    (:class:`ccfx.wire.collectives.CompressedCollective`), its phases traced with
@@ -18,7 +23,11 @@ compressed on their own: no autograd rule is needed. Two steps, as ``grad_bucket
    was issued, the last phase (which returns the result) where it was waited on, the phases
    between spread evenly over the nodes in between (issue early, wait late: the compute
    between them overlaps the transfers). Both original nodes are then removed. A collective
-   left alone keeps its node, which gets the fact saying why.
+   left alone keeps its node, which gets the fact saying why. Split sizes that are graph
+   nodes (SymInts) are inputs of every traced phase, bound to those nodes
+   (:meth:`~ccfx.wire.collectives.CompressedCollective.bind`), so the spliced all_to_all
+   sends with the sizes the graph computes; a read of the row count moves to phase 0's
+   handle, whose dim 0 is the same sum.
 
 Codec state (error feedback's residual) becomes placeholders ``ccfx_cstate_<index>_<name>``
 (a dot in the name becomes ``_``) appended after the graph's own inputs (in rewrite order,
@@ -68,7 +77,8 @@ class FoundCollective:
     ``shape`` / ``dtype``: the input's; ``reduce_op``: "sum", "avg", "max"... for reductions;
     ``problem``: why the graph forbids replacing it, else ""; ``input_splits`` /
     ``output_splits``: an all_to_all_single's split sizes (None: equal; a symbolic size stays
-    a string)."""
+    a string, ``"u2"``); ``shape``: a symbolic dim 0 of an all_to_all with split sizes is its
+    expression, ``"u2 + u3"`` (any other symbolic shape is a ``problem``, shape ``()``)."""
 
     position: int
     node: str
@@ -174,23 +184,45 @@ def find_collectives(gm: torch.fx.GraphModule,
         waits = [u for u in node.users if u.op == "call_function"
                  and _op_name(u.target) == "wait_tensor"]
         wait = min(waits, key=pos.__getitem__) if waits else None
+        splits = (_splits(node.args[2]), _splits(node.args[1])) if kind == "all_to_all" \
+            else (None, None)
         static = _static(shape)
+        rows = _by_rows_shape(kind, shape, splits)
         if not kind:
             problem = f"ccfx does not compress _c10d_functional.{op}"
         elif not isinstance(value, torch.Tensor):
             problem = "its input is not a single tensor"
-        elif static is None:
+        elif static is None and rows is None:
             problem = f"its input's shape {tuple(str(d) for d in shape)} is dynamic"
         elif wait is None:
             problem = "it has no wait_tensor in this graph"
-        elif any(u is not wait and pos[u] < pos[wait] for u in node.users):
+        elif any(u is not wait and pos[u] < pos[wait] and not (rows and _row_count(u))
+                 for u in node.users):
             problem = "its result is read before its wait_tensor"
-        splits = (_splits(node.args[2]), _splits(node.args[1])) if kind == "all_to_all" \
-            else (None, None)
         found.append(FoundCollective(len(found), node.name, wait.name if wait else None, op,
-                                     kind, group, world, static or (), dtype, reduce_op, problem,
-                                     *splits))
+                                     kind, group, world, static or rows or (), dtype, reduce_op,
+                                     problem, *splits))
     return found
+
+
+def _by_rows_shape(kind: str, shape, splits) -> tuple | None:
+    """An all_to_all with split sizes whose row count (dim 0, or a split size) is symbolic
+    but whose rows are static (an expert dispatch or combine under ``capture_scalar_outputs``):
+    its shape with dim 0 as its expression (``("u2 + u3", 16)``); else None. It is sent row by
+    row (:attr:`ccfx.wire.collectives.CollectiveCall.by_rows`), which needs no row count at
+    compile time."""
+    if kind != "all_to_all" or not shape or not any(splits) or _static(shape[1:]) is None:
+        return None
+    if _static(shape) is not None and all(isinstance(v, int) for s in splits if s for v in s):
+        return None  # static: the ordinary path
+    return (shape[0] if isinstance(shape[0], int) else str(shape[0]), *_static(shape[1:]))
+
+
+def _row_count(node: torch.fx.Node) -> bool:
+    """``aten.sym_size.int(collective, 0)``: a read of the result's row count (the partitioner
+    saves it for the backward), which the compressed form's issued all_to_all also has."""
+    return (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int
+            and len(node.args) > 1 and node.args[1] == 0)
 
 
 _SPLIT_LITERALS = re.compile(
@@ -277,17 +309,26 @@ def compress_collectives(gm: torch.fx.GraphModule, found: Sequence[FoundCollecti
         anchors = _anchors(nodes, pos[node], pos[wait], len(phases))
         comm = comm_for(f.group_name, f.world)
         x = node.args[0]
+        sizes = _size_nodes(node) if f.kind == "all_to_all" else []
         carry: list[torch.fx.Node] = []
         for k, (phase, anchor) in enumerate(zip(phases, anchors)):
-            inputs = [x, *state_nodes[f.position], *carry]
-            n_s = len(state_nodes[f.position])
+            # the split sizes the graph computes (SymInts: .tolist() under
+            # capture_scalar_outputs) are inputs of the traced phase, bound to those nodes
+            inputs = [x, *sizes, *state_nodes[f.position], *carry]
+            n_z, n_s = len(sizes), len(state_nodes[f.position])
 
-            def fn(*flat, phase=phase, n_s=n_s, comm=comm):
-                return list(phase(flat[0], list(flat[1:1 + n_s]), list(flat[1 + n_s:]), comm))
+            def fn(*flat, k=k, n_z=n_z, n_s=n_s, comm=comm, cc=r.compressed, node=node,
+                   sizes=sizes):
+                if n_z:
+                    cc = cc.bind(*_bound_splits(node, sizes, flat[1:1 + n_z]))
+                rest = flat[1 + n_z:]
+                return list(cc.phases[k](flat[0], list(rest[:n_s]), list(rest[n_s:]), comm))
 
             traced = trace_phase(fn, [n.meta["val"] for n in inputs], decompositions)
             carry = splice_traced(graph, traced, inputs, anchor,
-                            CollectiveFacts(r.index, r.codec, phase=k))
+                                  CollectiveFacts(r.index, r.codec, phase=k))
+            if k == 0:
+                _move_row_counts(node, carry)
         out = carry[0] if len(carry) == 1 else None
         _check_result(f, r, out, wait)
         replaced.append((node, wait))
@@ -303,6 +344,41 @@ def compress_collectives(gm: torch.fx.GraphModule, found: Sequence[FoundCollecti
     return gm
 
 
+def _size_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The graph nodes among an all_to_all_single's split sizes (output's, then input's), each
+    once, in order: what its traced phases take as SymInt inputs."""
+    out: list[torch.fx.Node] = []
+    for sizes in (node.args[1], node.args[2]):
+        for v in sizes or ():
+            if isinstance(v, torch.fx.Node) and v not in out:
+                out.append(v)
+    return out
+
+
+def _bound_splits(node: torch.fx.Node, sizes: list[torch.fx.Node], values) -> tuple:
+    """``(input_splits, output_splits)`` of ``node`` with each size node replaced by its value
+    at trace time (``values``, aligned with ``sizes``)."""
+    value = dict(zip(sizes, values))
+
+    def bound(split):
+        return tuple(value.get(v, v) if isinstance(v, torch.fx.Node) else v for v in split)
+
+    return bound(node.args[2]), bound(node.args[1])
+
+
+def _move_row_counts(node: torch.fx.Node, carry: list[torch.fx.Node]) -> None:
+    """Reads of the collective's row count (``sym_size.int(node, 0)``, before its wait: the
+    partitioner saves it for the backward) read it from the issued all_to_all (phase 0's
+    handle), whose dim 0 is the same sum of output splits."""
+    for user in [u for u in node.users if _row_count(u)]:
+        handle = next((c for c in carry if isinstance(_val(c), torch.Tensor)), None)
+        if handle is None or str(_val(handle).shape[0]) != str(_val(user)):
+            raise CcfxError(f"{node.name}: its row count {_val(user)} is read before its wait, "
+                            "and the compressed all_to_all's first phase does not have it; "
+                            "this is a bug in ccfx.wire.collectives")
+        user.replace_input_with(node, handle)
+
+
 def _anchors(nodes: list[torch.fx.Node], issue: int, wait: int, n: int) -> list[torch.fx.Node]:
     """Where each of ``n`` phases goes (inserted before the node): the first at the
     collective, the last at its wait, those between spread evenly over the nodes between."""
@@ -313,8 +389,10 @@ def _anchors(nodes: list[torch.fx.Node], issue: int, wait: int, n: int) -> list[
 
 def _check_result(f: FoundCollective, r: Rewrite, out, wait: torch.fx.Node) -> None:
     want, got = _val(wait), _val(out)
+    # shapes compared as text: symbolic sizes (u2 + u3) without a guard on their values
     if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
-            and tuple(want.shape) == tuple(got.shape) and want.dtype == got.dtype):
+            and tuple(map(str, want.shape)) == tuple(map(str, got.shape))
+            and want.dtype == got.dtype):
         raise CcfxError(
             f"collective {r.index} ({f.op}, codec {r.codec}): the compressed form returns "
             f"{_describe(got)} where the collective returned {_describe(want)}; this is a bug "

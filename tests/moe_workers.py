@@ -142,7 +142,6 @@ def compare(rank, world, codec, lowering="eager", **options):
     out, _, grads = _step(compiled, x, target)
     want, _, want_grads = _step(eager, x, target)
     h_max, w_max = _scales(eager, x)
-    book = ccfx.ledger_of(compiled)
     return {
         "equal": torch.equal(out, want) and all(torch.equal(a, b)
                                                 for a, b in zip(grads, want_grads)),
@@ -152,8 +151,7 @@ def compare(rank, world, codec, lowering="eager", **options):
         "h_max": h_max, "w_inf": w_max,
         "shape": list(out.shape),
         "plan": _plan(compiled),
-        "ledger": [(e.edge, e.calls, e.raw_bytes, e.wire_bytes)
-                   for e in book.entries("collective")],
+        "ledger": _ledger(compiled),
     }
 
 
@@ -175,27 +173,65 @@ def train(rank, world, codec, steps):
     return {"losses": losses, "plan": _plan(compiled)}
 
 
-def counted(rank, world, codec, steps, capture=False):
+def _ledger(compiled) -> list[tuple]:
+    return [(e.edge, e.calls, e.raw_bytes, e.wire_bytes)
+            for e in ccfx.ledger_of(compiled).entries("collective")]
+
+
+def counted(rank, world, codec, steps, capture=False, lowering="eager", **options):
     """The counted MoE over ``steps`` inputs whose routing differs: every step's output
     against eager, the counts each step routed, the scales of the int8 bound, the plan (every
     graph Dynamo compiled). ``capture=False`` (torch's default): Dynamo breaks the graph at
     ``.tolist()`` and bakes the counts into the graph it resumes in (one step here: new counts
     recompile it, and each rank recompiles when its own counts change). ``capture=True``
     (``capture_scalar_outputs``): one graph whose split sizes are unbacked SymInts, compiled
-    once for every step."""
+    once for every step: ``graphs`` counts what Dynamo compiled, the ledger what ran."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     model, eager = CountedMoE(rank, world), CountedMoE(rank, world)
-    compiled = torch.compile(model, backend="ccfx",
-                             options={"lowering": "eager", "collective_codec": codec})
+    compiled = torch.compile(model, backend="ccfx", options={
+        "lowering": lowering, "collective_codec": codec, **options})
     rows = []
     with torch._dynamo.config.patch(capture_scalar_outputs=capture):
         for step in range(steps):
             x, target = _inputs(rank, step)
-            out, _, _ = _step(compiled, x, target)
-            want, _, _ = _step(eager, x, target)
+            out, _, grads = _step(compiled, x, target)
+            want, _, want_grads = _step(eager, x, target)
             with torch.no_grad():
                 idx = eager.router(eager.proj(x)).argmax(-1)
             h_max, w_inf = _scales(eager, x)
-            rows.append({"equal": torch.equal(out, want),
-                         "err": float((out - want).abs().max()), "h_max": h_max,
+            rows.append({"equal": torch.equal(out, want) and all(
+                             torch.equal(a, b) for a, b in zip(grads, want_grads)),
+                         "err": float((out - want).abs().max()),
+                         "grad_err": max(float((a - b).abs().max())
+                                         for a, b in zip(grads, want_grads)),
+                         "grad_scale": max(float(b.abs().max()) for b in want_grads),
+                         "h_max": h_max,
                          "w_inf": w_inf, "counts": torch.bincount(idx, minlength=world).tolist()})
-    return {"steps": rows, "plan": _plan(compiled)}
+    return {"steps": rows, "plan": _plan(compiled), "ledger": _ledger(compiled),
+            "graphs": counters["stats"]["unique_graphs"],
+            "plan_graphs": len(ccfx.plan_of(compiled).graphs)}
+
+
+def train_counted(rank, world, codec, steps):
+    """``steps`` SGD steps of the counted MoE under ``capture_scalar_outputs`` (one graph, the
+    split sizes unbacked SymInts) towards a fixed target; the losses and the counts each step
+    routed (training moves the router)."""
+    model = CountedMoE(rank, world)
+    compiled = torch.compile(model, backend="ccfx",
+                             options={"lowering": "eager", "collective_codec": codec})
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, target = _inputs(rank)
+    losses, counts = [], []
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for _ in range(steps):
+            with torch.no_grad():
+                idx = model.router(model.proj(x)).argmax(-1)
+            counts.append(torch.bincount(idx, minlength=world).tolist())
+            loss = (compiled(x) - target).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return {"losses": losses, "counts": counts, "plan": _plan(compiled)}

@@ -9,7 +9,11 @@ the ccfx pass encodes every row on its own and sends the rows with the same spli
 from the router read by ``.tolist()``, Dynamo breaks the graph there (torch's default): the graph
 it resumes in holds the payload all_to_alls with the counts as constants (compressed), and as
 symbolic sizes once it recompiled; under ``capture_scalar_outputs`` one graph holds them as
-unbacked SymInts. Symbolic sizes run unchanged and the plan says why.
+unbacked SymInts (u0..u3: the dispatch sends a fixed 8 rows with symbolic splits, the combine
+and the backward's all_to_alls ``u0 + u1`` or ``u2 + u3`` rows). Those are compressed too, in
+that one graph: each row is encoded on its own, the split sizes are inputs of the traced
+phases, the receiver sizes what it gets from them; the plan quotes a symbolic row count's bytes
+per row, and refuses error feedback there (its residual needs a fixed row count).
 
 The int8 bound of the capacity MoE's output (every rank's values, ``A``: the largest dispatched
 value, ``Wn``: the experts' largest row sum of |w|, ``e = 1/254``: half an int8 step of a row's
@@ -48,7 +52,14 @@ def two():
         scenario("train int8", w.train, "int8", 6),
         scenario("train none", w.train, "none", 6),
         scenario("counted", w.counted, "int8", 1),
-        scenario("captured", w.counted, "int8", 3, True),
+        scenario("captured", w.counted, "int8", 4, True),
+        scenario("captured inductor", w.counted, "int8", 2, True, "inductor"),
+        scenario("captured none", w.counted, "none", 3, True),
+        scenario("captured ef", w.counted, "int4:ef", 1, True),
+        scenario("captured auto", w.counted, "auto", 1, True, link_gbps=0.01,
+                 link_latency_ms=0.0),
+        scenario("captured train int8", w.train_counted, "int8", 6),
+        scenario("captured train none", w.train_counted, "none", 6),
         # uncompressed, the counts' graph break recompiles on one rank only (step 2 here):
         # ccfx adds no compile-time agreement that would wait for the other rank
         scenario("counted none", w.counted, "none", 4),
@@ -139,21 +150,99 @@ def test_counts_read_with_tolist_graph_break_then_payload_compressed(two):
             ("forward", "int8"), ("forward", "int8"), ("backward", "int8"), ("backward", "int8")]
 
 
+def _payload(r) -> list[dict]:
+    return [c for c in r["plan"] if c["dtype"] == "torch.float32"]
+
+
 @pytest.mark.slow
-def test_unbacked_split_sizes_run_unchanged_and_the_plan_says_why(two):
-    """``capture_scalar_outputs``: one graph, split sizes unbacked SymInts; int8 asked, but the
-    payload all_to_alls cannot be sized at compile time: they run as torch's (the output equals
-    eager bit for bit over 3 steps whose routing differs) and each plan row says why."""
-    for r in two["captured"]:
+def test_unbacked_split_sizes_identity_equals_eager_bit_for_bit(two):
+    """``capture_scalar_outputs``, codec none: the output and every gradient equal eager's at
+    each of 3 steps whose routing differs."""
+    for r in two["captured none"]:
         assert all(s["equal"] for s in r["steps"]), r["steps"]
         assert len({tuple(s["counts"]) for s in r["steps"]}) > 1  # the routing did change
-        payload = [c for c in r["plan"] if c["dtype"] == "torch.float32"]
-        assert len(payload) == 4 and {c["codec"] for c in payload} == {"none"}
-        for c in payload:
-            assert "data-dependent input split sizes" in c["reason"] or "is dynamic" in c["reason"]
-        # the dispatch names its sizes: the SymInts .tolist() made, not graph node names
-        assert any(re.search(r"data-dependent input split sizes \('u\d+', 'u\d+'\)", c["reason"])
-                   for c in payload), [c["reason"] for c in payload]
+        assert {c["codec"] for c in _payload(r)} == {"none"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["captured", "captured inductor"])
+def test_unbacked_split_sizes_compressed_within_the_per_row_bound_every_step(two, name):
+    """``capture_scalar_outputs``, int8, eager and inductor lowering: one graph (compiled once
+    for steps whose routing differs, no recompile), every payload all_to_all compressed, the
+    output within the per-row bound (measured 0.0029-0.0041 against bounds of 0.021-0.024) and
+    the gradients within a few int8 steps (measured 0.45-0.81 % of the largest) at every
+    step."""
+    for r in two[name]:
+        assert r["graphs"] == 1 and r["plan_graphs"] == 1, r
+        assert len({tuple(s["counts"]) for s in r["steps"]}) > 1
+        assert {c["codec"] for c in _payload(r)} == {"int8"}
+        for step in r["steps"]:
+            assert 0 < step["err"] <= bound(step), step
+            assert 0 < step["grad_err"] <= 0.05 * step["grad_scale"], step
+
+
+@pytest.mark.slow
+def test_plan_quotes_data_dependent_rows_per_row_and_the_ledger_counts_calls(two):
+    """The dispatch sends a fixed 8 rows (its splits symbolic): bytes per call, as with int
+    splits. The combine and the backward's all_to_alls send ``u0 + u1`` / ``u2 + u3`` rows:
+    their bytes are one row's (64 raw, 20 in int8), ``per_row`` and the reason say so, and the
+    ledger counts their calls with no bytes."""
+    for r in two["captured"]:
+        counts, *payload = r["plan"]
+        assert counts["codec"] == "none" and "torch.int64 data" in counts["reason"]
+        assert [(c["part"], c["codec"]) for c in payload] == [
+            ("forward", "int8"), ("forward", "int8"), ("backward", "int8"), ("backward", "int8")]
+        dispatch, *rows = payload
+        assert dispatch["shape"] == [w.TOKENS, w.HIDDEN] and not dispatch["per_row"]
+        assert (dispatch["raw_bytes"], dispatch["wire_bytes"]) == (
+            w.TOKENS * w.HIDDEN * 4 // 2, w.TOKENS * ROW_INT8 // 2)
+        for c in rows:
+            assert re.fullmatch(r"u\d+ \+ u\d+", c["shape"][0]) and c["shape"][1] == w.HIDDEN
+            assert c["per_row"] and (c["raw_bytes"], c["wire_bytes"]) == (w.HIDDEN * 4, ROW_INT8)
+            assert "bytes per row" in c["reason"], c
+        steps = len(r["steps"])
+        plan = {c["index"]: c for c in r["plan"]}
+        assert sorted(e[0] for e in r["ledger"]) == sorted(plan)
+        for index, calls, raw, wire in r["ledger"]:
+            assert calls == steps
+            want = (0, 0) if plan[index]["per_row"] else (
+                steps * plan[index]["raw_bytes"], steps * plan[index]["wire_bytes"])
+            assert (raw, wire) == want, (index, raw, wire)
+
+
+@pytest.mark.slow
+def test_error_feedback_is_refused_where_the_row_count_is_data_dependent(two):
+    """int4:ef: the dispatch's rows are fixed, so its residual has a size and it runs
+    compressed; the others run unchanged, and the plan says why."""
+    for r in two["captured ef"]:
+        dispatch, *rows = _payload(r)
+        assert dispatch["codec"] == "int4:ef"
+        for c in rows:
+            assert c["codec"] == "none"
+            assert "error feedback needs a fixed row count" in c["reason"], c["reason"]
+        assert 0 < r["steps"][0]["err"] < 1
+
+
+@pytest.mark.slow
+def test_auto_keeps_data_dependent_all_to_alls_raw_and_says_why(two):
+    """auto does not price a split it does not know (the hint of an unbacked size is a guess):
+    those run unchanged (equal to eager), the plan says to name a codec."""
+    for r in two["captured auto"]:
+        assert r["steps"][0]["equal"]
+        for c in _payload(r):
+            assert c["codec"] == "none" and "only known at run time" in c["reason"], c
+
+
+@pytest.mark.slow
+def test_captured_training_loss_falls_int8_as_uncompressed(two):
+    """6 SGD steps of the counted MoE under ``capture_scalar_outputs``. Measured: rank 0
+    0.777 -> 0.583, rank 1 0.846 -> 0.579 in int8, within 3e-4 of uncompressed; the ratio 0.9
+    and the 1 % leave margins of 2.5x and 30x."""
+    for r8, r0 in zip(two["captured train int8"], two["captured train none"]):
+        losses = r8["losses"]
+        assert losses[-1] < 0.9 * losses[0], losses
+        assert abs(losses[-1] - r0["losses"][-1]) <= 0.01 * r0["losses"][-1]
+        assert {c["codec"] for c in _payload(r8)} == {"int8"}
 
 
 @pytest.mark.slow

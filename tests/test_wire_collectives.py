@@ -341,11 +341,45 @@ def test_refuse_says_why(call, spec, words):
         CompressedCollective(call, spec)
 
 
-def test_refuse_symbolic_splits():
+def test_refuse_symbolic_splits_only_where_they_do_not_add_up():
     import sympy
 
-    call = _call("all_to_all", input_splits=(4, sympy.Symbol("s0")))
-    assert "data-dependent input split sizes (4, s0)" in refuse(call, "int8")
+    s0 = sympy.Symbol("s0")
+    assert "output split sizes missing" in refuse(_call("all_to_all", input_splits=(4, s0)),
+                                                  "int8")
+    assert "are not 2 sizes >= 0" in refuse(
+        _call("all_to_all", input_splits=(s0,), output_splits=(4, 4)), "int8")
+    assert refuse(_call("all_to_all", input_splits=(4, s0), output_splits=(s0, 4)), "int8") \
+        is None
+
+
+def test_symbolic_rows_are_priced_per_row_and_refuse_error_feedback():
+    """Data-dependent split sizes (the router's counts read with ``.tolist()`` under
+    ``capture_scalar_outputs``): dim 0 is a SymInt's expression. Each row is encoded on its
+    own, so any row count works and the bytes are quoted per row; error feedback's residual
+    has one entry per element, so it needs a fixed row count and is refused. A fixed dim 0
+    with symbolic splits (a dispatch of a fixed number of tokens) keeps its per-call bytes and
+    error feedback."""
+    rows = _call("all_to_all", shape=("u0 + u1", 16), input_splits=("u0", "u1"),
+                 output_splits=("u2", "u3"))
+    assert rows.by_rows and rows.symbolic_rows and rows.row_bytes == 64
+    assert rows.out_shape == ("u2 + u3", 16)
+    cc = CompressedCollective(rows, "int8")
+    assert cc.row_wire_bytes() == 16 + 4 and cc.state_layout() == {}
+    with pytest.raises(ValueError, match="only known at run time"):
+        cc.wire_bytes()
+    with pytest.raises(ValueError, match="only known at run time"):
+        rows.raw_bytes  # noqa: B018
+    why = refuse(rows, "int4:ef")
+    assert "error feedback needs a fixed row count" in why and "(u0 + u1)" in why, why
+    assert "use a codec without it ('int4')" in why
+    assert refuse(rows, "fp8") is None and refuse(rows, "bf16") is None
+    fixed = _call("all_to_all", shape=(8, 16), input_splits=("u0", "u1"),
+                  output_splits=("u2", "u3"))
+    assert fixed.by_rows and not fixed.symbolic_rows
+    ef = CompressedCollective(fixed, "int4:ef")
+    assert ef.wire_bytes() == 8 * ef.packing.nbytes // 2
+    assert ef.state_layout() == {"residual": ((8 * 256,), torch.float32)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -626,6 +660,53 @@ def test_each_row_decodes_as_if_encoded_alone(spec, row):
     _, traced = traced_phases(cc, LoopbackComm(), x, [])
     assert torch.equal(traced, want)
     assert not torch.equal(want, x)  # the codec really ran
+
+
+def _traced_with_unbacked_sizes(fn, *args):
+    """``fn`` traced as Dynamo hands a ``capture_scalar_outputs`` graph to a backend: fake
+    tensors of static shapes, ``.tolist()`` giving unbacked SymInts (u0, u1...)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    return make_fx(fn, tracing_mode="fake")(*(mode.from_tensor(a, static_shapes=True)
+                                              for a in args))
+
+
+def test_the_pass_compresses_an_all_to_all_of_data_dependent_rows():
+    """Split sizes and dim 0 unbacked SymInts: the pass takes the split sizes as inputs of the
+    traced phases and the compressed graph, compiled once, runs any row count (0 included),
+    each row through the codec on its own: the rows' round trip, bit for bit."""
+    from ccfx.passes.compress_collectives import Rewrite, compress_collectives, find_collectives
+
+    f = torch.ops._c10d_functional
+
+    def fn(x, counts):
+        a, b = counts.tolist()
+        torch._check(a >= 0)
+        torch._check(b >= 0)
+        torch._check(a + b <= x.shape[0])
+        return f.wait_tensor(f.all_to_all_single(x[:a + b] * 2, [a, b], [a, b], "fake")) + 1
+
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(3))
+    gm = _traced_with_unbacked_sizes(fn, x, torch.tensor([3, 4]))
+    (found,) = find_collectives(gm, lambda _: 2)
+    assert not found.problem and found.shape == ("u0 + u1", 16) and found.call.symbolic_rows
+    assert (found.input_splits, found.output_splits) == (("u0", "u1"), ("u0", "u1"))
+    assert found.agreed_shape == ["rows", 16]
+    cc = CompressedCollective(found.call, "int8")
+    out = compress_collectives(gm, [found], [Rewrite(0, "int8", "", cc, {})],
+                               comm_for=lambda name, world: LoopbackComm())
+    assert not [n for n in out.graph.nodes if n.target is f.all_to_all_single.default]
+    for a, b in [(3, 4), (5, 4), (0, 0), (0, 2)]:
+        got = out(x, torch.tensor([a, b]))
+        assert got.shape == (a + b, 16)
+        want = _row_round_trip(x[:a + b] * 2, "int8") + 1 if a + b else torch.ones(0, 16)
+        assert torch.equal(got, want)
+        # eagerly, the phases bound to the sizes give the same bits
+        eager = cc.bind((a, b), (a, b)).run(x[:a + b] * 2, {}, LoopbackComm()) + 1
+        assert torch.equal(got, eager)
 
 
 def test_the_pass_compresses_an_unequal_all_to_all_and_agrees_without_its_splits():

@@ -41,8 +41,13 @@ The algorithms (rank ``r`` of ``W``; ``B`` is one chunk's packed payload):
   *with the original splits*: the receiver derives every size from the splits it already has,
   nothing extra is exchanged; one decode on arrival. ``(W-1) / W`` of the rows' messages, the
   raw bytes' convention. The backward's all-to-all (the splits swapped) is compressed the same
-  way on its own. Split sizes that are symbolic when the graph compiles (read from the router's
-  counts with ``.tolist()``) are refused: the plan says why and torch's collective runs.
+  way on its own. Split sizes and a row count that are symbolic when the graph compiles (the
+  router's counts read with ``.tolist()`` under ``capture_scalar_outputs``: unbacked SymInts)
+  work alike: the phases read the row count from their tensors and take the split sizes
+  :meth:`CompressedCollective.bind` gives them (the graph's SymInts when traced); a symbolic
+  row count's bytes are quoted per row (:attr:`CollectiveCall.row_bytes`,
+  :meth:`CompressedCollective.row_wire_bytes`), and a codec whose state has one entry per
+  element (error feedback) is refused there: it needs a fixed row count.
 
 Codecs run as their ops (``ccfx_codecs::encode`` / ``decode``) on explicit state tensors: error
 feedback (``"int4:ef"``) keeps *this rank's* residual of what it encoded from its own input
@@ -89,7 +94,9 @@ class CollectiveCall:
     """What a graph's functional collective asked for.
 
     ``input_splits`` / ``output_splits`` are an all-to-all's split sizes along dim 0 (``None`` or
-    empty: equal splits, ``shape[0] / world`` each)."""
+    empty: equal splits, ``shape[0] / world`` each). With unequal splits (:attr:`by_rows`) a
+    split size and dim 0 may be symbolic: a SymInt, or its expression as a string (what the
+    plan and the ranks' agreement read)."""
 
     kind: str                        # one of KINDS
     shape: tuple[int, ...]           # the input's static shape
@@ -101,7 +108,25 @@ class CollectiveCall:
 
     @property
     def numel(self) -> int:
+        if self.symbolic_rows:
+            raise ValueError(f"{self.kind} of {self.shape}: its row count is only known at run "
+                             "time (use row_bytes)")
         return math.prod(self.shape)
+
+    @property
+    def symbolic_rows(self) -> bool:
+        """An all_to_all with unequal splits (:attr:`by_rows`) whose row count (dim 0 of its
+        input) is only known when it runs: counts from the router read with ``.tolist()``
+        under ``capture_scalar_outputs`` make it an unbacked SymInt (here its expression as a
+        string, ``"u2 + u3"``). Its bytes are quoted per row (:attr:`row_bytes`). Symbolic
+        split sizes alone (an expert dispatch of a fixed number of tokens) do not make it so:
+        what a rank sends, and its codec state, follow from dim 0."""
+        return self.by_rows and not _static(self.shape[:1])
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of dim 0, uncompressed."""
+        return self.row * self.dtype.itemsize
 
     @property
     def by_rows(self) -> bool:
@@ -130,6 +155,8 @@ class CollectiveCall:
         if self.kind == "reduce_scatter":
             return (self.shape[0] // self.world, *self.shape[1:])
         if self.by_rows:
+            if not _static(self.output_splits):  # their expression (phases read real sizes)
+                return (" + ".join(map(str, self.output_splits)), *self.shape[1:])
             return (sum(self.output_splits), *self.shape[1:])
         return tuple(self.shape)
 
@@ -176,6 +203,9 @@ def refuse(call: CollectiveCall, spec: str) -> str | None:
     if call.kind not in KINDS:
         raise ConfigError(f"collective kind {call.kind!r}: ccfx knows {', '.join(KINDS)}")
     codec = codecs.prototype(spec)
+    if call.by_rows and _static(call.shape[1:]) and isinstance(call.world, int):
+        # unequal all_to_all splits: whole rows, any row count (symbolic ones included)
+        return _rows_reason(call, codec)
     if not _static(call.shape) or not isinstance(call.world, int):
         return f"symbolic shape {tuple(call.shape)} (a compressed collective needs static sizes)"
     if call.world < 2:
@@ -189,10 +219,6 @@ def refuse(call: CollectiveCall, spec: str) -> str | None:
                     "decoded values (a max / min / product runs unchanged)")
     if call.kind != "all_reduce" and len(call.shape) == 0:
         return f"a 0-d input: {call.kind} splits or stacks dim 0"
-    if call.by_rows:
-        # Every rank must decide alike, and the ranks' row counts differ (one may send or
-        # receive none): only what they share (world, row, dtype, codec) decides.
-        return _rows_reason(call, codec)
     if call.numel == 0:
         return "an empty tensor: nothing crosses the wire"
     if call.kind in ("reduce_scatter", "all_to_all") and call.shape[0] % call.world:
@@ -205,32 +231,55 @@ def refuse(call: CollectiveCall, spec: str) -> str | None:
 
 def _rows_reason(call: CollectiveCall, codec: Codec) -> str | None:
     """Why an all_to_all with unequal splits (:attr:`CollectiveCall.by_rows`) cannot be
-    compressed with ``codec``, or None."""
+    compressed with ``codec``, or None.
+
+    Every rank must decide alike, and the ranks' row counts differ (one may send or receive
+    none, and they may be symbolic, known only when the call runs): only what the ranks share
+    (world, row width, dtype, codec) decides. A symbolic row count is no obstacle (each row is
+    encoded on its own, its message's size fixed by the row width, and the receiver sizes what
+    it gets from the output splits it already has), except for a codec whose state has one
+    entry per element (error feedback's residual): it needs a fixed row count."""
     splits = {"input": call.input_splits, "output": call.output_splits}
-    for which, sizes in splits.items():
-        if sizes and not _static(sizes):
-            return (f"data-dependent {which} split sizes {tuple(sizes)} (symbolic when the graph "
-                    "was compiled, e.g. counts from the router read with .tolist()): a "
-                    "compressed all-to-all needs them as ints at compile time")
     for which, sizes in splits.items():
         if not sizes:
             return (f"{which} split sizes missing beside the "
                     f"{'output' if which == 'input' else 'input'} ones (torch needs both)")
-        if len(sizes) != call.world or min(sizes) < 0:
+        known = [v for v in sizes if _static((v,))]
+        if len(sizes) != call.world or (known and min(known) < 0):
             return f"{which} split sizes {tuple(sizes)} are not {call.world} sizes >= 0"
-    if sum(call.input_splits) != call.shape[0]:
+    if _static(call.input_splits) and not call.symbolic_rows and \
+            sum(call.input_splits) != call.shape[0]:
         return (f"input split sizes {tuple(call.input_splits)} do not add up to dim 0 of "
                 f"{tuple(call.shape)}")
     if call.row == 0:
         return "rows of 0 elements: nothing crosses the wire"
     if codec.name == "none":
         return None
+    if call.symbolic_rows and _state_per_element(codec, call.row, call.dtype):
+        what = ("error feedback" if isinstance(codec, ErrorFeedback)
+                else "state with one entry per element")
+        return (f"codec {codec.spec!r} keeps {what}, and {what} needs a fixed row count: "
+                f"this all-to-all's rows ({call.shape[0]}) are data-dependent (known only "
+                f"at run time); use a codec without it ({codecs.spelled(_inner(codec).spec)!r})")
     why = _codec_reason(codec, call.dtype)
     if why is None and _row_encoding(codec, call.row, call.dtype) is None:
         why = (f"codec {codec.spec!r} cannot encode each row of {call.row} elements on its own "
                "(unequal splits send whole rows, each decodable by itself: use int8, fp8, int4, "
                "bf16, fp16...)")
     return why
+
+
+def _state_per_element(codec: Codec, row: int, dtype: torch.dtype) -> bool:
+    """Whether ``codec``'s state grows with what it encodes (error feedback's residual), i.e.
+    differs between one row and two."""
+    one, two = codec.state_layout((row,), dtype), codec.state_layout((2 * row,), dtype)
+    return one != two
+
+
+def _zero(n) -> bool:
+    """``n`` is the int 0 (a symbolic size is never taken for zero: guarding on an unbacked
+    SymInt fails the trace, and the phases handle 0 rows without a branch)."""
+    return isinstance(n, int) and n == 0
 
 
 # -- packing one chunk's payload into one message --------------------------------------------
@@ -280,7 +329,8 @@ class _Packing:
     def pack_rows(self, payload: Tensors, rows: int) -> torch.Tensor:
         """``rows`` messages back to back from one payload of ``rows`` chunks whose tensors are
         1-D and hold the chunks' tensors one after the other (see ``_rows_split``)."""
-        parts = [payload[i].contiguous().view(rows, -1).view(torch.uint8) for i in self.order]
+        parts = [payload[i].contiguous().view(rows, math.prod(self.layout[i][0]))
+                 .view(torch.uint8) for i in self.order]  # sizes given: 0 rows work too
         if self._padding:
             parts.append(parts[0].new_zeros(rows, self._padding))
         return torch.cat(parts, dim=1).reshape(-1)
@@ -440,9 +490,27 @@ class CompressedCollective:
                 self.codec.payload_layout((call.row,), dtype))]
         self._inner_spec = codecs.prototype(_inner(self.codec).spec).spec
         self._encode_state = dict(self.codec.state_layout(
-            (self.chunks * self.row_padded,), dtype)) if not self.identity else {}
+            (self._state_rows * self.row_padded,), dtype)) if not self.identity else {}
         self._chunk_names = [sorted(self._encode_state)]
         self._owner_state, self._owner_names = {}, []
+
+    @property
+    def _state_rows(self):
+        """Rows the encode's state is sized for: the call's, or one where the row count is
+        symbolic (refuse() lets through only codecs whose state does not depend on it)."""
+        return 1 if self.call.symbolic_rows else self.chunks
+
+    def bind(self, input_splits, output_splits) -> CompressedCollective:
+        """This compressed collective with its split sizes as the graph holds them at trace
+        time (SymInts where they are symbolic): what its phases pass to the all_to_all. The
+        codec, its state and its messages are those of ``self``."""
+        import copy
+        import dataclasses
+
+        bound = copy.copy(self)
+        bound.call = dataclasses.replace(self.call, input_splits=tuple(input_splits),
+                                         output_splits=tuple(output_splits))
+        return bound
 
     # -- what the plan and the pass read --------------------------------------------------
 
@@ -458,6 +526,9 @@ class CompressedCollective:
         """Bytes this rank sends per call, exactly: ``(W-1)`` messages of one chunk's packed
         payload per all-to-all or all-gather (two of those for the all-reduce); the identity
         sends what the uncompressed collective sends."""
+        if self.call.symbolic_rows:
+            raise ValueError(f"{self.kind} of {self.call.shape}: its row count is only known "
+                             "at run time (use row_wire_bytes)")
         if self.identity:
             return self.raw_bytes
         if self.by_rows:  # the input's rows, (W-1)/W of them (the raw bytes' convention)
@@ -466,11 +537,21 @@ class CompressedCollective:
         rounds = 2 if self.kind == "all_reduce" else 1
         return rounds * (self.call.world - 1) * self.packing.nbytes
 
+    def row_wire_bytes(self) -> int:
+        """Bytes of one row's message (an all_to_all with unequal splits): a call sends
+        ``(W-1)/W`` of its rows' messages, the raw bytes' convention."""
+        if not self.by_rows:
+            raise ValueError(f"{self.kind} with equal chunks: it is not sent row by row")
+        return self.call.row_bytes if self.identity else self.packing.nbytes
+
     def messages(self) -> list[tuple[str, int]]:
         """The collectives the phases issue, in order: ``(the Comm method, its input's bytes)``
         (an all-to-all's input holds the ``W`` messages this rank sends, one per rank; an
         all-gather's the one message every rank gets). What a planner prices: rounds, bytes,
         and from them :meth:`wire_bytes`."""
+        if self.call.symbolic_rows:
+            raise ValueError(f"{self.kind} of {self.call.shape}: its row count is only known "
+                             "at run time")
         if self.identity:
             return [(self.kind, self.call.numel * self.call.dtype.itemsize)]
         b, w = self.packing.nbytes, self.call.world
@@ -493,7 +574,7 @@ class CompressedCollective:
         dtype = self.call.dtype
         if self.by_rows:
             return {} if self.identity else self.codec.init_state(
-                (self.chunks * self.row_padded,), dtype, device)
+                (self._state_rows * self.row_padded,), dtype, device)
         if self.rows or self.chunks == 1:
             out = self.codec.init_state((self.chunks * self.chunk,), dtype, device)
         else:
@@ -637,9 +718,9 @@ class CompressedCollective:
     def _rows_issue(self, x, state, carry, comm):
         """Every row encoded on its own (one encode), each row's payload packed into one
         ``packing.nbytes`` message, the ``(rows, nbytes)`` bytes sent with the call's splits."""
-        rows, b = self.chunks, self.packing.nbytes
+        rows, b = x.shape[0], self.packing.nbytes  # a SymInt when traced over one
         call = self.call
-        if rows == 0:  # nothing to encode (this rank may still receive)
+        if _zero(rows):  # nothing to encode (this rank may still receive)
             buf = torch.empty((0, b), dtype=torch.uint8, device=x.device)
         else:
             flat = x.reshape(rows, self.used)
@@ -655,9 +736,9 @@ class CompressedCollective:
         """The rows received, each message unpacked (padded back to a whole row's payload
         where rows are padded), all decoded in one call."""
         buf = comm.wait(carry[0])
-        out_shape = self.call.out_shape
-        rows = out_shape[0]
-        if rows == 0:
+        rows = buf.shape[0]  # the output splits' sum (a SymInt when traced over them)
+        out_shape = (rows, *self.call.shape[1:])
+        if _zero(rows):
             return [x.new_empty(out_shape)]
         parts = self.packing.unpack_rows(buf.reshape(-1), rows)
         if self.row_padded > self.used:
@@ -687,4 +768,6 @@ class CompressedCollective:
         out = comm.wait(carry[0])
         if self._avg:
             out = out / self.call.world
+        if self.by_rows:
+            return [out]  # (the output splits' sum, *row shape): torch's own result
         return [out.reshape(self.call.out_shape)]
