@@ -26,9 +26,10 @@ becomes and writes it down:
   collective's raw and wire bytes (direction ``"collective"``). An expert all-to-all whose
   row count is data-dependent (``.tolist()`` under ``capture_scalar_outputs``) has no bytes
   per call at compile time: its row quotes one row's bytes (``per_row``, and the reason says
-  so), the ledger counts its calls with 0 bytes (reading the row count back would cost a
-  graph output per collective or a device sync), and ``auto`` keeps it raw, saying why (an
-  unbacked size's hint is a guess, not a price).
+  so); the ledger counts each call's bytes from the row count's symbols among the host ints
+  the graph takes or returns (the backward takes the split sizes, the forward returns them
+  for it: no device sync, no change to the graph), and only its calls where they are not
+  there; ``auto`` keeps it raw, saying why (an unbacked size's hint is a guess, not a price).
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ class Collectives:
         with unset_fake_temporarily():  # compiled inside AOT's fake mode: real timings
             auto = self._plan_auto(plan, desc, part, gm, found, base)
         rewrites = [self._decide(base + f.position, f, auto) for f in found]
-        rows = [self._row(plan.index, part, f, r) for f, r in zip(found, rewrites)]
+        counters = _row_counters(gm, found, rewrites)
+        rows = [self._row(plan.index, part, f, r, f.position in counters)
+                for f, r in zip(found, rewrites)]
+        counters = {base + pos: fn for pos, fn in counters.items()}
         self._agree(desc, part, found, rows)
 
         with unset_fake_temporarily():  # compiled inside AOT's fake mode: real state tensors
@@ -142,12 +146,11 @@ class Collectives:
                  for i, name in rewritten.meta["ccfx"]["collective_state_inputs"]]
         described = "; ".join(f"collective {c.index}: {c.kind} {c.codec} on group {c.group!r} "
                               f"of {c.group_size}" for c in rows if c.codec != "none")
-        # a collective whose rows are known only at run time: its calls counted, 0 bytes
-        # (its plan row gives the bytes per row and says so)
         return _counting(compiled, extra, self.ledger, plan.index,
-                         [(c.index, 0, 0) if c.per_row else (c.index, c.raw_bytes, c.wire_bytes)
-                          for c in rows],
-                         f"the {part} of graph {plan.index}" if described else "", described)
+                         [(c.index, 0, 0) if c.per_row and c.index not in counters
+                          else (c.index, c.raw_bytes, c.wire_bytes) for c in rows],
+                         f"the {part} of graph {plan.index}" if described else "", described,
+                         counters)
 
     # -- decisions ------------------------------------------------------------------------
 
@@ -219,13 +222,16 @@ class Collectives:
         return out
 
     @staticmethod
-    def _row(graph: int, part: str, f: FoundCollective, r: Rewrite) -> Collective:
+    def _row(graph: int, part: str, f: FoundCollective, r: Rewrite,
+             counted: bool = False) -> Collective:
         per_row = f.call is not None and f.call.symbolic_rows
         if per_row:  # rows known only at run time: one row's bytes, and the plan says so
             raw = f.call.row_bytes
             wire = int(r.compressed.row_wire_bytes()) if r.compressed is not None else raw
-            note = (f"bytes per row ({f.shape[0]} rows a call, known at run time; the "
-                    "ledger counts its calls, not its bytes)")
+            ledger = ("the ledger counts each call's bytes" if counted else
+                      "the ledger counts its calls, not its bytes: the graph neither takes "
+                      "nor returns that count")
+            note = f"bytes per row ({f.shape[0]} rows a call, known at run time; {ledger})"
             reason = f"{r.reason}; {note}" if r.reason else note
         else:
             raw = _raw_bytes(f)
@@ -313,20 +319,79 @@ def _raw_bytes(f: FoundCollective) -> int:
         return 0
 
 
+#: Bytes of one call of a collective whose row count is symbolic, from the graph's int
+#: inputs (position -> value) and its outputs of that call: ``(inputs, outputs) -> (raw,
+#: wire)``.
+RowCounter = Callable[[dict, Sequence], tuple[int, int]]
+
+
+def _row_counters(gm: torch.fx.GraphModule, found: Sequence[FoundCollective],
+                  rewrites: Sequence[Rewrite]) -> dict[int, RowCounter]:
+    """For each collective whose row count is symbolic (an expert all-to-all under
+    ``capture_scalar_outputs``: ``u2 + u3``), by its position in ``found``, how its bytes per
+    call follow from the host ints the graph takes or returns, where each symbol of that count
+    is one of them: the backward takes the split sizes as inputs, the forward returns them
+    (saved for the backward). Reading them costs no device sync (split sizes are host ints
+    anyway). The wire layer's convention: (W-1)/W of the rows, rounded up."""
+    import sympy
+
+    where: dict[str, tuple[bool, int]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    outs = output.args[0] if output is not None else ()
+    for is_input, nodes in ((True, placeholders),
+                            (False, outs if isinstance(outs, (list, tuple)) else ())):
+        for i, n in enumerate(nodes):
+            v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+            expr = getattr(getattr(v, "node", None), "expr", None)
+            if isinstance(v, torch.SymInt) and isinstance(expr, sympy.Symbol):
+                where.setdefault(expr.name, (is_input, i))
+    counters: dict[int, RowCounter] = {}
+    for f, r in zip(found, rewrites):
+        call = f.call
+        if call is None or not call.symbolic_rows:
+            continue
+        try:
+            expr = sympy.sympify(str(f.shape[0]))
+        except (sympy.SympifyError, TypeError, SyntaxError):
+            continue
+        symbols = sorted(expr.free_symbols, key=lambda s: s.name)
+        if not symbols or any(s.name not in where for s in symbols):
+            continue
+        rows_of = sympy.lambdify(symbols, expr, modules=[])
+        places = [where[s.name] for s in symbols]
+        per_raw = call.row_bytes
+        per_wire = r.compressed.row_wire_bytes() if r.compressed is not None else per_raw
+
+        def count(ins, outs, rows_of=rows_of, places=places, w=f.world, per_raw=per_raw,
+                  per_wire=per_wire) -> tuple[int, int]:
+            n = int(rows_of(*[int((ins if is_in else outs)[i]) for is_in, i in places]))
+            return -(-(w - 1) * n * per_raw // w), -(-(w - 1) * n * per_wire // w)
+
+        counters[f.position] = count
+    return counters
+
+
 def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, graph: int,
-              rows: list[tuple[int, int, int]], what: str = "", described: str = "") -> Callable:
+              rows: list[tuple[int, int, int]], what: str = "", described: str = "",
+              counters: dict[int, RowCounter] | None = None) -> Callable:
     """The compiled graph as aot_autograd calls it (boxed: one list of inputs, which the callee
-    clears): the codec state appended, every collective counted once the call returned. Where
-    ccfx compressed some (``what`` names the graph, ``described`` them), a RuntimeError of the
-    call (gloo's, a peer died or hung) becomes a :class:`~ccfx.CollectiveError` saying so."""
+    clears): the codec state appended, every collective counted once the call returned (a
+    row count known only at run time: its bytes from ``counters[index]`` where there is one,
+    else none: its row quotes bytes per row). Where ccfx compressed some (``what`` names the
+    graph, ``described`` them), a RuntimeError of the call (gloo's, a peer died or hung)
+    becomes a :class:`~ccfx.CollectiveError` saying so."""
     import weakref
 
     ledger_ref = weakref.ref(ledger)
+    counters = counters or {}
 
     def run(args):
         full = list(args) + extra
         if isinstance(args, list):
             args.clear()  # the boxed convention: the callee frees its inputs
+        # the host ints among the inputs (the callee may clear ``full``): what counters read
+        ints = {i: v for i, v in enumerate(full) if isinstance(v, int)} if counters else {}
         try:
             out = compiled(full)
         except RuntimeError as e:
@@ -336,6 +401,8 @@ def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, gra
         book = ledger_ref()
         if book is not None:
             for index, raw, wire in rows:
+                if index in counters:
+                    raw, wire = counters[index](ints, out)
                 book.record_collective(graph, index, raw, wire)
         return out
 

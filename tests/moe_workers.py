@@ -200,6 +200,9 @@ def counted(rank, world, codec, steps, capture=False, lowering="eager", **option
             want, _, want_grads = _step(eager, x, target)
             with torch.no_grad():
                 idx = eager.router(eager.proj(x)).argmax(-1)
+            counts = torch.bincount(idx, minlength=world)
+            every = [torch.zeros_like(counts) for _ in range(world)]
+            dist.all_gather(every, counts)
             h_max, w_inf = _scales(eager, x)
             rows.append({"equal": torch.equal(out, want) and all(
                              torch.equal(a, b) for a, b in zip(grads, want_grads)),
@@ -208,7 +211,9 @@ def counted(rank, world, codec, steps, capture=False, lowering="eager", **option
                                          for a, b in zip(grads, want_grads)),
                          "grad_scale": max(float(b.abs().max()) for b in want_grads),
                          "h_max": h_max,
-                         "w_inf": w_inf, "counts": torch.bincount(idx, minlength=world).tolist()})
+                         "w_inf": w_inf, "counts": counts.tolist(),
+                         # the rows this rank's expert received (dispatched to it)
+                         "received": int(sum(int(c[rank]) for c in every))})
     return {"steps": rows, "plan": _plan(compiled), "ledger": _ledger(compiled),
             "graphs": counters["stats"]["unique_graphs"],
             "plan_graphs": len(ccfx.plan_of(compiled).graphs)}

@@ -29,6 +29,7 @@ import itertools
 import re
 
 import pytest
+import torch
 
 from . import moe_workers as w
 from .ranks import run_scenarios, scenario
@@ -182,11 +183,13 @@ def test_unbacked_split_sizes_compressed_within_the_per_row_bound_every_step(two
 
 
 @pytest.mark.slow
-def test_plan_quotes_data_dependent_rows_per_row_and_the_ledger_counts_calls(two):
+def test_plan_quotes_data_dependent_rows_per_row_and_the_ledger_counts_each_call(two):
     """The dispatch sends a fixed 8 rows (its splits symbolic): bytes per call, as with int
-    splits. The combine and the backward's all_to_alls send ``u0 + u1`` / ``u2 + u3`` rows:
-    their bytes are one row's (64 raw, 20 in int8), ``per_row`` and the reason say so, and the
-    ledger counts their calls with no bytes."""
+    splits. The combine and the backward's all_to_alls send ``u2 + u3`` / ``u0 + u1`` rows:
+    their plan bytes are one row's (64 raw, 20 in int8), ``per_row`` and the reason say so;
+    the ledger counts each call's bytes from the sizes the graph takes or returns: (W-1)/W of
+    the rows each step sent (the combine and the dispatch's gradient: the rows this rank's
+    expert received; the combine's gradient: this rank's 8 tokens)."""
     for r in two["captured"]:
         counts, *payload = r["plan"]
         assert counts["codec"] == "none" and "torch.int64 data" in counts["reason"]
@@ -199,14 +202,19 @@ def test_plan_quotes_data_dependent_rows_per_row_and_the_ledger_counts_calls(two
         for c in rows:
             assert re.fullmatch(r"u\d+ \+ u\d+", c["shape"][0]) and c["shape"][1] == w.HIDDEN
             assert c["per_row"] and (c["raw_bytes"], c["wire_bytes"]) == (w.HIDDEN * 4, ROW_INT8)
-            assert "bytes per row" in c["reason"], c
+            assert "bytes per row" in c["reason"] and "counts each call's bytes" in c["reason"]
         steps = len(r["steps"])
+        received = sum(s["received"] for s in r["steps"])
+        sent = {rows[0]["index"]: received, rows[1]["index"]: steps * w.TOKENS,
+                rows[2]["index"]: received}
         plan = {c["index"]: c for c in r["plan"]}
         assert sorted(e[0] for e in r["ledger"]) == sorted(plan)
         for index, calls, raw, wire in r["ledger"]:
             assert calls == steps
-            want = (0, 0) if plan[index]["per_row"] else (
-                steps * plan[index]["raw_bytes"], steps * plan[index]["wire_bytes"])
+            if plan[index]["per_row"]:  # 2 ranks: half of the rows, each 64 B raw, 20 B int8
+                want = (sent[index] * w.HIDDEN * 4 // 2, sent[index] * ROW_INT8 // 2)
+            else:
+                want = (steps * plan[index]["raw_bytes"], steps * plan[index]["wire_bytes"])
             assert (raw, wire) == want, (index, raw, wire)
 
 
@@ -269,3 +277,37 @@ def test_without_a_codec_a_moe_that_recompiles_on_one_rank_runs_as_eager(two):
     counts = [[step["counts"] for step in r["steps"]] for r in two["counted none"]]
     assert counts[0] != counts[1]  # the ranks routed differently: their graphs differ
     assert two.seconds("counted none") < 60  # no wait for collective_timeout_s
+
+
+@pytest.mark.parametrize("returns_sizes", [True, False])
+def test_ledger_counts_data_dependent_rows_from_the_sizes_a_graph_returns(returns_sizes):
+    """One process: a graph whose all_to_all sends ``u0 + u1`` rows (unbacked). Where the graph
+    returns u0 and u1 (as a forward does for its backward), a call's bytes follow from them:
+    (W-1)/W of the rows; where it does not, the plan says the ledger counts calls only."""
+    from backends.collectives import Collectives, _row_counters
+    from ccfx.passes.compress_collectives import Rewrite, find_collectives
+    from ccfx.wire.collectives import CompressedCollective
+
+    from .test_wire_collectives import _traced_with_unbacked_sizes
+
+    f = torch.ops._c10d_functional
+
+    def fn(x, counts):
+        a, b = counts.tolist()
+        torch._check(a >= 0)
+        torch._check(b >= 0)
+        torch._check(a + b <= x.shape[0])
+        out = f.wait_tensor(f.all_to_all_single(x[:a + b], [a, b], [a, b], "fake"))
+        return (out, a, b) if returns_sizes else out
+
+    gm = _traced_with_unbacked_sizes(fn, torch.randn(9, 16), torch.tensor([3, 4]))
+    (found,) = find_collectives(gm, lambda _: 2)
+    r = Rewrite(0, "int8", "", CompressedCollective(found.call, "int8"))
+    counters = _row_counters(gm, [found], [r])
+    row = Collectives._row(0, "forward", found, r, 0 in counters)
+    assert row.per_row and (row.raw_bytes, row.wire_bytes) == (64, ROW_INT8)
+    if returns_sizes:
+        assert counters[0]({}, (None, 3, 4)) == (7 * 64 // 2, 7 * ROW_INT8 // 2)  # 224, 70
+        assert "counts each call's bytes" in row.reason
+    else:
+        assert not counters and "counts its calls, not its bytes" in row.reason
