@@ -380,6 +380,14 @@ def test_symbolic_rows_are_priced_per_row_and_refuse_error_feedback():
     ef = CompressedCollective(fixed, "int4:ef")
     assert ef.wire_bytes() == 8 * ef.packing.nbytes // 2
     assert ef.state_layout() == {"residual": ((8 * 256,), torch.float32)}
+    # what refuses any collective refuses these too; a symbolic row width is no row
+    sym = {"input_splits": ("u0", "u1"), "output_splits": ("u2", "u3")}
+    for call, words in [(_call("all_to_all", shape=("u0 + u1", 16), dtype=torch.int64, **sym),
+                         "torch.int64 data"),
+                        (_call("all_to_all", shape=("u0", 16), world=1, input_splits=("u0",),
+                               output_splits=("u1",)), "a group of one"),
+                        (_call("all_to_all", shape=("u0 + u1", "s1"), **sym), "symbolic shape")]:
+        assert words in refuse(call, "int8"), (call, refuse(call, "int8"))
 
 
 @pytest.mark.parametrize("kind", KINDS)

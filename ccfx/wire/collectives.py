@@ -203,15 +203,16 @@ def refuse(call: CollectiveCall, spec: str) -> str | None:
     if call.kind not in KINDS:
         raise ConfigError(f"collective kind {call.kind!r}: ccfx knows {', '.join(KINDS)}")
     codec = codecs.prototype(spec)
-    if call.by_rows and _static(call.shape[1:]) and isinstance(call.world, int):
-        # unequal all_to_all splits: whole rows, any row count (symbolic ones included)
-        return _rows_reason(call, codec)
-    if not _static(call.shape) or not isinstance(call.world, int):
+    # unequal all_to_all splits go whole rows, any row count (a symbolic one included)
+    rows = call.by_rows and len(call.shape) > 0 and _static(call.shape[1:])
+    if not (rows or _static(call.shape)) or not isinstance(call.world, int):
         return f"symbolic shape {tuple(call.shape)} (a compressed collective needs static sizes)"
     if call.world < 2:
         return "a group of one rank: nothing crosses the wire"
     if not call.dtype.is_floating_point:
         return f"{call.dtype} data: codecs compress floating-point tensors only"
+    if rows:
+        return _rows_reason(call, codec)
     if call.kind in ("all_reduce", "reduce_scatter"):
         op = (call.reduce_op or "").lower()
         if op not in SUMMABLE_OPS:
