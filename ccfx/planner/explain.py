@@ -32,12 +32,14 @@ def _collectives(plan: Plan) -> list[str]:
     if not rows:
         return []
     done = [c for c in rows if c.codec != "none"]
-    raw, wire = sum(c.raw_bytes for c in rows), sum(c.wire_bytes for c in rows)
+    per_call = [c for c in rows if not getattr(c, "per_row", False)]  # per row: not summed
+    raw, wire = sum(c.raw_bytes for c in per_call), sum(c.wire_bytes for c in per_call)
     out = [(f"collectives: {len(done)} of {len(rows)} compressed (collective_codec, "
             f"collective_overrides; 'auto' ones are priced below with the graph's decisions), "
             f"{raw} B raw -> {wire} B on the wire per call of each graph")]
     for c in rows:
         what = (f"{codecs.spelled(c.codec)}, {c.raw_bytes} -> {c.wire_bytes} B"
+                + (" per row" if getattr(c, "per_row", False) else "")
                 if c.codec != "none" else f"unchanged: {c.reason}")
         out.append(f"  graph {c.graph} collective {c.index} ({c.part} {c.kind}, "
                    f"{'x'.join(map(str, c.shape))} on {c.group_size} ranks): {what}")
