@@ -328,7 +328,7 @@ RowCounter = Callable[[dict, Sequence], tuple[int, int]]
 def _row_counters(gm: torch.fx.GraphModule, found: Sequence[FoundCollective],
                   rewrites: Sequence[Rewrite]) -> dict[int, RowCounter]:
     """For each collective whose row count is symbolic (an expert all-to-all under
-    ``capture_scalar_outputs``: ``u2 + u3``), by its position in ``found``, how its bytes per
+    ``capture_scalar_outputs``: ``u2+u3``), by its position in ``found``, how its bytes per
     call follow from the host ints the graph takes or returns, where each symbol of that count
     is one of them: the backward takes the split sizes as inputs, the forward returns them
     (saved for the backward). Reading them costs no device sync (split sizes are host ints

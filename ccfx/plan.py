@@ -113,7 +113,7 @@ class Collective:
     what this rank sends per call, uncompressed (ring convention: an all-reduce sends
     2(W-1)/W of its input) and as it runs; ``per_row``: an expert all-to-all whose row count
     is only known at run time (data-dependent split sizes; ``shape[0]`` is its expression,
-    ``"u2 + u3"``): ``raw_bytes`` / ``wire_bytes`` are then one row's, a call sends (W-1)/W
+    ``"u2+u3"``): ``raw_bytes`` / ``wire_bytes`` are then one row's, a call sends (W-1)/W
     of its rows."""
 
     graph: int
@@ -433,7 +433,8 @@ def _collectives_table(rows: list[Collective]) -> list[str]:
     out = ["", ("  collectives (functional collectives of the compiled graphs; bytes this rank "
                 "sends per call):")]
     table = [[c.index, c.part, c.kind + (f" ({c.reduce_op})" if c.reduce_op else ""),
-              f"{c.group_size} ({c.group})", "x".join(map(str, c.shape)) or "scalar",
+              f"{c.group_size} ({c.group})", "x".join(
+                  f"({d})" if isinstance(d, str) else str(d) for d in c.shape) or "scalar",
               c.dtype.replace("torch.", ""), spelled(c.codec),
               human_bytes(c.raw_bytes) + ("/row" if c.per_row else ""),
               human_bytes(c.wire_bytes) + ("/row" if c.per_row else ""), f"{c.ratio:.4f}",

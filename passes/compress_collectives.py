@@ -13,7 +13,7 @@ compressed on their own: no autograd rule is needed. Two steps, as ``grad_bucket
    with split sizes is sent row by row, so a symbolic row count or symbolic split sizes (an
    expert dispatch or combine under ``capture_scalar_outputs``) are no problem as long as its
    rows (the trailing dims) are static; its shape then holds dim 0's expression
-   (``("u2 + u3", 16)``), and a read of its row count before the wait (``sym_size``, which the
+   (``("u2+u3", 16)``), and a read of its row count before the wait (``sym_size``, which the
    partitioner saves for the backward) is allowed. The caller (the compile layer) decides each one's codec, with the wire layer's
    ``refuse``, and gives every one an index (the plan's).
 2. :func:`compress_collectives` (the pass): for each :class:`Rewrite` with a compressed form
@@ -78,7 +78,7 @@ class FoundCollective:
     ``problem``: why the graph forbids replacing it, else ""; ``input_splits`` /
     ``output_splits``: an all_to_all_single's split sizes (None: equal; a symbolic size stays
     a string, ``"u2"``); ``shape``: a symbolic dim 0 of an all_to_all with split sizes is its
-    expression, ``"u2 + u3"`` (any other symbolic shape is a ``problem``, shape ``()``)."""
+    expression, ``"u2+u3"`` (any other symbolic shape is a ``problem``, shape ``()``)."""
 
     position: int
     node: str
@@ -208,14 +208,15 @@ def find_collectives(gm: torch.fx.GraphModule,
 def _by_rows_shape(kind: str, shape, splits) -> tuple | None:
     """An all_to_all with split sizes whose row count (dim 0, or a split size) is symbolic
     but whose rows are static (an expert dispatch or combine under ``capture_scalar_outputs``):
-    its shape with dim 0 as its expression (``("u2 + u3", 16)``); else None. It is sent row by
+    its shape with dim 0 as its expression (``("u2+u3", 16)``); else None. It is sent row by
     row (:attr:`ccfx.wire.collectives.CollectiveCall.by_rows`), which needs no row count at
     compile time."""
     if kind != "all_to_all" or not shape or not any(splits) or _static(shape[1:]) is None:
         return None
     if _static(shape) is not None and all(isinstance(v, int) for s in splits if s for v in s):
         return None  # static: the ordinary path
-    return (shape[0] if isinstance(shape[0], int) else str(shape[0]), *_static(shape[1:]))
+    return (shape[0] if isinstance(shape[0], int) else str(shape[0]).replace(" ", ""),
+            *_static(shape[1:]))
 
 
 def _row_count(node: torch.fx.Node) -> bool:
@@ -389,7 +390,7 @@ def _anchors(nodes: list[torch.fx.Node], issue: int, wait: int, n: int) -> list[
 
 def _check_result(f: FoundCollective, r: Rewrite, out, wait: torch.fx.Node) -> None:
     want, got = _val(wait), _val(out)
-    # shapes compared as text: symbolic sizes (u2 + u3) without a guard on their values
+    # shapes compared as text: symbolic sizes (u2+u3) without a guard on their values
     if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
             and tuple(map(str, want.shape)) == tuple(map(str, got.shape))
             and want.dtype == got.dtype):

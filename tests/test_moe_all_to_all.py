@@ -10,7 +10,7 @@ from the router read by ``.tolist()``, Dynamo breaks the graph there (torch's de
 it resumes in holds the payload all_to_alls with the counts as constants (compressed), and as
 symbolic sizes once it recompiled; under ``capture_scalar_outputs`` one graph holds them as
 unbacked SymInts (u0..u3: the dispatch sends a fixed 8 rows with symbolic splits, the combine
-and the backward's all_to_alls ``u0 + u1`` or ``u2 + u3`` rows). Those are compressed too, in
+and the backward's all_to_alls ``u0+u1`` or ``u2+u3`` rows). Those are compressed too, in
 that one graph: each row is encoded on its own, the split sizes are inputs of the traced
 phases, the receiver sizes what it gets from them; the plan quotes a symbolic row count's bytes
 per row, and refuses error feedback there (its residual needs a fixed row count).
@@ -185,7 +185,7 @@ def test_unbacked_split_sizes_compressed_within_the_per_row_bound_every_step(two
 @pytest.mark.slow
 def test_plan_quotes_data_dependent_rows_per_row_and_the_ledger_counts_each_call(two):
     """The dispatch sends a fixed 8 rows (its splits symbolic): bytes per call, as with int
-    splits. The combine and the backward's all_to_alls send ``u2 + u3`` / ``u0 + u1`` rows:
+    splits. The combine and the backward's all_to_alls send ``u2+u3`` / ``u0+u1`` rows:
     their plan bytes are one row's (64 raw, 20 in int8), ``per_row`` and the reason say so;
     the ledger counts each call's bytes from the sizes the graph takes or returns: (W-1)/W of
     the rows each step sent (the combine and the dispatch's gradient: the rows this rank's
@@ -200,7 +200,7 @@ def test_plan_quotes_data_dependent_rows_per_row_and_the_ledger_counts_each_call
         assert (dispatch["raw_bytes"], dispatch["wire_bytes"]) == (
             w.TOKENS * w.HIDDEN * 4 // 2, w.TOKENS * ROW_INT8 // 2)
         for c in rows:
-            assert re.fullmatch(r"u\d+ \+ u\d+", c["shape"][0]) and c["shape"][1] == w.HIDDEN
+            assert re.fullmatch(r"u\d+\+u\d+", c["shape"][0]) and c["shape"][1] == w.HIDDEN
             assert c["per_row"] and (c["raw_bytes"], c["wire_bytes"]) == (w.HIDDEN * 4, ROW_INT8)
             assert "bytes per row" in c["reason"] and "counts each call's bytes" in c["reason"]
         steps = len(r["steps"])
@@ -281,7 +281,7 @@ def test_without_a_codec_a_moe_that_recompiles_on_one_rank_runs_as_eager(two):
 
 @pytest.mark.parametrize("returns_sizes", [True, False])
 def test_ledger_counts_data_dependent_rows_from_the_sizes_a_graph_returns(returns_sizes):
-    """One process: a graph whose all_to_all sends ``u0 + u1`` rows (unbacked). Where the graph
+    """One process: a graph whose all_to_all sends ``u0+u1`` rows (unbacked). Where the graph
     returns u0 and u1 (as a forward does for its backward), a call's bytes follow from them:
     (W-1)/W of the rows; where it does not, the plan says the ledger counts calls only."""
     from backends.collectives import Collectives, _row_counters

@@ -360,10 +360,10 @@ def test_symbolic_rows_are_priced_per_row_and_refuse_error_feedback():
     has one entry per element, so it needs a fixed row count and is refused. A fixed dim 0
     with symbolic splits (a dispatch of a fixed number of tokens) keeps its per-call bytes and
     error feedback."""
-    rows = _call("all_to_all", shape=("u0 + u1", 16), input_splits=("u0", "u1"),
+    rows = _call("all_to_all", shape=("u0+u1", 16), input_splits=("u0", "u1"),
                  output_splits=("u2", "u3"))
     assert rows.by_rows and rows.symbolic_rows and rows.row_bytes == 64
-    assert rows.out_shape == ("u2 + u3", 16)
+    assert rows.out_shape == ("u2+u3", 16)
     cc = CompressedCollective(rows, "int8")
     assert cc.row_wire_bytes() == 16 + 4 and cc.state_layout() == {}
     with pytest.raises(ValueError, match="only known at run time"):
@@ -371,7 +371,7 @@ def test_symbolic_rows_are_priced_per_row_and_refuse_error_feedback():
     with pytest.raises(ValueError, match="only known at run time"):
         rows.raw_bytes  # noqa: B018
     why = refuse(rows, "int4:ef")
-    assert "error feedback needs a fixed row count" in why and "(u0 + u1)" in why, why
+    assert "error feedback needs a fixed row count" in why and "(u0+u1)" in why, why
     assert "use a codec without it ('int4')" in why
     assert refuse(rows, "fp8") is None and refuse(rows, "bf16") is None
     fixed = _call("all_to_all", shape=(8, 16), input_splits=("u0", "u1"),
@@ -382,11 +382,11 @@ def test_symbolic_rows_are_priced_per_row_and_refuse_error_feedback():
     assert ef.state_layout() == {"residual": ((8 * 256,), torch.float32)}
     # what refuses any collective refuses these too; a symbolic row width is no row
     sym = {"input_splits": ("u0", "u1"), "output_splits": ("u2", "u3")}
-    for call, words in [(_call("all_to_all", shape=("u0 + u1", 16), dtype=torch.int64, **sym),
+    for call, words in [(_call("all_to_all", shape=("u0+u1", 16), dtype=torch.int64, **sym),
                          "torch.int64 data"),
                         (_call("all_to_all", shape=("u0", 16), world=1, input_splits=("u0",),
                                output_splits=("u1",)), "a group of one"),
-                        (_call("all_to_all", shape=("u0 + u1", "s1"), **sym), "symbolic shape")]:
+                        (_call("all_to_all", shape=("u0+u1", "s1"), **sym), "symbolic shape")]:
         assert words in refuse(call, "int8"), (call, refuse(call, "int8"))
 
 
@@ -700,7 +700,7 @@ def test_the_pass_compresses_an_all_to_all_of_data_dependent_rows():
     x = torch.randn(9, 16, generator=torch.Generator().manual_seed(3))
     gm = _traced_with_unbacked_sizes(fn, x, torch.tensor([3, 4]))
     (found,) = find_collectives(gm, lambda _: 2)
-    assert not found.problem and found.shape == ("u0 + u1", 16) and found.call.symbolic_rows
+    assert not found.problem and found.shape == ("u0+u1", 16) and found.call.symbolic_rows
     assert (found.input_splits, found.output_splits) == (("u0", "u1"), ("u0", "u1"))
     assert found.agreed_shape == ["rows", 16]
     cc = CompressedCollective(found.call, "int8")

@@ -118,7 +118,7 @@ class CollectiveCall:
         """An all_to_all with unequal splits (:attr:`by_rows`) whose row count (dim 0 of its
         input) is only known when it runs: counts from the router read with ``.tolist()``
         under ``capture_scalar_outputs`` make it an unbacked SymInt (here its expression as a
-        string, ``"u2 + u3"``). Its bytes are quoted per row (:attr:`row_bytes`). Symbolic
+        string, ``"u2+u3"``). Its bytes are quoted per row (:attr:`row_bytes`). Symbolic
         split sizes alone (an expert dispatch of a fixed number of tokens) do not make it so:
         what a rank sends, and its codec state, follow from dim 0."""
         return self.by_rows and not _static(self.shape[:1])
@@ -156,7 +156,7 @@ class CollectiveCall:
             return (self.shape[0] // self.world, *self.shape[1:])
         if self.by_rows:
             if not _static(self.output_splits):  # their expression (phases read real sizes)
-                return (" + ".join(map(str, self.output_splits)), *self.shape[1:])
+                return ("+".join(map(str, self.output_splits)), *self.shape[1:])
             return (sum(self.output_splits), *self.shape[1:])
         return tuple(self.shape)
 
