@@ -11,9 +11,10 @@ backward) and its gradient reduce-scattered.
 Variants (all compiled unless the name says eager):
 
 * ``fsdp2``: ``fully_shard`` (torch.distributed.fsdp) on every block and on the root, gloo CPU,
-  ``torch.compile(backend="inductor")`` (Dynamo skips FSDP2's hooks by default, so the
-  gathers and reduce-scatters run eagerly between compiled graphs); ``fsdp2-eager`` the same
-  without compile;
+  ``torch.compile(backend="inductor")`` (checked on torch 2.13: Dynamo compiles a block's
+  forward, whose inputs are the gathered whole parameters, once for all blocks; FSDP2's gathers
+  and reduce-scatters run eagerly in its hooks, and the root's embeddings, head and loss in no
+  graph); ``fsdp2-eager`` the same without compile;
 * ``ccfx-eager``: ``ccfx.shard(model)``, not compiled (uncompressed);
 * ``ccfx-none``: ``ccfx.shard(model)`` + ``backend="ccfx"``, ``collective_codec="none"``;
 * ``ccfx-int8``: ``collective_overrides`` all_gather and reduce_scatter int8;
@@ -25,12 +26,12 @@ Three parts:
   with tc tbf (bench/shaped.py; root), 2 warm-up steps then N timed steps; the step time is the
   slowest rank's mean; "x fsdp2" and "x ccfx-none" are those rows' step times over the
   variant's, measured in the same table.
-* ``--part memory``: per rank, the peak of parameters, gradients and optimizer state of one
-  training step (after a first one: AdamW allocates its state there) against the unsharded model
-  on one rank. Eager steps under torch.distributed._tools.MemTracker (by category); compiled
-  ones by counting the bytes of this rank's parameters, gradients (after backward) and AdamW
-  state (MemTracker's dispatch mode keeps compiled graphs from running). The issue's goal is
-  within 1.1 x 1/W.
+* ``--part memory``: per rank, one training step (after a first one: AdamW allocates its state
+  there) against the unsharded model on one rank: this rank's bytes of parameters, gradients
+  (after backward) and AdamW state (after the step), counted, and ccfx's codec state
+  (error-feedback residuals) beside them; for eager steps also the peak that
+  torch.distributed._tools.MemTracker sees, with and without activations (MemTracker's
+  dispatch mode keeps compiled graphs from running). The issue's goal is within 1.1 x 1/W.
 * ``--part loss``: unshaped, ``--steps`` steps on the embedded corpus for each ``--seeds`` seed
   (each rank its own batches), the held-out loss per seed, and mean and spread per variant.
 
