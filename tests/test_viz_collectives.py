@@ -20,7 +20,7 @@ import torch
 import ccfx
 from ccfx import viz
 from ccfx.plan import Collective, GraphPlan, Plan, Stage
-from ccfx.viz.collectives import KEPT_FILL
+from ccfx.viz.collectives import KEPT_FILL, bytes_text
 from ccfx.viz.drawing import CODEC_FILL, graph_dot
 from ccfx.viz.report import report_html
 from ccfx.viz.view import GraphView, VNode
@@ -272,3 +272,18 @@ def test_a_process_group_handle_placeholder_is_an_object_not_an_input():
 
     assert _is_object(FakeScriptObject()) and not _is_object(torch.ones(1))
     assert not _is_object(3) and not _is_object(None)
+
+
+def test_a_per_row_collective_shows_bytes_per_row_and_stays_out_of_per_call_totals():
+    # an expert all-to-all whose row count is data-dependent: bytes per row, not per call
+    a2a = Collective(0, 3, "forward", "all_to_all", "0", 2, ["u2+u3", 16], "torch.float32",
+                     "int8", 64, 20, per_row=True)
+    page = report_html(_plan([*_rows(), a2a]))
+    cards = {html.unescape(k): html.unescape(v) for v, k in re.findall(
+        r'<div class="card"><b>([^<]*)</b><span>([^<]*)</span></div>', page)}
+    assert cards["collective bytes per rank per step, raw → wire"] == "768 B → 368 B"  # as before
+    section = page.split("<h2>Collectives</h2>")[1]
+    assert "64 B/row" in section and "20 B/row" in section
+    only = report_html(_plan([a2a]))  # nothing per call: no bar chart
+    assert "Bytes per call per collective" not in only.split("<h2>Collectives</h2>")[1]
+    assert bytes_text(a2a) == "64 B → 20 B per row"

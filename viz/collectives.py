@@ -44,7 +44,8 @@ def group_text(c: Collective) -> str:
 
 
 def bytes_text(c: Collective) -> str:
-    return f"{human_bytes(c.raw_bytes)} → {human_bytes(c.wire_bytes)}"
+    per = " per row" if c.per_row else ""
+    return f"{human_bytes(c.raw_bytes)} → {human_bytes(c.wire_bytes)}{per}"
 
 
 def codec_text(config: dict) -> str:
@@ -89,8 +90,8 @@ def table(title: str, rows: list[Collective]) -> Html:
         lines.append(f'<TR><TD COLSPAN="{COLUMNS}">… {len(rows) - MAX_ROWS} more (see the '
                      "report)</TD></TR>")
     if len(rows) > 1:
-        raw = sum(c.raw_bytes for c in rows)
-        wire = sum(c.wire_bytes for c in rows)
+        raw = sum(c.raw_bytes for c in rows if not c.per_row)
+        wire = sum(c.wire_bytes for c in rows if not c.per_row)
         ratio = wire / raw if raw else 1.0
         lines.append(f'<TR><TD COLSPAN="{COLUMNS}" ALIGN="RIGHT">per call '
                      f"{html_text(human_bytes(raw))} → {html_text(human_bytes(wire))}"

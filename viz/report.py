@@ -190,8 +190,9 @@ def _collective_summary(plan: Plan, ledger) -> list[tuple[str, str]]:
     from .collectives import codec_text
 
     rows = plan.collectives
-    raw = sum(c.raw_bytes for c in rows)
-    wire = sum(c.wire_bytes for c in rows)
+    per_call = [c for c in rows if not c.per_row]  # bytes per row: the row count is a run's
+    raw = sum(c.raw_bytes for c in per_call)
+    wire = sum(c.wire_bytes for c in per_call)
     items = [("collective codec", codec_text(plan.config)),
              ("collectives (compressed / all)",
               f"{sum(c.codec != 'none' for c in rows)} / {len(rows)}"),
@@ -318,7 +319,8 @@ def _collective_section(plan: Plan, ledger) -> str:
         codec = _Raw(f"<b>{escape(c.codec)}</b>") if c.codec != "none" else c.codec
         rows.append([c.graph, f"c{c.index}", c.part, coll.kind_text(c), coll.group_text(c),
                      fmt_shape(c.shape), c.dtype.replace("torch.", ""), codec,
-                     human_bytes(c.raw_bytes), human_bytes(c.wire_bytes), f"{c.ratio:.3f}",
+                     human_bytes(c.raw_bytes) + ("/row" if c.per_row else ""),
+                     human_bytes(c.wire_bytes) + ("/row" if c.per_row else ""), f"{c.ratio:.3f}",
                      calls.get((c.graph, c.index), "–") if ledger is not None else "–",
                      c.reason])
     out = [('<p class="muted">The functional collectives of the compiled forward, backward and '
@@ -329,12 +331,14 @@ def _collective_section(plan: Plan, ledger) -> str:
                    "raw / call", "wire / call", "wire / raw", "calls", "why"],
                   rows, numeric=(8, 9, 10, 11))]
     many = len(plan.graphs) > 1
-    cols = sorted(plan.collectives, key=lambda c: (c.graph, c.index))
-    out.append('<div class="chart">' + svgplot.bar_chart(
-        [(f"g{c.graph} " if many else "") + f"c{c.index} {c.kind}" for c in cols],
-        {"raw": [c.raw_bytes for c in cols], "wire": [c.wire_bytes for c in cols]},
-        title="Bytes per call per collective: raw vs on the wire", fmt=human_bytes,
-        binary=True, colours={"raw": UNCOMPRESSED_COLOUR, "wire": WIRE_COLOUR}) + "</div>")
+    cols = sorted((c for c in plan.collectives if not c.per_row),
+                  key=lambda c: (c.graph, c.index))
+    if cols:
+        out.append('<div class="chart">' + svgplot.bar_chart(
+            [(f"g{c.graph} " if many else "") + f"c{c.index} {c.kind}" for c in cols],
+            {"raw": [c.raw_bytes for c in cols], "wire": [c.wire_bytes for c in cols]},
+            title="Bytes per call per collective: raw vs on the wire", fmt=human_bytes,
+            binary=True, colours={"raw": UNCOMPRESSED_COLOUR, "wire": WIRE_COLOUR}) + "</div>")
     return "".join(out)
 
 
