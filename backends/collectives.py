@@ -109,6 +109,9 @@ class Collectives:
         self.state = state
         self.world_of = world_of
         self.ranks_of = ranks_of
+        #: What this model's ranks already met on, per graph part and group: the collectives'
+        #: agreed rows without the graph (see :meth:`_agree`).
+        self._agreed: set[str] = set()
 
     def rewrite(self, plan: GraphPlan, desc: dict, part: str, gm: torch.fx.GraphModule,
                 compile_fn: Callable[[torch.fx.GraphModule], Callable], decompositions=None):
@@ -266,8 +269,15 @@ class Collectives:
                 continue
             mine = [[c.index, c.kind, c.reduce_op, f.agreed_shape, c.dtype, c.codec]
                     for f, c in zip(found, rows) if f.group_name == name]
+            # A graph recompiled on this rank alone (an MoE's resumed graph when its own
+            # routing counts change) whose collectives are ones the group already met on runs
+            # the same messages as the peers' graph: no new meeting (the peers never come)
+            same = agree.fingerprint({"part": part, "group": name, "collectives": mine})
+            if same in self._agreed:
+                continue
             agree.meet(WHAT, {"graph": desc, "part": part, "group": name, "collectives": mine},
                        ranks, timeout_s=self.config.collective_timeout_s, hint=HINT)
+            self._agreed.add(same)
 
     def _register(self, graph: int, r: Rewrite) -> None:
         """``r``'s state tensors in the backend's codec state (names with a dot go one channel

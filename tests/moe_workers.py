@@ -178,14 +178,17 @@ def _ledger(compiled) -> list[tuple]:
             for e in ccfx.ledger_of(compiled).entries("collective")]
 
 
-def counted(rank, world, codec, steps, capture=False, lowering="eager", **options):
+def counted(rank, world, codec, steps, capture=False, lowering="eager", hold_rank0=False,
+            **options):
     """The counted MoE over ``steps`` inputs whose routing differs: every step's output
     against eager, the counts each step routed, the scales of the int8 bound, the plan (every
     graph Dynamo compiled). ``capture=False`` (torch's default): Dynamo breaks the graph at
     ``.tolist()`` and bakes the counts into the graph it resumes in (one step here: new counts
     recompile it, and each rank recompiles when its own counts change). ``capture=True``
     (``capture_scalar_outputs``): one graph whose split sizes are unbacked SymInts, compiled
-    once for every step: ``graphs`` counts what Dynamo compiled, the ledger what ran."""
+    once for every step: ``graphs`` counts what Dynamo compiled, the ledger what ran.
+    ``hold_rank0``: rank 0 repeats its first input at step 1, so at that step only the other
+    ranks see new counts and recompile."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -195,7 +198,7 @@ def counted(rank, world, codec, steps, capture=False, lowering="eager", **option
     rows = []
     with torch._dynamo.config.patch(capture_scalar_outputs=capture):
         for step in range(steps):
-            x, target = _inputs(rank, step)
+            x, target = _inputs(rank, 0 if hold_rank0 and rank == 0 and step == 1 else step)
             out, _, grads = _step(compiled, x, target)
             want, _, want_grads = _step(eager, x, target)
             with torch.no_grad():
