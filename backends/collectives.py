@@ -87,6 +87,15 @@ def _group(name: str):
     return _resolve_process_group(name)
 
 
+def _backend(name: str) -> str:
+    """The process group's backend ("gloo", "nccl"...), "" where it cannot be told."""
+    dist = _dist()
+    try:
+        return str(dist.get_backend(_group(name))) if dist is not None else ""
+    except (RuntimeError, ValueError, AttributeError):
+        return ""
+
+
 def group_size(name: str) -> int:
     return _group(name).size()
 
@@ -203,8 +212,8 @@ class Collectives:
                     or f.call is None or f.world < 2 or f.wait is None
                     or _sized_at_run_time(f)):  # nothing to price: _decide says so
                 continue
-            asked.setdefault(f.group_name, []).append(GraphCollective(index, f.call, f.node,
-                                                                      f.wait))
+            asked.setdefault(f.group_name, []).append(GraphCollective(
+                index, f.call, f.node, f.wait, _backend(f.group_name)))
         out: dict[int, tuple[str, str]] = {}
         groups = sorted(asked, key=lambda name: (self.ranks_of(name), name))
         for name in groups:

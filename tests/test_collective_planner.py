@@ -100,10 +100,33 @@ def test_only_none_within_the_loss_budget_says_so():
 
 
 def test_roles_follow_the_loss_budget_of_what_the_collective_carries():
-    assert traffic(all_reduce(4, 4)).role == "activation"
-    assert traffic(all_reduce(4, 4), part="backward").role == "activation_grad"
+    assert traffic(all_reduce(4, 4)).roles == ("activation",)
+    assert traffic(all_reduce(4, 4), part="backward").roles == ("activation_grad",)
     rs = CollectiveCall("reduce_scatter", (8, 4), torch.float32, 2, "avg")
-    assert traffic(rs, part="backward").role == "gradient"
+    ag = CollectiveCall("all_gather", (8, 4), torch.float32, 2)
+    assert traffic(rs).roles == ("activation",)  # sequence parallel's forward
+    # backward: weights gathered again or gradients (sequence parallel): both budgets
+    assert traffic(ag, part="backward").roles == ("activation", "activation_grad")
+    assert traffic(rs, part="backward").roles == ("gradient", "activation_grad")
+
+
+def test_a_backward_all_gather_takes_only_codecs_within_both_budgets():
+    from ccfx.planner.plan_collectives import _within_all
+
+    cfg = Config(collective_codec="auto", link_gbps=0.1)
+    both = _within_all(("activation", "activation_grad"), cfg)
+    assert "int8" in both and "int4:ef" not in both  # int4:ef: activation_grad only
+    assert _within_all(("gradient", "activation_grad"), cfg) == ["none", "bf16"]
+
+
+def test_gloos_raw_reduce_scatter_is_priced_as_an_all_reduce():
+    rs = CollectiveCall("reduce_scatter", (64, 512), torch.float32, 2, "avg")
+    ar = all_reduce(64, 512)
+    assert link_seconds(rs, "none", SLOW, "gloo") == pytest.approx(
+        link_seconds(ar, "none", SLOW))
+    assert link_seconds(rs, "none", SLOW, "nccl") < link_seconds(rs, "none", SLOW, "gloo")
+    # compressed, it is an all-to-all on any backend
+    assert link_seconds(rs, "int8", SLOW, "gloo") == link_seconds(rs, "int8", SLOW)
 
 
 def test_modelled_codec_time_counts_the_all_reduce_owners_second_round():

@@ -27,10 +27,19 @@ uncompressed exposed time by at least ``auto_min_gain`` of that time; and the gr
 stand only if they make its predicted time (compute plus exposed collectives) at least
 ``auto_min_gain`` faster, else every collective stays raw and the decision says why. Lossy
 codecs come from the loss budget (:mod:`ccfx.planner.candidates`): a forward collective (the
-all-reduce after a row-parallel matmul, a sequence-parallel or sharded-parameter all-gather, an
-expert dispatch) is priced under the ``activation`` rows, a backward all-reduce or all-to-all
-under ``activation_grad``, a reduce-scatter (gradients) under ``gradient``: bench/convergence
-measured those roles on pipeline edges and buckets, the closest measured stand-ins.
+all-reduce after a row-parallel matmul, a sequence-parallel or sharded-parameter all-gather or
+reduce-scatter, an expert dispatch) is priced under the ``activation`` rows, a backward
+all-reduce or all-to-all under ``activation_grad``; a backward all-gather may carry weights
+gathered again (sharded parameters) or gradients (sequence parallel), and a backward
+reduce-scatter gradients of parameters or of activations, so those take only the codecs within
+the budget of both (``activation`` and ``activation_grad``; ``gradient`` and
+``activation_grad``): bench/convergence measured these roles on pipeline edges and buckets,
+the closest measured stand-ins.
+
+On gloo, torch's CPU ``reduce_scatter_tensor`` costs a whole all-reduce (measured on the shaped
+harness: 4.04 s against 2.03 s for an all-gather of the same bytes, bench/README.md), so an
+uncompressed reduce-scatter on a gloo group is priced as one; the compressed one is an
+all-to-all and is not.
 """
 
 from __future__ import annotations
@@ -57,13 +66,24 @@ class CollectiveTraffic:
     call: CollectiveCall
     part: str
     overlap_s: float = 0.0
+    #: The process group's backend ("gloo", "nccl", ...; "" unknown): how the raw one runs.
+    backend: str = ""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Its loss-budget roles (:data:`ccfx.planner.candidates.MEASURED`'s keys): a codec
+        must be within the budget of each (see the module docstring)."""
+        if self.part != "backward":
+            return ("activation",)
+        if self.call.kind == "all_gather":
+            return ("activation", "activation_grad")
+        if self.call.kind == "reduce_scatter":
+            return ("gradient", "activation_grad")
+        return ("activation_grad",)
 
     @property
     def role(self) -> str:
-        """Its loss-budget role (:data:`ccfx.planner.candidates.MEASURED`'s keys)."""
-        if self.call.kind == "reduce_scatter":
-            return "gradient"
-        return "activation_grad" if self.part == "backward" else "activation"
+        return " and ".join(self.roles)
 
 
 @dataclass(frozen=True)
@@ -100,11 +120,13 @@ def _sent(kind: str, input_bytes: int, world: int) -> float:
     return (world - 1) / world * input_bytes  # reduce_scatter, all_to_all
 
 
-def link_seconds(call: CollectiveCall, spec: str, link: Link) -> float:
-    """Seconds on ``link`` of the collective ``call`` under codec ``spec``."""
+def link_seconds(call: CollectiveCall, spec: str, link: Link, backend: str = "") -> float:
+    """Seconds on ``link`` of the collective ``call`` under codec ``spec``, on a process group
+    of ``backend`` (gloo's reduce-scatter is an all-reduce's cost)."""
     share = call.world if link.shared else 1
     if spec == "none":
-        messages = [(call.kind, call.numel * call.dtype.itemsize)]
+        kind = "all_reduce" if call.kind == "reduce_scatter" and backend == "gloo" else call.kind
+        messages = [(kind, call.numel * call.dtype.itemsize)]
     else:
         messages = CompressedCollective(call, spec).messages()
     total = 0.0
@@ -175,7 +197,7 @@ def codec_seconds(call: CollectiveCall, spec: str, timer: CodecTimer) -> float:
 
 def collective_cost(t: CollectiveTraffic, spec: str, link: Link,
                     timer: CodecTimer) -> CollectiveCost:
-    on_link = link_seconds(t.call, spec, link)
+    on_link = link_seconds(t.call, spec, link, t.backend)
     return CollectiveCost(spec, on_link, max(on_link - t.overlap_s, 0.0),
                           codec_seconds(t.call, spec, timer))
 

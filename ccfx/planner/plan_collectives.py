@@ -35,6 +35,7 @@ class GraphCollective:
     call: CollectiveCall
     node: str
     wait: str
+    backend: str = ""  # the process group's ("gloo", "nccl"; "" unknown)
 
 
 def _seconds(nodes: Sequence[torch.fx.Node], rate: float, op_s: float) -> float:
@@ -50,6 +51,12 @@ def _seconds(nodes: Sequence[torch.fx.Node], rate: float, op_s: float) -> float:
     return flops / rate + ops * op_s
 
 
+def _within_all(roles: Sequence[str], config: Config) -> list[str]:
+    """The candidates within the loss budget of every role, in the first role's order."""
+    pools = [candidates(r, config) for r in roles]
+    return [s for s in pools[0] if all(s in p for p in pools[1:])]
+
+
 def plan_collective_codecs(gm: torch.fx.GraphModule, part: str,
                            collectives: Sequence[GraphCollective], config: Config, *,
                            timer: CodecTimer | None = None,
@@ -62,9 +69,10 @@ def plan_collective_codecs(gm: torch.fx.GraphModule, part: str,
     pos = {n.name: i for i, n in enumerate(nodes)}
     compute_s = _seconds(nodes, flops_per_s, op_s)
     traffic = [CollectiveTraffic(c.index, c.call, part,
-                                 _seconds(nodes[pos[c.node] + 1: pos[c.wait]], flops_per_s, op_s))
+                                 _seconds(nodes[pos[c.node] + 1: pos[c.wait]], flops_per_s, op_s),
+                                 c.backend)
                for c in collectives]
-    pool: Mapping[int, Sequence[str]] = {t.index: candidates(t.role, config) for t in traffic}
+    pool: Mapping[int, Sequence[str]] = {t.index: _within_all(t.roles, config) for t in traffic}
     link = link_of(config)
     choice = choose_collective_codecs(traffic, compute_s, pool, link, timer=timer,
                                       min_gain=config.auto_min_gain)
