@@ -65,7 +65,10 @@ OVERRIDES = {
     "ccfx-int8": {"all_gather": "int8", "reduce_scatter": "int8"},
     "ccfx-zero++": {"all_gather": "int8", "reduce_scatter": "int4:ef"},
 }
-VARIANTS = ("fsdp2", "fsdp2-eager", "ccfx-eager", *OVERRIDES)
+#: ``collective_codec="auto"`` planned for the shaped link (the time part's rate; 100 Mbit/s
+#: unshaped): the planner picks per collective within the loss budget.
+AUTO = "ccfx-auto"
+VARIANTS = ("fsdp2", "fsdp2-eager", "ccfx-eager", *OVERRIDES, AUTO)
 DEFAULT_VARIANTS = ("fsdp2", *OVERRIDES)
 EVAL_BATCHES = 8
 _CACHE_OFF = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -97,11 +100,15 @@ def _shard(variant: str, seed: int, world: int) -> torch.nn.Module:
     return ccfx.shard(model)
 
 
-def _compile(model: torch.nn.Module, variant: str):
+def _compile(model: torch.nn.Module, variant: str, rate: float | None = None):
     if variant == "fsdp2":
         return torch.compile(model, backend="inductor")
     if variant in ("fsdp2-eager", "ccfx-eager"):
         return model
+    if variant == AUTO:
+        return torch.compile(model, backend="ccfx", options={
+            "collective_codec": "auto", "link_gbps": (rate or 100.0) / 1000,
+            "link_shared": True})
     return torch.compile(model, backend="ccfx", options={
         "collective_codec": "none", "collective_overrides": OVERRIDES[variant]})
 
@@ -126,13 +133,31 @@ def _graphs() -> dict:
             "breaks": sum(counters["graph_break"].values())}
 
 
+def _predicted(compiled) -> dict | None:
+    """``auto``'s predicted step (forward + backward graphs; no optimizer step) and choices."""
+    import collections
+
+    import ccfx
+
+    try:
+        plan = ccfx.plan_of(compiled)
+    except Exception:  # noqa: BLE001 (another backend, or none)
+        return None
+    p = plan.graphs[0].prediction if plan.graphs else None
+    if p is None:
+        return None
+    chose = collections.Counter((c.kind, c.codec) for c in plan.collectives)
+    return {"uncompressed_s": p.uncompressed_s, "chosen_s": p.chosen_s,
+            "chose": ", ".join(f"{k} {c} x{n}" for (k, c), n in sorted(chose.items()))}
+
+
 def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 2,
-              seed: int = 0) -> dict:
+              seed: int = 0, rate: float | None = None) -> dict:
     """Warm up (compiles), barrier, time ``steps`` steps on a fixed random batch of this rank."""
     import torch.distributed as dist
 
     model = _shard(variant, seed, world)
-    compiled = _compile(model, variant)
+    compiled = _compile(model, variant, rate)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     g = torch.Generator().manual_seed(1000 * seed + rank)
     x = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g)
@@ -161,7 +186,8 @@ def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 
         _log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.4f}, {times[-1]:.3f} s")
     after = _wire_bytes(compiled)
     wire = None if before is None or after is None else (after - before) / steps
-    return {"times": times, "losses": losses, "wire_bytes": wire, "graphs": graphs}
+    return {"times": times, "losses": losses, "wire_bytes": wire, "graphs": graphs,
+            "predicted": _predicted(compiled)}
 
 
 def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> dict:
@@ -296,7 +322,7 @@ def run_time(variant: str, world: int, rate: float | None, steps: int, threads: 
     try:
         with shaped_namespace(rate) as ns:
             ranks = run_ranks("bench.sharded_dp", "time_rank", world,
-                              {"variant": variant, "steps": steps}, netns=ns,
+                              {"variant": variant, "steps": steps, "rate": rate}, netns=ns,
                               timeout_s=600 + 3 * link * (steps + 2), threads_per_rank=threads,
                               env=_CACHE_OFF, stall_s=240 + 3 * link)
     except (RankFailed, RankTimeout) as e:
@@ -305,7 +331,8 @@ def run_time(variant: str, world: int, rate: float | None, steps: int, threads: 
     return {"variant": variant, "status": "ok",
             "step_s": max(statistics.mean(r["times"]) for r in ranks),
             "wire_bytes": ranks[0]["wire_bytes"], "loss": ranks[0]["losses"][-1],
-            "graphs": ranks[0]["graphs"], "wall_s": time.perf_counter() - t0}
+            "graphs": ranks[0]["graphs"], "predicted": ranks[0].get("predicted"),
+            "wall_s": time.perf_counter() - t0}
 
 
 def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
@@ -322,6 +349,12 @@ def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
         ratios = [f"{b['step_s'] / r['step_s']:.2f}" if b else "-" for b in bases]
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 2**20:.2f}"
         out.append([r["variant"], f"{r['step_s']:.3f}", *ratios, wire, f"{r['loss']:.4f}"])
+        p = r.get("predicted")
+        if p:
+            notes.append(f"planner ({r['variant']}: {p['chose']}): predicted {p['chosen_s']:.3f} "
+                         f"s/step as chosen, measured {r['step_s']:.3f} "
+                         f"({p['chosen_s'] / r['step_s'] - 1:+.0%}); predicted "
+                         f"{p['uncompressed_s']:.3f} s uncompressed (no optimizer step)")
     return out, notes
 
 
