@@ -225,7 +225,8 @@ class Collectives:
             ranks = self.ranks_of(name) if _dist() is not None else None
             chosen, decisions, predicted = agree.from_rank0(
                 "collective_codec='auto' for a graph's collectives", question,
-                lambda mine=mine: plan_collective_codecs(gm, part, mine, self.config),
+                lambda mine=mine, ranks=ranks: plan_collective_codecs(
+                    gm, part, mine, self.config, ranks=ranks),
                 ranks=ranks, timeout_s=self.config.collective_timeout_s, hint=HINT)
             why = {int(d.what.split()[-1]): d.reason for d in decisions}
             out.update({i: (spec, why.get(i, "")) for i, spec in chosen.items()})

@@ -119,6 +119,11 @@ class Config:
         compresses it only where that is predicted faster: ``ccfx.explain`` says why). A
         collective a codec cannot carry (a max reduction, integer data, a group of one) runs
         unchanged, and the plan says why.
+    cluster: the devices and the links between them (``ccfx.Cluster``: a ``.toml`` / ``.json``
+        file's path, or the dict of ``Cluster.to_dict()``), rank r on its device r: ``auto``
+        prices each collective on the slowest link among its group's devices instead of
+        ``link_gbps`` (a TP group inside a node, a data-parallel group across nodes). Kept as
+        the canonical JSON of the description, so ranks agree whatever path they read it from.
     collective_overrides: codecs for some collectives, beating ``collective_codec``:
         ``{"reduce_scatter": "int4:ef", "all_gather": "int8", "collective 3": "none"}``, by
         kind or by the plan's index (``"collective N"``, in every graph); an index beats a
@@ -184,6 +189,7 @@ class Config:
     fragment_alpha: float = 0.0
     collective_codec: str = "none"
     collective_overrides: tuple[tuple[str, str], ...] | None = None
+    cluster: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
@@ -322,7 +328,8 @@ class Config:
                 raise ConfigError(f"link_gbps is the link's bandwidth in Gbit/s (0.1 for "
                                   f"100 Mbit/s), a positive number; got {self.link_gbps!r}")
             object.__setattr__(self, "link_gbps", float(self.link_gbps))
-        if self.uses_auto and self.link_gbps is None:
+        self._check_cluster()
+        if self.uses_auto and self.link_gbps is None and self.cluster is None:
             raise ConfigError("'auto' codecs need the link they will run on: give link_gbps "
                               "(Gbit/s, e.g. 0.1 for 100 Mbit/s) and link_latency_ms, e.g. "
                               "options={'activation_codec': 'auto', 'link_gbps': 0.1}")
@@ -418,6 +425,39 @@ class Config:
                 f"{h // self.fragments}: a fragment's sync must be merged before the next "
                 "fragment's starts")
 
+    def _check_cluster(self) -> None:
+        import json
+
+        given = self.cluster
+        if given is None:
+            return
+        from .planner.cluster import Cluster
+
+        if isinstance(given, dict):
+            cluster = Cluster.from_dict(given)
+        elif isinstance(given, str) and given.lstrip().startswith("{"):
+            try:
+                cluster = Cluster.from_dict(json.loads(given))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"cluster: {e}; give a file path or a dict") from None
+        elif isinstance(given, str):
+            cluster = Cluster.from_file(given)
+        else:
+            raise ConfigError(f"cluster = {given!r}: give the path of a .toml or .json cluster "
+                              "file, or a dict such as ccfx.Cluster.nodes(...).to_dict()")
+        object.__setattr__(self, "cluster",
+                           json.dumps(cluster.to_dict(), sort_keys=True, separators=(",", ":")))
+
+    def cluster_description(self):
+        """The :class:`ccfx.Cluster` of the ``cluster`` option (None without one)."""
+        import json
+
+        if self.cluster is None:
+            return None
+        from .planner.cluster import Cluster
+
+        return Cluster.from_dict(json.loads(self.cluster))
+
     @classmethod
     def keys(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -488,6 +528,10 @@ class Config:
         for key in ("auto_candidates", "gradient_codec_stages"):
             if d[key] is not None:
                 d[key] = list(d[key])
+        if d["cluster"] is not None:
+            import json
+
+            d["cluster"] = json.loads(d["cluster"])
         return d
 
     def replace(self, **changes) -> Config:

@@ -8,11 +8,16 @@ uses, exercised by the 2-rank tests in test_collectives_pass.py."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import ccfx
 from ccfx import Config
+from ccfx.errors import ConfigError
 from ccfx.planner.codec_cost import CodecTimer
 from ccfx.planner.collective_model import (
     CollectiveTraffic,
@@ -168,3 +173,38 @@ def test_the_compute_between_issue_and_wait_is_the_overlap():
     assert codecs_ == {0: "none"} and "hidden" in decisions[0].reason
     assert predicted.uncompressed_s == pytest.approx(predicted.chosen_s)
     assert predicted.uncompressed_s >= flops_between / 1e9
+
+
+def test_with_a_cluster_each_group_is_priced_on_the_slowest_link_among_its_devices():
+    # two nodes of two devices: 100 Gbit/s inside a node, 100 kbit/s between them
+    cluster = ccfx.Cluster.nodes(2, 2, intra=(100.0, 0.01), inter=(0.0001, 1.0),
+                                 memory="16GiB")
+    cfg = Config(collective_codec="auto", cluster=cluster.to_dict())
+    F = torch.ops._c10d_functional
+
+    def fn(x):
+        return F.wait_tensor(F.all_reduce(x, "sum", "fake")) * 2
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(64, 512))
+    names = [n.name for n in gm.graph.nodes]
+    c = GraphCollective(0, all_reduce(64, 512), next(n for n in names if "all_reduce" in n),
+                        next(n for n in names if "wait" in n))
+    plan = functools.partial(plan_collective_codecs, gm, "forward", [c], cfg,
+                             timer=FAST_CODEC, rate=(1e12, 0.0))
+    inside, _, p_in = plan(ranks=(0, 1))  # one node: NVLink-like, raw pays
+    across, _, p_across = plan(ranks=(0, 2))  # two nodes: the slow link, compress
+    assert inside == {0: "none"} and across == {0: "int8"}
+    assert "100 Gbit/s" in p_in.link and "0.0001 Gbit/s" in p_across.link
+    with pytest.raises(ConfigError, match="describes 4 devices"):
+        plan(ranks=(0, 4))
+
+
+def test_the_cluster_option_reads_a_file_and_keeps_the_description():
+    example = Path(__file__).parents[1] / "examples" / "cluster.toml"
+    cfg = Config(collective_codec="auto", cluster=str(example))  # no link_gbps
+    assert cfg.cluster_description().world == 10
+    assert Config.from_options(cfg.to_dict()) == cfg  # the description, not the path
+    with pytest.raises(ConfigError, match="cannot read"):
+        Config(cluster="no/such/cluster.toml")
+    with pytest.raises(ConfigError, match="give the path"):
+        Config(cluster=3)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import ccfx
 from ccfx import Config
 from ccfx.errors import ConfigError
 from ccfx.passes.compress_collectives import Rewrite, compress_collectives, find_collectives
@@ -279,6 +280,9 @@ def two():
         # ~10x its codec time) and on a 100 Gbit/s one (latency and codec time dominate: raw)
         scenario("auto slow", w.tp_plan, "auto", {}, link_gbps=0.0001),
         scenario("auto fast", w.tp_plan, "auto", {}, link_gbps=100.0),
+        # the link from a cluster description instead of link_gbps: 2 devices, 100 kbit/s
+        scenario("auto cluster", w.tp_plan, "auto", {}, cluster=ccfx.Cluster.homogeneous(
+            2, 0.0001, 0.05, "1GiB").to_dict()),
     ], timeout_s=400)
 
 
@@ -459,3 +463,11 @@ def test_without_a_collective_codec_no_rank_waits_for_a_peer_at_compile_time(two
     want = torch.full((4, 8), 2.0 * (1 + 2) + 1)  # sum over ranks of 2 (rank + 1), plus 1
     assert torch.equal(r0["out"], want) and torch.equal(r1["out"], want)
     assert r0["elapsed"] < 25  # compile time; a wait at an agreement would run to 30 s
+
+
+@pytest.mark.slow
+def test_auto_prices_a_group_on_its_link_in_the_cluster_description(two):
+    r0, r1 = two["auto cluster"]
+    assert r0["plan"] == r1["plan"]
+    assert r0["plan"][0]["codec"] == "int8"  # the forward all-reduce
+    assert "0.0001 Gbit/s" in r0["prediction"]["link"]

@@ -17,8 +17,10 @@ import torch.fx
 
 from ..config import Config
 from ..cost import evaluate, node_flops
+from ..errors import ConfigError
 from ..plan import Decision, Prediction
 from ..wire.collectives import CollectiveCall
+from ..wire.link import Link
 from .candidates import candidates
 from .codec_cost import CodecTimer
 from .collective_model import CollectiveTraffic, choose_collective_codecs, prediction
@@ -57,13 +59,28 @@ def _within_all(roles: Sequence[str], config: Config) -> list[str]:
     return [s for s in pools[0] if all(s in p for p in pools[1:])]
 
 
+def link_for(config: Config, ranks: Sequence[int] | None) -> Link:
+    """The link a collective over ``ranks`` (global ranks) crosses: with the ``cluster``
+    option, the slowest link among those ranks' devices (rank r on device r); else the
+    ``link_gbps`` link."""
+    cluster = config.cluster_description()
+    if cluster is None or not ranks:
+        return link_of(config)
+    if max(ranks) >= cluster.world:
+        raise ConfigError(f"cluster describes {cluster.world} devices, but a group holds rank "
+                          f"{max(ranks)}: describe every rank's device (rank r runs on the "
+                          "cluster's device r)")
+    return cluster.slowest_link(list(ranks))
+
+
 def plan_collective_codecs(gm: torch.fx.GraphModule, part: str,
                            collectives: Sequence[GraphCollective], config: Config, *,
                            timer: CodecTimer | None = None,
-                           rate: tuple[float, float] | None = None
+                           rate: tuple[float, float] | None = None,
+                           ranks: Sequence[int] | None = None
                            ) -> tuple[dict[int, str], list[Decision], Prediction]:
-    """A codec for each of ``collectives`` (the graph's collectives whose option is "auto"),
-    the decisions and the predicted time of the ``part`` graph."""
+    """A codec for each of ``collectives`` (the graph's collectives whose option is "auto",
+    on one group: ``ranks``), the decisions and the predicted time of the ``part`` graph."""
     flops_per_s, op_s = rate or machine_rate()
     nodes = list(gm.graph.nodes)
     pos = {n.name: i for i, n in enumerate(nodes)}
@@ -73,7 +90,7 @@ def plan_collective_codecs(gm: torch.fx.GraphModule, part: str,
                                  c.backend)
                for c in collectives]
     pool: Mapping[int, Sequence[str]] = {t.index: _within_all(t.roles, config) for t in traffic}
-    link = link_of(config)
+    link = link_for(config, ranks)
     choice = choose_collective_codecs(traffic, compute_s, pool, link, timer=timer,
                                       min_gain=config.auto_min_gain)
     compute = (f"the {part} graph's FLOPs at {flops_per_s:.3g} FLOP/s plus {op_s * 1e6:.1f} us "
