@@ -29,6 +29,8 @@ from torch import nn
 
 import ccfx
 
+from . import ranks
+
 #: Tokens per rank and hidden size.
 TOKENS, HIDDEN = 8, 16
 #: caps[r][j]: tokens rank r sends to expert j: rank 0 sends all 8 to expert 0 (a split of 0
@@ -163,13 +165,7 @@ def train(rank, world, codec, steps):
                              options={"lowering": "eager", "collective_codec": codec})
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x, target = _inputs(rank)
-    losses = []
-    for _ in range(steps):
-        loss = (compiled(x) - target).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = ranks.train(lambda _: (compiled(x) - target).square().mean(), opt, range(steps))
     return {"losses": losses, "plan": _plan(compiled)}
 
 
@@ -231,15 +227,14 @@ def train_counted(rank, world, codec, steps):
                              options={"lowering": "eager", "collective_codec": codec})
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x, target = _inputs(rank)
-    losses, counts = [], []
+    counts = []
+
+    def step_loss(_):
+        with torch.no_grad():
+            idx = model.router(model.proj(x)).argmax(-1)
+        counts.append(torch.bincount(idx, minlength=world).tolist())
+        return (compiled(x) - target).square().mean()
+
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        for _ in range(steps):
-            with torch.no_grad():
-                idx = model.router(model.proj(x)).argmax(-1)
-            counts.append(torch.bincount(idx, minlength=world).tolist())
-            loss = (compiled(x) - target).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = ranks.train(step_loss, opt, range(steps))
     return {"losses": losses, "counts": counts, "plan": _plan(compiled)}
