@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,79 @@ def shaped_namespace(rate_mbit: float | None, burst: str = "256kb",
         _run(["ip", "netns", "del", name])
 
 
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """Two "nodes": network namespaces joined by a shaped veth pair (see :func:`two_nodes`).
+    ``namespaces[i]`` holds node i's end of the pair, ``interfaces[i]``, at ``addresses[i]``."""
+
+    namespaces: tuple[str, str]
+    interfaces: tuple[str, str]
+    addresses: tuple[str, str]
+
+    def launch(self, node_of_rank: Sequence[int]) -> tuple[list[str], list[dict[str, str]]]:
+        """Each rank's namespace and environment when rank r runs on node ``node_of_rank[r]``:
+        gloo binds the node's veth address (traffic inside a node then goes over that
+        namespace's loopback, fast; across, over the shaped pair) and every rank meets rank
+        0's node at its address."""
+        master = self.addresses[node_of_rank[0]]
+        return ([self.namespaces[n] for n in node_of_rank],
+                [{"GLOO_SOCKET_IFNAME": self.interfaces[n], "MASTER_ADDR": master,
+                  "TP_SOCKET_IFNAME": self.interfaces[n]} for n in node_of_rank])
+
+
+@contextlib.contextmanager
+def two_nodes(rate_mbit: float | None, delay_ms: float = 0.0, burst: str = "64kb",
+              latency: str = "400ms") -> Iterator[Nodes]:
+    """Two fresh namespaces joined by a veth pair whose every direction is limited to
+    ``rate_mbit`` (tbf) and delayed by ``delay_ms`` one way (netem), DESIGN.md's heterogeneous
+    harness: ranks of one namespace talk over its own loopback (fast), ranks of different ones
+    over the pair. Both are deleted on exit (the veth pair goes with them).
+
+    Measured here at ``rate_mbit=50``: 48.1 Mbit/s across, 34 Gbit/s inside, round trips 0.05 ms.
+    ``delay_ms`` needs the kernel's netem qdisc, which these VMs lack ("Specified qdisc kind is
+    unknown"): a delay is then a :class:`ShapingUnavailable`, and latency is left to the
+    planner's model (``Link.latency_ms``)."""
+    _check_tools(need_tc=rate_mbit is not None or delay_ms > 0)
+    remove_stale_namespaces()
+    k = next(_ns_counter)
+    names = (f"{NS_PREFIX}{os.getpid()}-{k}", f"{NS_PREFIX}{os.getpid()}-{next(_ns_counter)}")
+    ifaces = (f"cxa{os.getpid() % 100000}{k}"[:15], f"cxb{os.getpid() % 100000}{k}"[:15])
+    addrs = (f"10.77.{k % 250}.1", f"10.77.{k % 250}.2")
+    made = []
+    try:
+        for name in names:
+            r = _run(["ip", "netns", "add", name])
+            if r.returncode != 0:
+                raise ShapingUnavailable(f"`ip netns add {name}` failed: {r.stderr.strip()}; "
+                                         "network namespaces need root with CAP_SYS_ADMIN")
+            made.append(name)
+        steps = [["ip", "link", "add", ifaces[0], "type", "veth", "peer", "name", ifaces[1]]]
+        for name, iface, addr in zip(names, ifaces, addrs):
+            steps += [["ip", "link", "set", iface, "netns", name],
+                      ["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", iface],
+                      ["ip", "-n", name, "link", "set", iface, "up"],
+                      ["ip", "-n", name, "link", "set", "lo", "up"]]
+            parent = ["root"]
+            if delay_ms > 0:
+                steps.append(["tc", "-n", name, "qdisc", "add", "dev", iface, "root", "handle",
+                              "1:", "netem", "delay", f"{delay_ms:g}ms", "limit", "100000"])
+                parent = ["parent", "1:1"]
+            if rate_mbit is not None:
+                steps.append(["tc", "-n", name, "qdisc", "add", "dev", iface, *parent, "handle",
+                              "10:", "tbf", "rate", f"{rate_mbit:g}mbit", "burst", burst,
+                              "latency", latency])
+        for cmd in steps:
+            r = _run(cmd)
+            if r.returncode != 0:
+                raise ShapingUnavailable(f"`{' '.join(cmd)}` failed: {r.stderr.strip()} (veth, "
+                                         "netem and tbf need CAP_NET_ADMIN and the sch_netem / "
+                                         "sch_tbf kernel modules)")
+        yield Nodes(names, ifaces, addrs)
+    finally:
+        for name in made:
+            _run(["ip", "netns", "del", name])
+
+
 def exit_cleanly_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so that ``finally`` blocks (namespace deletion, killing the
     ranks) run when a benchmark is stopped by ``kill`` or a timeout, not only by Ctrl-C."""
@@ -224,9 +298,11 @@ class _Progress:
         return None
 
 
-def run_ranks(module: str, func: str, world_size: int, args_json: dict, *, netns: str | None,
-              timeout_s: float, threads_per_rank: int = 1, env: dict[str, str] | None = None,
-              grace_s: float = 10.0, stall_s: float | None = None) -> list[dict]:
+def run_ranks(module: str, func: str, world_size: int, args_json: dict, *,
+              netns: str | Sequence[str] | None, timeout_s: float, threads_per_rank: int = 1,
+              env: dict[str, str] | None = None, grace_s: float = 10.0,
+              stall_s: float | None = None,
+              rank_env: Sequence[dict[str, str]] | None = None) -> list[dict]:
     """Run ``module.func(rank, world_size, **args_json)`` on ``world_size`` gloo ranks started by
     ccfx's ``spawn`` (inside ``netns`` when given: each rank's Python is started under ``ip netns
     exec``), and return their results in rank order, as JSON gives them back.
@@ -237,16 +313,18 @@ def run_ranks(module: str, func: str, world_size: int, args_json: dict, *, netns
     traceback, or its log's tail when it died in C++) or RankTimeout (naming the ranks that had
     not finished after ``timeout_s``, or, with ``stall_s``, as soon as no rank has written to
     stdout/stderr for that long), with the stuck ranks' Python stacks; all ranks are killed in
-    every case."""
+    every case. ``netns`` may name one namespace per rank and ``rank_env`` give each rank its own
+    entries (:meth:`Nodes.launch`: ranks of two "nodes")."""
     threads = str(threads_per_rank)
-    rank_env = {**(env or {}), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+    base_env = {**(env or {}), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                 "CCFX_RANK_THREADS": threads}
     with tempfile.TemporaryDirectory(prefix="ccfx-bench-ranks-") as tmp:
         logs = [Path(tmp, f"rank{r}.log") for r in range(world_size)]
         try:
             return spawn(_rank, world_size, (module, func, args_json, [str(lg) for lg in logs]),
                          timeout_s=timeout_s, grace_s=grace_s, pg_timeout_s=timeout_s,
-                         env=rank_env, prefix=["ip", "netns", "exec", netns] if netns else (),
+                         env=base_env, prefix=_prefix(netns),
+                         rank_env=(lambda r: rank_env[r]) if rank_env else None,
                          watch=_Progress(logs, stall_s))
         except LaunchFailed as e:
             details = str(e)
@@ -264,30 +342,50 @@ def run_ranks(module: str, func: str, world_size: int, args_json: dict, *, netns
             raise RankTimeout(reason, f"{stacks}\n{tails}") from None
 
 
+def _prefix(netns: str | Sequence[str] | None):
+    if not netns:
+        return ()
+    if isinstance(netns, str):
+        return ["ip", "netns", "exec", netns]
+    return lambda r: ["ip", "netns", "exec", netns[r]]
+
+
 # ---------------------------------------------------------------------------------------------
 # Self-check: socket throughput between two ranks.
 
 
 def socket_probe(rank: int, world_size: int, nbytes: int) -> dict:
-    """Rank 1 sends ``nbytes`` over a plain TCP socket to rank 0 on 127.0.0.1; rank 0 times from
-    the first byte to the last. The port is rank 0's, shared through the gloo group."""
+    """Rank 1 sends ``nbytes`` over a plain TCP socket to rank 0 (at MASTER_ADDR: 127.0.0.1, or
+    its node's address); rank 0 times from the first byte to the last, after timing ten 1-byte
+    round trips (``rtt_ms``, their median). The port is rank 0's, shared through the group."""
     import torch.distributed as dist
 
     assert world_size == 2, "the socket probe runs on exactly 2 ranks"
     box: list = [None]
     if rank == 0:
-        srv = socket.create_server(("127.0.0.1", 0))
+        srv = socket.create_server((os.environ.get("MASTER_ADDR", "127.0.0.1"), 0))
         box = [srv.getsockname()[1]]
     dist.broadcast_object_list(box, src=0)
     if rank == 1:
         chunk = b"\0" * (1 << 20)
-        with socket.create_connection(("127.0.0.1", box[0])) as s:
+        with socket.create_connection((os.environ.get("MASTER_ADDR", "127.0.0.1"), box[0])) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(10):
+                s.sendall(b"p")
+                s.recv(1)
             left = nbytes
             while left > 0:
                 s.sendall(chunk[:min(left, len(chunk))])
                 left -= min(left, len(chunk))
         return {"sent": nbytes}
     conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts, t = [], time.perf_counter()
+    for _ in range(10):
+        conn.recv(1)
+        rtts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        conn.sendall(b"p")
     got, t0 = 0, None
     with conn, srv:
         while got < nbytes:
@@ -297,7 +395,8 @@ def socket_probe(rank: int, world_size: int, nbytes: int) -> dict:
             t0 = t0 or time.perf_counter()
             got += len(data)
     secs = time.perf_counter() - t0
-    return {"received": got, "seconds": secs, "mbit_s": got * 8 / secs / 1e6}
+    return {"received": got, "seconds": secs, "mbit_s": got * 8 / secs / 1e6,
+            "rtt_ms": sorted(rtts[1:])[len(rtts[1:]) // 2] * 1e3}
 
 
 def selftest(rates: list[float | None]) -> None:
@@ -314,13 +413,31 @@ def selftest(rates: list[float | None]) -> None:
               f"({got['received'] / 1e6:.0f} MB in {got['seconds']:.2f} s)", flush=True)
 
 
+def selftest_two_nodes(rate: float, delay_ms: float) -> None:
+    """Throughput and round trip between two ranks on different "nodes", then on one."""
+    nbytes = int(rate * 1e6 / 8 * 2)
+    with two_nodes(rate, delay_ms) as nodes:
+        for label, placement, n in (("across", [0, 1], nbytes), ("inside", [0, 0], 1 << 30)):
+            netns, env = nodes.launch(placement)
+            got = run_ranks("bench.shaped", "socket_probe", 2, {"nbytes": n}, netns=netns,
+                            rank_env=env, timeout_s=120)[0]
+            print(f"{label:>7} (rate {rate:g}mbit, delay {delay_ms:g} ms): {got['mbit_s']:9.1f} "
+                  f"Mbit/s, round trip {got['rtt_ms']:.2f} ms", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--selftest", action="store_true",
                     help="measure socket throughput between two ranks, shaped and unshaped")
     ap.add_argument("--rates", nargs="+", default=["100", "none"],
                     help="selftest rates in Mbit/s; 'none' for unshaped (default: 100 none)")
+    ap.add_argument("--two-nodes", nargs=2, type=float, metavar=("MBIT", "DELAY_MS"),
+                    help="selftest two namespaces joined by a shaped veth pair instead")
     a = ap.parse_args(argv)
+    if a.selftest and a.two_nodes:
+        exit_cleanly_on_sigterm()
+        selftest_two_nodes(*a.two_nodes)
+        return 0
     if a.selftest:
         exit_cleanly_on_sigterm()
         selftest([None if r.lower() == "none" else float(r) for r in a.rates])

@@ -54,8 +54,10 @@ def free_port() -> int:
 
 def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results, stacks):
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # MASTER_ADDR stays the caller's when given (ranks in network namespaces reach rank 0 at an
+    # address the benchmark assigned there); the rest is this launcher's.
+    os.environ.update(MASTER_ADDR=env.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # A compile cache per rank: ranks on one machine otherwise share torch's cache directory,
     # Dynamo's profile-guided shape state (written by one rank while the other compiles)
     # included, and the same model can then compile differently on two ranks.
@@ -93,14 +95,19 @@ def _child(fn, rank, world_size, port, args, env, pg_timeout_s, results, stacks)
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
           timeout_s: float = 300.0, grace_s: float = 10.0, pg_timeout_s: float = 60.0,
-          env: dict[str, str] | None = None, prefix: Sequence[str] = (),
+          env: dict[str, str] | None = None,
+          prefix: Sequence[str] | Callable[[int], Sequence[str]] = (),
+          rank_env: Callable[[int], dict[str, str]] | None = None,
           watch: Callable[[], str | None] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their return values,
     in rank order. ``fn`` and ``args`` must be picklable (a module-level function).
     ``pg_timeout_s`` bounds every collective of the default group; ``env`` is added to each
     rank's environment (``CCFX_RANK_THREADS``: torch threads per rank, default 1).
     ``prefix``: a command each rank's Python is started under (``["ip", "netns", "exec",
-    name]``: a process joins a network namespace only when it starts). ``watch``: called about
+    name]``: a process joins a network namespace only when it starts), or a function of the rank
+    giving each its own (ranks of two "nodes" in two namespaces). ``rank_env``: a function of
+    the rank giving environment entries for that rank alone (on top of ``env``; a
+    ``MASTER_ADDR`` there replaces 127.0.0.1). ``watch``: called about
     once a second while no rank has failed; a string it returns stops the ranks and raises
     :class:`RankTimeout` with it (a benchmark's check that its ranks still make progress)."""
     import multiprocessing as mp
@@ -113,23 +120,28 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
     tmp = tempfile.TemporaryDirectory(prefix="ccfx-ranks-")
     stacks = [os.path.join(tmp.name, f"rank{r}.stack") for r in range(world_size)]
     procs = [ctx.Process(target=_child, daemon=True,
-                         args=(fn, r, world_size, port, tuple(args), dict(env or {}),
+                         args=(fn, r, world_size, port, tuple(args),
+                               {**(env or {}), **(rank_env(r) if rank_env else {})},
                                pg_timeout_s, results, stacks[r]))
              for r in range(world_size)]
     executable = mp_spawn.get_executable()
-    if prefix:  # multiprocessing starts its "executable": a script that execs Python under prefix
-        resource_tracker.ensure_running()  # started now, outside the prefix
-        python = os.path.join(tmp.name, "python")
-        with open(python, "w") as f:
-            f.write(f"#!/bin/sh\nexec {shlex.join([*prefix, os.fsdecode(executable)])} \"$@\"\n")
-        os.chmod(python, 0o755)
-        ctx.set_executable(python)
+    prefix_of = prefix if callable(prefix) else (lambda r: prefix)
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
+            # multiprocessing starts its "executable": a script that execs Python under prefix
+            rank_prefix = list(prefix_of(r))
+            if rank_prefix:
+                resource_tracker.ensure_running()  # started now, outside the prefix
+                python = os.path.join(tmp.name, f"python{r}")
+                with open(python, "w") as f:
+                    f.write(f"#!/bin/sh\nexec {shlex.join([*rank_prefix, os.fsdecode(executable)])}"
+                            ' "$@"\n')
+                os.chmod(python, 0o755)
+                ctx.set_executable(python)
             p.start()
-    finally:
-        if prefix:
             ctx.set_executable(executable)
+    finally:
+        ctx.set_executable(executable)
     done: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     errors: dict[int, tuple[float, str]] = {}  # rank → (when it failed, why)
