@@ -124,6 +124,12 @@ class Config:
         prices each collective on the slowest link among its group's devices instead of
         ``link_gbps`` (a TP group inside a node, a data-parallel group across nodes). Kept as
         the canonical JSON of the description, so ranks agree whatever path they read it from.
+        With ``cluster``, ``auto`` also prices each pipeline hop on the link between its two
+        stages' devices and each data-parallel group's buckets on its slowest link.
+    placement: with ``cluster``, the device of each rank (``placement[r]``: a device's name or
+        index), where rank r does not run on device r; in the single-process simulation, the
+        device of each stage. Under PP × DP ranks count as a ``("dp", "pp")`` DeviceMesh does:
+        replica d's stage s is rank ``d × stages + s``. Kept as device indices.
     collective_overrides: codecs for some collectives, beating ``collective_codec``:
         ``{"reduce_scatter": "int4:ef", "all_gather": "int8", "collective 3": "none"}``, by
         kind or by the plan's index (``"collective N"``, in every graph); an index beats a
@@ -190,6 +196,7 @@ class Config:
     collective_codec: str = "none"
     collective_overrides: tuple[tuple[str, str], ...] | None = None
     cluster: str | None = None
+    placement: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
@@ -430,6 +437,7 @@ class Config:
 
         given = self.cluster
         if given is None:
+            self._check_placement(None)
             return
         from .planner.cluster import Cluster
 
@@ -447,6 +455,30 @@ class Config:
                               "file, or a dict such as ccfx.Cluster.nodes(...).to_dict()")
         object.__setattr__(self, "cluster",
                            json.dumps(cluster.to_dict(), sort_keys=True, separators=(",", ":")))
+        self._check_placement(cluster)
+
+    def _check_placement(self, cluster=None) -> None:
+        """``placement``: one distinct device of ``cluster`` per rank, kept as indices."""
+        given = self.placement
+        if given is None:
+            return
+        if cluster is None:
+            raise ConfigError("placement maps ranks to the devices of a cluster: give the "
+                              "cluster option too (a ccfx.Cluster's file or dict)")
+        if isinstance(given, (str, int)) or not isinstance(given, (list, tuple)) or not given:
+            raise ConfigError(f"placement = {given!r}: give a list with a device (name or "
+                              "index in the cluster) per rank, e.g. ['n0.d0', 'n1.d0']")
+        out = []
+        for r, device in enumerate(given):
+            try:
+                out.append(cluster.index(device))
+            except ConfigError as e:
+                raise ConfigError(f"placement[{r}]: {e}") from None
+        if len(set(out)) != len(out):
+            twice = next(d for d in out if out.count(d) > 1)
+            raise ConfigError(f"placement puts two ranks on device {cluster.names[twice]!r}: "
+                              "give every rank its own device")
+        object.__setattr__(self, "placement", tuple(out))
 
     def cluster_description(self):
         """The :class:`ccfx.Cluster` of the ``cluster`` option (None without one)."""
@@ -525,7 +557,7 @@ class Config:
         for key in ("codec_overrides", "collective_overrides"):
             if d[key] is not None:
                 d[key] = dict(d[key])
-        for key in ("auto_candidates", "gradient_codec_stages"):
+        for key in ("auto_candidates", "gradient_codec_stages", "placement"):
             if d[key] is not None:
                 d[key] = list(d[key])
         if d["cluster"] is not None:
