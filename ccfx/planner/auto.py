@@ -39,28 +39,40 @@ class PipelineDecisions:
 
 
 def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float = 0.02,
-                           passes: int = 2) -> PipelineDecisions:
+                           passes: int = 2,
+                           steps_multiplier: Callable[[dict], float] | None = None,
+                           ) -> PipelineDecisions:
     """The codec of every edge and direction of ``model``; ``pool(edge, "fwd" | "bwd")`` lists
-    its candidates (one spec: fixed by the options, not searched)."""
+    its candidates (one spec: fixed by the options, not searched).
+
+    ``steps_multiplier(choice)``, when given (``objective="time_to_loss"``,
+    :mod:`ccfx.planner.steps_model`), is how many more steps than uncompressed a choice needs
+    to reach the loss target: candidates are then compared on T = multiplier × step, the time
+    to the target, and every table holds T (uncompressed's multiplier is 1)."""
+    def score(c) -> float:
+        step = model.predict(c).step_s
+        return step * steps_multiplier(c) if steps_multiplier is not None else step
+
     choice = {e.index: (pool(e, "fwd")[0], pool(e, "bwd")[0]) for e in model.edges}
     searched = [(e, d, _usable(pool(e, d), e.dtype)) for e in model.edges for d in ("fwd", "bwd")
                 if len(pool(e, d)) > 1 and (d == "fwd" or e.requires_grad)]
     for e, d, _ in searched:
         choice[e.index] = _set(choice[e.index], d, "none")
     base = model.predict(choice)
+    base_s = score(choice)
     # Start from the best uniform choice (one codec wherever it is a candidate): on a link per
     # direction the step waits for the slower one, so compressing one direction alone can look
     # worthless when compressing both is not; the descent then refines edge by edge.
-    start, start_s = dict(choice), base.step_s
+    start, start_s = dict(choice), base_s
     for spec in {s for _, _, specs in searched for s in specs} - {"none"}:
         trial = dict(choice)
         for e, d, specs in searched:
             if spec in specs:
                 trial[e.index] = _set(trial[e.index], d, spec)
-        t = model.predict(trial).step_s
+        t = score(trial)
         if t < start_s:
             start, start_s = trial, t
-    if start_s < base.step_s * (1 - min_gain):
+    if start_s < base_s * (1 - min_gain):
         choice = start
     tables: dict[tuple[int, str], list[tuple[str, float]]] = {}
     for _ in range(passes):
@@ -69,11 +81,11 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
             for spec in specs:
                 trial = dict(choice)
                 trial[e.index] = _set(trial[e.index], d, spec)
-                table.append((spec, model.predict(trial).step_s))
+                table.append((spec, score(trial)))
             table.sort(key=lambda t: t[1])
             tables[(e.index, d)] = table
             choice[e.index] = _set(choice[e.index], d, _winner(table, min_gain))
-    if model.predict(choice).step_s >= base.step_s * (1 - min_gain):
+    if score(choice) >= base_s * (1 - min_gain):
         # all together the lossy codecs do not buy min_gain: send everything raw
         for e, d, _ in searched:
             choice[e.index] = _set(choice[e.index], d, "none")
