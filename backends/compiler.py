@@ -196,12 +196,17 @@ class CcfxBackend:
         from ccfx.wire.agree import from_rank0
 
         num_stages = 1 + max((stage_of(n) or 0 for n in gm.graph.nodes), default=0)
+        import torch.distributed as dist
+
+        # with a cluster, where the stages sit follows from the world (plan_edges.pipeline_shape)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         # keyed by the graph and the options, never by how many models this rank compiled:
         # an extra model compiled on rank 0 asks another question, or this one (same graph,
         # same options: the same answer)
         return from_rank0(
             "activation_codec='auto' for a graph's cut edges", desc,
-            lambda: plan_edge_codecs(gm, cfg, num_stages), timeout_s=cfg.collective_timeout_s,
+            lambda: plan_edge_codecs(gm, cfg, num_stages, world),
+            timeout_s=cfg.collective_timeout_s,
             hint="Every rank must compile the same model with the same ccfx options.")
 
     def stage_gradient_codecs(self, parent: torch.fx.GraphModule, dp_group=None,
@@ -232,7 +237,7 @@ class CcfxBackend:
         chosen, decisions = from_rank0(
             "gradient_codec='auto' for pipeline stages",
             {"graph": self.graphs[graph].desc, "shapes": shapes, "dp_world": dp_world},
-            lambda: plan_stage_codecs(self.plan, cfg, dp_world, shapes),
+            lambda: plan_stage_codecs(self.plan, cfg, dp_world, shapes, dist.get_world_size()),
             timeout_s=cfg.collective_timeout_s,
             hint="Every rank must build the stages of the same model with the same options.")
         g = self.graphs[graph].plan

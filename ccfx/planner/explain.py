@@ -96,7 +96,12 @@ def _graph(g: GraphPlan, plan: Plan) -> list[str]:
     if p is not None:
         steps = (f"{p.schedule}, {p.microbatches} microbatches per step"
                  if p.schedule in ("1F1B", "GPipe") else p.schedule)
-        out.append(f"  assumed: {steps}; link {p.link}; compute from {p.compute}")
+        if p.link.startswith("hop "):  # a cluster: a link per hop (plan_edges)
+            out.append(f"  assumed: {steps}; compute from {p.compute}")
+            out.append("  links, per hop (from the cluster option):")
+            out += [f"    {hop}" for hop in p.link.split("; ")]
+        else:
+            out.append(f"  assumed: {steps}; link {p.link}; compute from {p.compute}")
         gain = 1 - p.chosen_s / p.uncompressed_s if p.uncompressed_s else 0.0
         out.append(f"  predicted step: {p.uncompressed_s:.4g} s uncompressed -> "
                    f"{p.chosen_s:.4g} s with these choices ({gain:.0%} faster)")

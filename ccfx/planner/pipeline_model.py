@@ -6,16 +6,30 @@ Inputs are the facts the plan already holds plus three measurements:
   stage's FLOPs and the machine's measured throughput, or from a timed profile);
 * per cut edge, the tensor that crosses (:class:`EdgeTraffic`: shape, dtype, hops, whether a
   gradient comes back);
-* the link (:class:`~ccfx.wire.link.Link`) and each codec's encode / decode seconds and
+* the links (:class:`~ccfx.wire.link.Link`) and each codec's encode / decode seconds and
   payload bytes at the tensor's size (:class:`~ccfx.planner.codec_cost.CodecTimer`).
 
 :meth:`PipelineModel.predict` turns a codec choice per edge and direction into per-stage costs
 and per-message bytes and runs the schedule simulator: the prediction is the simulated step.
+
+**Links per hop.** ``PipelineModel(compute, edges, link)`` prices every hop on one ``link``;
+give a sequence instead, ``[link_0, ..., link_{n-2}]`` (``link_s`` joins stages s and s+1,
+both directions), and each hop is priced on its own. From a cluster::
+
+    from ccfx.planner.links import hop_links
+    priced = hop_links(cluster, num_stages, replicas=dp, placement=devices)  # PricedLink each
+    model = PipelineModel(compute, edges, [p.link for p in priced])
+
+(:func:`ccfx.planner.links.hop_links`: stage s of replica d on device ``placement[d × P + s]``,
+NIC contention already in the bandwidth; ``p.describe()`` says which link and why.) Tied
+parameters' gradient sums are priced on ``group_link(stages)``; by default the slowest hop
+link between the first and the last stage that holds one. Everything here is pure (no
+``torch.distributed``): the layout search calls it for every layout it weighs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +37,7 @@ import torch
 from ..wire.link import Link
 from ..wire.schedules import Message, StageCost, epilogue_backwards
 from .codec_cost import CodecCost, CodecTimer
-from .schedule import Timeline, simulate
+from .schedule import Timeline, hop_links, simulate
 
 
 @dataclass(frozen=True)
@@ -68,14 +82,24 @@ class PipelinePrediction:
 
 
 class PipelineModel:
-    def __init__(self, compute: Sequence[StageCompute], edges: Sequence[EdgeTraffic], link: Link,
-                 *, schedule: str = "1F1B", microbatches: int = 8,
-                 timer: CodecTimer | None = None, epilogue_only: bool = False,
+    """``link``: one :class:`Link` for every hop, or one per hop (``link[s]`` joins stages s
+    and s+1): the module's docstring."""
+
+    def __init__(self, compute: Sequence[StageCompute], edges: Sequence[EdgeTraffic],
+                 link: Link | Sequence[Link], *, schedule: str = "1F1B",
+                 microbatches: int = 8, timer: CodecTimer | None = None,
+                 epilogue_only: bool = False,
                  shared: Sequence[tuple[tuple[int, ...], int]] = (),
-                 tail_s: Sequence[float] = ()):
+                 tail_s: Sequence[float] = (),
+                 group_link: Callable[[tuple[int, ...]], Link] | None = None):
         self.compute = list(compute)
         self.edges = list(edges)
-        self.link = link
+        #: per hop s → s+1, the link it is priced on
+        self.links = hop_links(link, len(self.compute))
+        #: the one link (or, per hop, the slowest): what a one-line description names
+        self.link = link if isinstance(link, Link) else min(
+            self.links, key=lambda x: (x.gbps, -x.latency_ms), default=None)
+        self.group_link = group_link
         self.schedule = schedule
         self.microbatches = microbatches
         self.timer = timer or CodecTimer()
@@ -137,17 +161,28 @@ class PipelineModel:
                 return raw_size.get(m.hop, 0)
             return size.get((m.kind, m.hop), 0)
 
-        timeline = simulate(self.schedule, stages, self.microbatches, nbytes, self.link)
+        timeline = simulate(self.schedule, stages, self.microbatches, nbytes, self.links)
         end = list(timeline.end_s)
         for holders, size in self.shared:  # the tied-weight all-reduce after the step
             k = len(holders)
-            moved = 2 * (k - 1) / k * size * (k if self.link.shared else 1)
-            done = max(end[s] for s in holders) + self.link.seconds(moved)
+            link = self.link_of_group(tuple(holders))
+            moved = 2 * (k - 1) / k * size * (k if link.shared else 1)
+            done = max(end[s] for s in holders) + link.seconds(moved)
             for s in holders:
                 end[s] = done
         step = max(e + (self.tail_s[s] if s < len(self.tail_s) else 0.0)
                    for s, e in enumerate(end))
         return PipelinePrediction(step, timeline, int(wire), int(raw), codec_s)
+
+
+    def link_of_group(self, stages: tuple[int, ...]) -> Link:
+        """The link a sum over ``stages``' ranks crosses: ``group_link(stages)``, else the
+        slowest hop link between the first and the last of them."""
+        if self.group_link is not None:
+            return self.group_link(stages)
+        lo, hi = min(stages), max(stages)
+        between = self.links[lo:hi] or self.links
+        return min(between, key=lambda x: (x.gbps, -x.latency_ms)) if between else self.link
 
 
 def edges_from_plan(plan, graph: int = 0) -> list[EdgeTraffic]:

@@ -6,6 +6,11 @@ tensors that cross (``passes.cut_edges.crossings``) at the compiled shape, which
 pipeline is the microbatch. Compute comes from FLOPs and the machine's measured rate
 (:func:`ccfx.planner.compute.from_flops`): nothing has run yet. The link, the schedule and the
 number of microbatches come from the options.
+
+The links: ``link_gbps`` and friends, one link for every hop; or, with the ``cluster`` option,
+each hop s → s+1 on the link between the devices of stages s and s+1
+(:mod:`ccfx.planner.links`: ``placement``, replicas, NIC contention), and every decision says
+which link its edge was priced on.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import torch.fx
 
 from ..config import AUTO, Config
+from ..errors import ConfigError
 from ..passes.cut_edges import crossings
 from ..passes.facts import NodeFacts, fact, stage_of
 from ..passes.graph_utils import val
@@ -22,11 +28,38 @@ from ..wire.link import Link
 from .auto import PipelineDecisions, choose_pipeline_codecs
 from .candidates import candidates
 from .compute import from_flops, machine_rate
+from .links import PricedLink, describe_hops, hop_links
 from .pipeline_model import EdgeTraffic, PipelineModel
 
 
 def link_of(config: Config) -> Link:
+    """The one link of the options (``link_gbps``, ``link_latency_ms``, ``link_shared``)."""
+    if config.link_gbps is None:
+        raise ConfigError("this plan needs the link it runs on: give link_gbps (Gbit/s) and "
+                          "link_latency_ms, or a cluster")
     return Link(config.link_gbps, config.link_latency_ms, config.link_shared)
+
+
+def pipeline_shape(num_stages: int, world: int = 1) -> tuple[int, int]:
+    """(pipeline ranks, replicas) of a pipeline of ``num_stages`` stages in a world of
+    ``world`` ranks: the world runs one pipeline when its stages fill it (or share its ranks:
+    ``num_stages`` a multiple of ``world``), ``world / num_stages`` replicas of it when it holds
+    several; the single-process simulation (``world`` 1) one pipeline of a rank per stage."""
+    if world > num_stages and world % num_stages == 0:
+        return num_stages, world // num_stages
+    if 1 < world < num_stages and num_stages % world == 0:
+        return world, 1
+    return num_stages, 1
+
+
+def priced_hops(config: Config, num_stages: int, world: int = 1) -> list[PricedLink] | None:
+    """With the ``cluster`` option, the link each hop is priced on; None without one."""
+    cluster = config.cluster_description()
+    if cluster is None:
+        return None
+    p, replicas = pipeline_shape(num_stages, world)
+    return hop_links(cluster, num_stages, replicas=replicas, pipeline_ranks=p,
+                     placement=config.placement)
 
 
 def edge_traffic(gm: torch.fx.GraphModule) -> list[EdgeTraffic]:
@@ -50,13 +83,17 @@ def stage_work(gm: torch.fx.GraphModule, num_stages: int) -> tuple[list[float], 
 
 
 def plan_edge_codecs(gm: torch.fx.GraphModule, config: Config,
-                     num_stages: int) -> PipelineDecisions:
+                     num_stages: int, world: int = 1) -> PipelineDecisions:
     """The codecs of every cut edge of ``gm`` (partitioned, not yet cut), chosen by the cost
-    model where the options say ``auto``; fixed options and ``codec_overrides`` are kept."""
+    model where the options say ``auto``; fixed options and ``codec_overrides`` are kept.
+    ``world``: the ranks the plan runs on (1: the single-process simulation), which with a
+    cluster says where the stages sit (:func:`pipeline_shape`)."""
     edges = edge_traffic(gm)
     flops, ops = stage_work(gm, num_stages)
     compute = from_flops(flops, ops, device=_device(gm))
-    model = PipelineModel(compute, edges, link_of(config), schedule=config.pipeline_schedule,
+    priced = priced_hops(config, num_stages, world)
+    links = [p.link for p in priced] if priced is not None else link_of(config)
+    model = PipelineModel(compute, edges, links, schedule=config.pipeline_schedule,
                           microbatches=config.microbatches, epilogue_only=config.epilogue_only)
     overrides = dict(config.codec_overrides or ())
 
@@ -74,12 +111,29 @@ def plan_edge_codecs(gm: torch.fx.GraphModule, config: Config,
         return candidates(role, config)
 
     decided = choose_pipeline_codecs(model, pool, min_gain=config.auto_min_gain)
+    if priced is not None:
+        _say_links(decided, edges, priced)
     rate, op_s = machine_rate(_device(gm))
     decided.prediction = Prediction(
-        decided.uncompressed.step_s, decided.chosen.step_s, describe_link(model.link),
+        decided.uncompressed.step_s, decided.chosen.step_s,
+        describe_link(model.link) if priced is None else describe_hops(priced),
         model.schedule, model.microbatches,
         f"FLOPs at {rate:.3g} FLOP/s plus {op_s * 1e6:.1f} us per op (measured on this machine)")
     return decided
+
+
+def _say_links(decided: PipelineDecisions, edges: list[EdgeTraffic],
+               priced: list[PricedLink]) -> None:
+    """Each edge's decision ends with the links its hops were priced on."""
+    hops = {e.index: e.hops for e in edges}
+    for d in decided.decisions:
+        kind, _, rest = d.what.partition(" ")
+        if kind != "edge":
+            continue
+        on = "; ".join(f"hop {a}→{b}: {priced[a].describe()}"
+                       for a, b in hops.get(int(rest.split()[0]), ()) if a < len(priced))
+        if on:
+            d.reason += f" [priced on {on}]"
 
 
 def describe_link(link: Link) -> str:

@@ -8,6 +8,11 @@ its exchange hides in the time the others still compute. So stage ``s`` ends at
 ``end_s[s] + sync_s[s]``, with ``end_s`` from the schedule simulator and ``sync_s`` the
 exchange of its buckets over ``dp`` replicas (:mod:`.dp_model`, nothing to overlap); a stage is
 compressed only if that shortens the slowest. Greedy, slowest stage first.
+
+The links: ``link_gbps`` and friends; or, with the ``cluster`` option, each hop on its own link
+and each stage's exchange on the slowest link of its data-parallel group (its replicas'
+devices; :mod:`ccfx.planner.links`: ranks as a ``("dp", "pp")`` DeviceMesh counts them,
+``placement``, NIC contention between groups that leave one node), named in each decision.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ..wire.link import Link
 from .candidates import candidates
 from .compute import from_flops
 from .dp_model import BucketTraffic, DataParallelModel
+from .links import hop_links, stage_group_links
 from .pipeline_model import PipelineModel, edges_from_plan
 from .plan_edges import link_of
 
@@ -62,19 +68,33 @@ def choose_stage_codecs(end_s: Sequence[float], sync: Sequence[dict[str, float]]
 
 
 def plan_stage_codecs(plan, config: Config, dp: int,
-                      stage_shapes: Sequence[Sequence[tuple[int, ...]]]
-                      ) -> tuple[list[str], list[Decision]]:
+                      stage_shapes: Sequence[Sequence[tuple[int, ...]]],
+                      world: int | None = None) -> tuple[list[str], list[Decision]]:
     """``gradient_codec="auto"`` under PP × DP: the codec of each stage's exchange;
     ``stage_shapes[s]``: the shapes of stage ``s``'s parameters that its bucket exchange
-    may compress (:func:`ccfx.wire.policy.compressible`)."""
+    may compress (:func:`ccfx.wire.policy.compressible`); ``world``: every rank of the
+    pipelines (default: a rank per stage in each of the ``dp`` replicas)."""
     g = plan.graphs[0]
+    n = len(g.stages)
     compute = from_flops([s.flops for s in g.stages], [len(s.nodes) for s in g.stages])
-    link = link_of(config)
-    model = PipelineModel(compute, edges_from_plan(plan), link,
+    cluster = config.cluster_description()
+    if cluster is None:
+        links, groups = link_of(config), None
+    else:
+        p = max((world or n * dp) // dp, 1)
+        links = [h.link for h in hop_links(cluster, n, replicas=dp, pipeline_ranks=p,
+                                           placement=config.placement)]
+        groups = stage_group_links(cluster, n, dp, pipeline_ranks=p, placement=config.placement)
+    model = PipelineModel(compute, edges_from_plan(plan), links,
                           schedule=config.pipeline_schedule, microbatches=config.microbatches)
     choice = {e.index: (e.codec, e.grad_codec or "none") for e in g.edges}
     end = model.predict(choice).timeline.end_s
     specs = candidates("gradient", config)
-    sync = [{spec: stage_sync_seconds(shapes, torch.float32, spec, dp, link) if shapes else 0.0
-             for spec in specs} for shapes in stage_shapes]
-    return choose_stage_codecs(end, sync, min_gain=config.auto_min_gain)
+    sync = [{spec: stage_sync_seconds(shapes, torch.float32, spec, dp,
+                                      groups[s].link if groups else links) if shapes else 0.0
+             for spec in specs} for s, shapes in enumerate(stage_shapes)]
+    chosen, decisions = choose_stage_codecs(end, sync, min_gain=config.auto_min_gain)
+    if groups is not None:
+        for s, d in enumerate(decisions):
+            d.reason += f" [priced on {', '.join(groups[s].devices)}: {groups[s].describe()}]"
+    return chosen, decisions

@@ -14,7 +14,11 @@ measured 1F1B steps of bench/pipeline.py on the shaped loopback (1.705 s predict
 1.684 s measured for mlp4 at 10 Mbit/s; with rendezvous and blocking sends the simulator
 predicted 1.92 s). A ``Link`` is one direction of one pair of ranks, or, with
 ``shared=True``, a single medium every byte crosses (the shaped loopback of bench/shaped.py:
-one token bucket on ``lo`` for every rank and both directions).
+one token bucket on ``lo`` for every rank and both directions). :func:`simulate` takes one
+link for every hop, or a link per hop (``links[s]`` joins stages s and s+1, both directions:
+a cluster's links, :mod:`ccfx.planner.links`); hops whose links are equal and ``shared`` go
+on one medium, and each message follows its own link's transport (``rendezvous``,
+``buffered_sends``).
 
 What comes out (:class:`Timeline`) is the step time, each rank's compute and waiting time, and
 for every message when it was ready, sent and waited for: a message is *exposed* when some
@@ -29,6 +33,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
 from ..wire.link import Link
 from ..wire.schedules import (
     PROGRAMS,
@@ -80,20 +85,32 @@ class Timeline:
 # The simulator.
 
 
+def hop_links(link: Link | Sequence[Link], num_stages: int) -> list[Link]:
+    """One Link per hop (``num_stages - 1``): ``link`` for every hop, or the sequence checked."""
+    if isinstance(link, Link):
+        return [link] * max(num_stages - 1, 0)
+    links = list(link)
+    if len(links) != num_stages - 1 or not all(isinstance(x, Link) for x in links):
+        raise ConfigError(f"a link per hop: {num_stages} stages need {num_stages - 1} Links "
+                         f"(links[s] joins stages s and s+1), got {link!r}")
+    return links
+
+
 def simulate(schedule: str, stages: Sequence[StageCost], microbatches: int,
-             nbytes: Callable[[Message], int], link: Link) -> Timeline:
+             nbytes: Callable[[Message], int], link: Link | Sequence[Link]) -> Timeline:
     """The step of ``schedule`` over ``len(stages)`` ranks (one stage each); ``nbytes(message)``
-    is what crosses the wire for it (the codec payload)."""
+    is what crosses the wire for it (the codec payload); ``link``: one for every hop, or one
+    per hop (``link[s]`` between stages s and s+1)."""
     if schedule not in PROGRAMS:
         raise ValueError(f"schedule {schedule!r}: the planner simulates {', '.join(SCHEDULES)}")
     n = len(stages)
+    links = hop_links(link, n)
     programs = [PROGRAMS[schedule](s, n, microbatches, stages[s]) for s in range(n)]
-    return _run(programs, nbytes, link)
+    return _run(programs, nbytes, links)
 
 
 def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
-         link: Link) -> Timeline:
-    rendezvous, buffered_sends = link.rendezvous, link.buffered_sends
+         links: Sequence[Link]) -> Timeline:
     n = len(programs)
     clock = [0.0] * n
     pc = [0] * n
@@ -111,7 +128,8 @@ def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
         # (no rank can post anything earlier than the earliest clock still running).
         while pending and pending[0][0] <= upto:
             ready, _, msg = heapq.heappop(pending)
-            key = "medium" if link.shared else (msg.src, msg.dst)
+            link = links[msg.hop]
+            key = ("medium", link) if link.shared else (msg.src, msg.dst)
             start = max(ready, link_free.get(key, 0.0))
             size = nbytes(msg)
             done = start + link.seconds(size)
@@ -132,7 +150,7 @@ def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
                 for msg in ins.messages:
                     ends = posted.setdefault(msg, {})
                     ends[r] = clock[r]
-                    sent = len(ends) == 2 or (not rendezvous and r == msg.src)
+                    sent = len(ends) == 2 or (not links[msg.hop].rendezvous and r == msg.src)
                     if sent and msg not in queued:
                         queued.add(msg)
                         heapq.heappush(pending, (max(ends.values()), order, msg))
@@ -145,7 +163,8 @@ def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
                     # a buffered send is done once handed to the transport; a receive once
                     # the bytes are in
                     t = times[m]
-                    return t.ready_s if buffered_sends and r == m.src else t.done_s
+                    buffered = links[m.hop].buffered_sends
+                    return t.ready_s if buffered and r == m.src else t.done_s
 
                 done = max((finished(m) for m in ins.messages), default=clock[r])
                 if done > clock[r]:
