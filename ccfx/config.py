@@ -16,6 +16,8 @@ BALANCE = ("flops", "params", "memory")
 #: The codec value that asks the planner (``ccfx.planner``) to choose.
 AUTO = "auto"
 SCHEDULES = ("1F1B", "GPipe")
+#: What ``auto`` minimises on pipeline edges (``objective``).
+OBJECTIVES = ("step", "time_to_loss")
 LOWERING = ("inductor", "eager")
 #: How non-summable payloads are averaged (``gradient_collective``, ``outer_collective``).
 COLLECTIVES = ("all_gather", "ring", AUTO)
@@ -85,6 +87,14 @@ class Config:
     auto_min_gain: a lossy codec is chosen only if it makes the predicted step at least this
         fraction faster than ``none`` (default 0.10: the cost model's typical error on the
         shaped harness, bench/planner.py; a smaller predicted gain is no gain).
+    objective: what ``auto`` minimises on the pipeline's cut edges: "step" (default: the
+        predicted step) or "time_to_loss" (T = steps multiplier × predicted step: the steps a
+        choice needs to reach a loss target over uncompressed's, from
+        ``steps_multipliers``; candidates are the table's codecs, with no loss budget).
+    steps_multipliers: the steps-multiplier table for ``objective="time_to_loss"``: the JSON
+        file ``bench/time_to_loss.py --table`` writes, JSON text, or a dict ``{"activation":
+        {"int8": 1.02}, "activation_grad": {...}}``; None: the one measured on this project's
+        machine (``ccfx.planner.steps_model``). Kept as canonical JSON, like ``cluster``.
 
     Optimus-CC's techniques (Song et al., ASPLOS'23):
 
@@ -180,6 +190,8 @@ class Config:
     auto_loss_budget: float = 0.01
     auto_candidates: tuple[str, ...] | None = None
     auto_min_gain: float = 0.10
+    objective: str = "step"
+    steps_multipliers: str | None = None
     lazy_error_propagation: bool = False
     epilogue_only: bool = False
     gradient_codec_stages: tuple[int, ...] | None = None
@@ -218,6 +230,7 @@ class Config:
         self._check_overrides()
         self._check_collectives()
         self._check_planner()
+        self._check_objective()
         if self.split_points is not None:
             points = self.split_points
             if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
@@ -366,6 +379,15 @@ class Config:
                 given = (given,)
             object.__setattr__(self, "auto_candidates",
                                tuple(codecs.canonical(c) for c in given))
+
+    def _check_objective(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective={self.objective!r} is not valid; choose one of "
+                              f"{', '.join(OBJECTIVES)}" + closest(str(self.objective), OBJECTIVES))
+        if self.steps_multipliers is not None:
+            from .planner.steps_model import canonical_json
+
+            object.__setattr__(self, "steps_multipliers", canonical_json(self.steps_multipliers))
 
     def _check_data_parallel(self) -> None:
         from . import codecs
@@ -564,6 +586,10 @@ class Config:
             import json
 
             d["cluster"] = json.loads(d["cluster"])
+        if d["steps_multipliers"] is not None:
+            import json
+
+            d["steps_multipliers"] = json.loads(d["steps_multipliers"])
         return d
 
     def replace(self, **changes) -> Config:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .. import codecs
 from ..config import Config
+from ..errors import ConfigError
 
 #: role → codec spec → relative change of the final loss against uncompressed, the mean paired
 #: difference over seeds 0-2 measured by ``python -m bench.convergence`` (2026-12-01: tiny GPT
@@ -29,13 +30,37 @@ MEASURED: dict[str, dict[str, float]] = {
 }
 
 
-def candidates(role: str, config: Config) -> list[str]:
-    """``none``, then every codec of ``role`` within the budget, then the user's own."""
+def candidates(role: str, config: Config, *, steps: bool = False) -> list[str]:
+    """``none``, then every codec of ``role`` within the budget, then the user's own.
+
+    ``steps=True`` (the pipeline's edges, which ``auto`` prices on the time to a loss target
+    under ``objective="time_to_loss"``): under that objective the pool is every codec the
+    steps-multiplier table holds for ``role`` instead, with no loss budget (T pays for the
+    lost steps), and a user's candidate without a multiplier is a ConfigError."""
+    if steps and config.objective == "time_to_loss":
+        return _steps_candidates(role, config)
     out = ["none"]
     for spec, change in MEASURED[role].items():
         if change <= config.auto_loss_budget and codecs.canonical(spec) not in out:
             out.append(codecs.canonical(spec))
     for spec in config.auto_candidates or ():
+        if spec not in out:
+            out.append(spec)
+    return out
+
+
+def _steps_candidates(role: str, config: Config) -> list[str]:
+    from .steps_model import load
+
+    table = load(config.steps_multipliers)
+    out = ["none", *(s for s in table.specs(role) if s != "none")]
+    for spec in config.auto_candidates or ():
+        if table.of(role, spec) is None:
+            raise ConfigError(
+                f"auto_candidates: {spec!r} has no steps multiplier for {role} in the "
+                "steps_multipliers table, and objective='time_to_loss' prices every candidate "
+                "by one; measure it (python -m bench.time_to_loss) and give the table, or add "
+                f"{{{role!r}: {{{spec!r}: <multiplier>}}}} to steps_multipliers")
         if spec not in out:
             out.append(spec)
     return out

@@ -1,0 +1,206 @@
+"""Steps multipliers: how many more training steps than uncompressed a codec needs to reach a
+loss target, so that ``auto`` can minimise the time to that loss rather than the step.
+
+A codec that saves bytes but costs steps can lose (the Protocol NanoGPT speedrun's subspace
+reference sent 6.4x fewer bytes and needed 3.1x the steps). With ``objective="time_to_loss"``
+``auto`` compares its pipeline candidates on T = multiplier(choice) x predicted step.
+
+Where the numbers come from: ``python -m bench.time_to_loss`` (and ``bench.convergence
+--target-at``) trains the tiny GPT under each codec over seeds and finds, per seed, the first
+step at which the smoothed loss reaches the uncompressed run's smoothed loss at a fraction of
+the run; a variant's multiplier is the mean over seeds of its steps over uncompressed's on the
+same seed. The table holds one multiplier per role (``activation``: the forward cut edges;
+``activation_grad``: their gradients) and codec. A variant that compressed both directions
+with one codec gives each role half of its excess (m - 1); a backward-only variant gives its
+whole excess to ``activation_grad``.
+
+How a mixed choice is priced (a model, stated rather than measured): excesses add over roles,
+and within a role scale with the share of the role's floating-point edges that carry the
+codec::
+
+    m(choice) = 1 + sum over roles of  mean over the role's edges of max(0, m[role][spec] - 1)
+
+so a uniform choice gets back the measured multiplier, and a choice compressing 3 of 7 hops
+pays 3/7 of the codec's excess. A multiplier under 1 counts as 1: no codec is assumed to train
+faster than uncompressed (a measured value under 1 is the seeds' noise). A codec the table
+does not hold counts as 1 where the options fix it (it is in every candidate alike);
+``candidates`` never offers ``auto`` one.
+
+``steps_multipliers`` (a Config key) gives another table: a JSON file the bench wrote, JSON
+text, or a dict ``{"activation": {"int8": 1.02}, "activation_grad": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .. import codecs
+from ..errors import ConfigError
+
+#: The roles a table may hold (the pipeline's two directions).
+ROLES = ("activation", "activation_grad")
+#: ``choose_pipeline_codecs``'s direction → role.
+DIRECTION_ROLE = {"fwd": "activation", "bwd": "activation_grad"}
+
+#: Measured on this machine by ``python -m bench.time_to_loss`` (see ``SOURCE``).
+MEASURED: dict[str, dict[str, float]] = {
+    "activation": {"bf16": 1.0, "int8": 1.0},
+    "activation_grad": {"bf16": 1.0, "int8": 1.0, "int4:ef": 1.0, "powersgd:rank=16": 1.0},
+}
+SOURCE = "placeholder: not yet measured"
+
+
+@dataclass(frozen=True)
+class StepsTable:
+    """role → canonical codec spec → steps multiplier (≥ 0; < 1 is read as 1)."""
+
+    multipliers: Mapping[str, Mapping[str, float]]
+    source: str = ""
+    _lookup: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def of(self, role: str, spec: str) -> float | None:
+        """The multiplier of ``spec`` in ``role`` (``none``: 1), None when not measured."""
+        key = (role, spec)
+        if key not in self._lookup:
+            canon = codecs.canonical(spec) if spec != "none" else "none"
+            self._lookup[key] = 1.0 if canon == "none" else self.multipliers.get(role, {}).get(canon)
+        return self._lookup[key]
+
+    def specs(self, role: str) -> list[str]:
+        return list(self.multipliers.get(role, {}))
+
+    def to_dict(self) -> dict:
+        return {"multipliers": {r: dict(m) for r, m in self.multipliers.items()},
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, given: Mapping, where: str = "steps_multipliers") -> StepsTable:
+        """From ``{"multipliers": {role: {spec: m}}, "source": ...}`` or the bare
+        ``{role: {spec: m}}``; a ConfigError names what is wrong."""
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"{where}: give a dict such as {{'activation': {{'int8': 1.02}}}} "
+                              f"or the path of the JSON bench/time_to_loss.py writes, got "
+                              f"{given!r}")
+        source = str(given.get("source", "")) if "multipliers" in given else ""
+        table = given.get("multipliers", given) if "multipliers" in given else given
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{where}: 'multipliers' is a dict of roles, got {table!r}")
+        out: dict[str, dict[str, float]] = {}
+        for role, row in table.items():
+            if role not in ROLES:
+                raise ConfigError(f"{where}: unknown role {role!r}; the roles are "
+                                  f"{', '.join(ROLES)} (forward cut edges, their gradients)")
+            if not isinstance(row, Mapping):
+                raise ConfigError(f"{where}[{role!r}] is a dict codec spec → multiplier, got "
+                                  f"{row!r}")
+            out[role] = {}
+            for spec, m in row.items():
+                if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) \
+                        or m <= 0:
+                    raise ConfigError(f"{where}[{role!r}][{spec!r}] = {m!r}: a multiplier is a "
+                                      "positive number (steps to the target over "
+                                      "uncompressed's, e.g. 1.05)")
+                try:
+                    canon = codecs.canonical(spec)
+                except ConfigError as e:  # an unknown codec: say which entry
+                    raise ConfigError(f"{where}[{role!r}]: {spec!r} is not a codec spec ({e})"
+                                      ) from None
+                out[role][canon] = float(m)
+        return cls(out, source)
+
+    @classmethod
+    def from_file(cls, path: str) -> StepsTable:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"steps_multipliers: cannot read {path!r} ({e.strerror}); give "
+                              "the JSON file bench/time_to_loss.py wrote (--table), or a dict"
+                              ) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"steps_multipliers: {path!r} is not JSON ({e})") from None
+        return cls.from_dict(data, f"steps_multipliers ({path})")
+
+
+DEFAULT = StepsTable.from_dict({"multipliers": MEASURED, "source": SOURCE})
+
+
+def load(given) -> StepsTable:
+    """The table a ``steps_multipliers`` option names: None → the shipped one; a dict; JSON
+    text; or a file path."""
+    if given is None:
+        return DEFAULT
+    if isinstance(given, StepsTable):
+        return given
+    if isinstance(given, Mapping):
+        return StepsTable.from_dict(given)
+    if isinstance(given, str) and given.lstrip().startswith("{"):
+        try:
+            return StepsTable.from_dict(json.loads(given))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"steps_multipliers: {e}; give a file path or a dict") from None
+    if isinstance(given, str):
+        return StepsTable.from_file(given)
+    raise ConfigError(f"steps_multipliers = {given!r}: give the path of the JSON "
+                      "bench/time_to_loss.py writes, or a dict {role: {codec: multiplier}}")
+
+
+def canonical_json(given) -> str:
+    """``given`` (a ``steps_multipliers`` option) as canonical JSON: what Config keeps, so ranks
+    agree whatever path they read it from."""
+    return json.dumps(load(given).to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+class StepsModel:
+    """m(choice) for the edges of one pipeline (see the module docstring)."""
+
+    def __init__(self, table: StepsTable, edges: Sequence):
+        self.table = table
+        self.edges = list(edges)
+        floats = [e for e in self.edges if e.dtype.is_floating_point]
+        self._count = {"fwd": len(floats),
+                       "bwd": sum(1 for e in floats if getattr(e, "requires_grad", True))}
+
+    def excess(self, direction: str, spec: str) -> float:
+        m = self.table.of(DIRECTION_ROLE[direction], spec)
+        return 0.0 if m is None else max(0.0, m - 1.0)
+
+    def __call__(self, choice: Mapping[int, tuple[str, str]]) -> float:
+        total = 1.0
+        for e in self.edges:
+            if not e.dtype.is_floating_point:
+                continue
+            fwd, bwd = choice.get(e.index, ("none", "none"))
+            total += self.excess("fwd", fwd) / self._count["fwd"]
+            if getattr(e, "requires_grad", True) and self._count["bwd"]:
+                total += self.excess("bwd", bwd) / self._count["bwd"]
+        return total
+
+
+def for_config(config, edges: Sequence) -> Callable[[Mapping], float] | None:
+    """The steps multiplier ``auto`` minimises T with, or None under ``objective="step"``."""
+    if getattr(config, "objective", "step") != "time_to_loss":
+        return None
+    return StepsModel(load(config.steps_multipliers), edges)
+
+
+def role_table(variants: Mapping[str, tuple[str, str, float]]) -> dict[str, dict[str, float]]:
+    """A table from measured variants ``name → (forward spec, backward spec, multiplier)``: a
+    variant with one lossy codec both ways gives each role half its excess, a one-direction
+    variant gives that role all of it; a codec measured twice for a role keeps the mean.
+    Variants mixing two lossy codecs are skipped (their excess cannot be split)."""
+    seen: dict[str, dict[str, list[float]]] = {r: {} for r in ROLES}
+    for fwd, bwd, m in variants.values():
+        lossy = [(d, s) for d, s in (("fwd", fwd), ("bwd", bwd)) if s != "none"]
+        if not lossy or len({s for _, s in lossy}) > 1:
+            continue
+        share = (m - 1.0) / len(lossy)
+        for d, s in lossy:
+            seen[DIRECTION_ROLE[d]].setdefault(codecs.canonical(s), []).append(1.0 + share)
+    return {r: {s: round(sum(v) / len(v), 4) for s, v in row.items()}
+            for r, row in seen.items() if row}
