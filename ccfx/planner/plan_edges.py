@@ -30,6 +30,7 @@ from .candidates import candidates
 from .compute import from_flops, machine_rate
 from .links import PricedLink, describe_hops, hop_links
 from .pipeline_model import EdgeTraffic, PipelineModel
+from .steps_model import for_config as steps_multiplier_for
 
 
 def link_of(config: Config) -> Link:
@@ -108,9 +109,10 @@ def plan_edge_codecs(gm: torch.fx.GraphModule, config: Config,
         if given != AUTO:
             return [given]
         role = "activation" if direction == "fwd" else "activation_grad"
-        return candidates(role, config)
+        return candidates(role, config, steps=True)
 
-    decided = choose_pipeline_codecs(model, pool, min_gain=config.auto_min_gain)
+    decided = choose_pipeline_codecs(model, pool, min_gain=config.auto_min_gain,
+                                     steps_multiplier=steps_multiplier_for(config, edges))
     if priced is not None:
         _say_links(decided, edges, priced)
     rate, op_s = machine_rate(_device(gm))
