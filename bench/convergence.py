@@ -21,6 +21,15 @@ Variants (forward / backward activation codec; gradient codec):
   dp-psgd    none / none; powersgd:rank=4    data parallel, gradient buckets through PowerSGD
   dp-psgd-ef none / none; powersgd:rank=4,ef the same with error feedback
 
+Steps to a target (issue 19 item 4: compression that saves bytes but costs steps can lose):
+the smoothed loss at step s is the mean training loss of steps s-W+1 .. s (a trailing window of
+W = --smooth, 20 by default; defined from step W on). A run reaches the target at the first step
+whose smoothed loss is at or under it. The target is, per seed, none's smoothed loss at step
+round(k N) of its N steps (k = --target-at, 0.5 by default: room for a codec to need up to
+1/k times none's steps within the run), or one --target for every seed. A variant's "steps x"
+(steps multiplier) is its steps over none's on the same seed, mean ± std over seeds; a run that
+never reaches the target counts as N steps and the multiplier shows as a lower bound (">").
+
 "final loss" is the mean training loss over the last 10 steps; mean and sample standard
 deviation ("std") over the seeds, and min-max. "vs none" compares the means; "paired" is the
 mean (and std) over seeds of each seed's relative difference to none's run on that seed.
@@ -33,6 +42,7 @@ OMP_WAIT_POLICY=passive cures it too). Speed is not measured here, only losses.
 
     python -m bench.convergence                          # 300 steps, seeds 0 1 2, all rows
     python -m bench.convergence --steps 50 --seeds 0 --variants none int8
+    python -m bench.convergence --target 2.9 --smooth 10       # steps to a loss of 2.9
 """
 
 from __future__ import annotations
@@ -87,6 +97,74 @@ VARIANTS = {
 }
 
 
+SMOOTH = 20  # steps-to-target: trailing mean over this many steps
+TARGET_AT = 0.5  # the target: none's smoothed loss at this fraction of its run
+
+
+def smoothed(losses: list[float], window: int = SMOOTH) -> list[float | None]:
+    """Per step, the mean of the last ``window`` losses (None before ``window`` steps)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out: list[float | None] = []
+    total = 0.0
+    for i, x in enumerate(losses):
+        total += x
+        if i >= window:
+            total -= losses[i - window]
+        out.append(total / window if i >= window - 1 else None)
+    return out
+
+
+def steps_to_target(losses: list[float], target: float, window: int = SMOOTH) -> int | None:
+    """The first step (counted from 1) whose smoothed loss is <= ``target``; None if none."""
+    for i, x in enumerate(smoothed(losses, window)):
+        if x is not None and x <= target:
+            return i + 1
+    return None
+
+
+def target_of(losses: list[float], at: float = TARGET_AT, window: int = SMOOTH) -> float:
+    """The smoothed loss at step round(``at`` x len(losses)) (at least ``window``): the target
+    a reference run sets for the others."""
+    if not 0 < at <= 1:
+        raise ValueError(f"the target's position is a fraction of the run in (0, 1], got {at}")
+    if len(losses) < window:
+        raise ValueError(f"{len(losses)} steps are fewer than the smoothing window {window}")
+    step = max(window, round(at * len(losses)))
+    return smoothed(losses, window)[step - 1]
+
+
+def add_steps_to_target(runs: list[dict], *, target: float | None = None,
+                        at: float = TARGET_AT, window: int = SMOOTH) -> None:
+    """Each run gains "target", "steps" (None: not reached) and "multiplier" (its steps over
+    none's on the same seed, unreached counted as its length; None without a none run)."""
+    base = {r["seed"]: r for r in runs if r["variant"] == "none"}
+    for r in runs:
+        ref = base.get(r["seed"])
+        goal = target if target is not None else (
+            target_of(ref["losses"], at, window) if ref else None)
+        r["target"] = goal
+        r["steps"] = steps_to_target(r["losses"], goal, window) if goal is not None else None
+    for r in runs:
+        ref = base.get(r["seed"])
+        if ref is None or ref["steps"] is None:
+            r["multiplier"] = None
+            continue
+        steps = r["steps"] if r["steps"] is not None else len(r["losses"])
+        r["multiplier"] = steps / ref["steps"]
+
+
+def steps_summary(runs: list[dict]) -> dict:
+    """Over one variant's seeds: steps to the target and the multiplier, mean and std, and how
+    many seeds never reached it (then the means are lower bounds)."""
+    steps = [r["steps"] if r["steps"] is not None else len(r["losses"]) for r in runs]
+    mult = [r["multiplier"] for r in runs if r.get("multiplier") is not None]
+    return {"steps_mean": statistics.fmean(steps), "steps_std": _std(steps),
+            "unreached": sum(r["steps"] is None for r in runs),
+            "multiplier": statistics.fmean(mult) if mult else None,
+            "multiplier_std": _std(mult) if mult else None}
+
+
 def corpus() -> tuple[torch.Tensor, int]:
     """The embedded corpus as token ids, and its vocabulary size."""
     text = load_corpus()
@@ -95,14 +173,15 @@ def corpus() -> tuple[torch.Tensor, int]:
 
 
 def run_one(name: str, initial: TinyGPT, data: torch.Tensor, *, seed: int, steps: int,
-            batch_size: int, lowering: str, lr: float) -> dict:
+            batch_size: int, lowering: str, lr: float, options: dict | None = None) -> dict:
     """Train a copy of ``initial`` under one variant; its final loss and wire bytes per step.
 
     Dynamo's caches are reset first: every variant compiles the same ``forward``, and each
     should compile from scratch, as in a fresh process, not next to the other variants'
-    cache entries."""
+    cache entries. ``options``: the compile's options instead of ``VARIANTS[name]``'s."""
     torch._dynamo.reset()
-    compiled = ccfx_compile(copy.deepcopy(initial), **VARIANTS[name].options(lowering))
+    opts = options if options is not None else VARIANTS[name].options(lowering)
+    compiled = ccfx_compile(copy.deepcopy(initial), **opts)
     run = train(compiled, data, steps=steps, batch_size=batch_size,
                 block_size=initial.config.block_size, seed=seed, lr=lr, name=name,
                 progress=False)
@@ -126,7 +205,9 @@ def summarise(runs: list[dict], names: list[str]) -> list[dict]:
         mean = statistics.fmean(losses)
         row = {"variant": n, "losses": losses, "mean": mean, "std": _std(losses),
                "min": min(losses), "max": max(losses), "vs_none": None, "paired": None,
-               "paired_std": None, **_mean_bytes(list(by[n].values()))}
+               "paired_std": None, **_mean_bytes(list(by[n].values())),
+               **(steps_summary(list(by[n].values()))
+                  if all("steps" in r for r in by[n].values()) else {})}
         if base:
             base_mean = statistics.fmean(r["final_loss"] for r in base.values())
             paired = [r["final_loss"] / base[s]["final_loss"] - 1 for s, r in by[n].items()]
@@ -146,7 +227,21 @@ def _mean_bytes(runs: list[dict]) -> dict:
 
 
 HEADER = ["variant", "forward / backward", "gradients", "final loss", "std", "min-max",
-          "vs none", "paired vs none", "wire MB/step", "cuts wire/raw", "grads wire/raw"]
+          "vs none", "paired vs none", "steps to target", "steps x", "wire MB/step",
+          "cuts wire/raw", "grads wire/raw"]
+
+
+def steps_cells(r: dict) -> list[str]:
+    """"steps to target" (mean ± std, "(k not reached)") and "steps x" (">" a lower bound)."""
+    if r.get("steps_mean") is None:
+        return ["-", "-"]
+    std = f" ± {r['steps_std']:.1f}" if r["steps_std"] is not None else ""
+    miss = f" ({r['unreached']} not reached)" if r["unreached"] else ""
+    if r["multiplier"] is None:
+        return [f"{r['steps_mean']:.1f}{std}{miss}", "-"]
+    mstd = f" ± {r['multiplier_std']:.3f}" if r["multiplier_std"] is not None else ""
+    return [f"{r['steps_mean']:.1f}{std}{miss}",
+            f"{'>' if r['unreached'] else ''}{r['multiplier']:.3f}{mstd}"]
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
@@ -162,7 +257,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
             r["variant"], f"{v.forward} / {v.backward}", v.gradients or "-", f"{r['mean']:.4f}",
             f"{r['std']:.4f}" if r["std"] is not None else "-",
             f"{r['min']:.4f}-{r['max']:.4f}", pct(r["vs_none"]),
-            pct(r["paired"], r["paired_std"]),
+            pct(r["paired"], r["paired_std"]), *steps_cells(r),
             f"{(r['cut_wire'] + r['grad_wire']) / 1e6:.3f}",
             f"{r['cut_wire'] / r['cut_raw']:.3f}" if r["cut_raw"] else "-",
             f"{r['grad_wire'] / r['grad_raw']:.3f}" if r["grad_raw"] else "-",
@@ -204,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch.set_num_threads (default 1: see the note above)")
+    ap.add_argument("--smooth", type=int, default=SMOOTH,
+                    help=f"steps-to-target smoothing window ({SMOOTH} steps)")
+    ap.add_argument("--target-at", type=float, default=TARGET_AT,
+                    help=f"target: none's smoothed loss at this fraction of the run ({TARGET_AT})")
+    ap.add_argument("--target", type=float, default=None,
+                    help="one loss target for every seed instead of --target-at")
     a = ap.parse_args(argv)
     common.quiet()
     torch.set_num_threads(a.threads)
@@ -225,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  seed {seed} {name}: final loss {r['final_loss']:.4f} "
                   f"({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t0
+    if a.steps >= a.smooth:
+        add_steps_to_target(runs, target=a.target, at=a.target_at, window=a.smooth)
     rows = summarise(runs, a.variants)
 
     stages = sorted({r["stages"] for r in runs})
@@ -233,14 +336,18 @@ def main(argv: list[str] | None = None) -> int:
           f"vocabulary {vocab}), {'/'.join(map(str, stages))} stages, {a.lowering} lowering,\n"
           f"{a.steps} AdamW steps (lr {a.lr:g}) of {a.batch_size} x {config.block_size} "
           f"tokens, seeds {' '.join(map(str, a.seeds))}; final loss = mean of the last {LAST} "
-          f"steps,\nstd = sample standard deviation over seeds")
+          f"steps,\nstd = sample standard deviation over seeds; "
+          + (f"target: loss {a.target:g}" if a.target is not None else
+             f"target: none's smoothed loss at step {max(a.smooth, round(a.target_at * a.steps))}")
+          + f" (smoothing: mean of the last {a.smooth} steps)")
     print(common.table(table_rows(rows), HEADER))
     print("\n".join(goals(rows)))
     print(f"wall time {wall:.0f} s ({len(runs)} runs)")
     common.write_json(a.json, "convergence", {
         "command": args, "model": MODELS[a.model], "num_parameters": initial.num_parameters(),
         "steps": a.steps, "seeds": a.seeds, "batch_size": a.batch_size, "lr": a.lr,
-        "lowering": a.lowering, "wall_s": wall, "rows": rows, "runs": runs})
+        "lowering": a.lowering, "smooth": a.smooth, "target_at": a.target_at,
+        "target": a.target, "wall_s": wall, "rows": rows, "runs": runs})
     return 0
 
 
