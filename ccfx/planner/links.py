@@ -83,7 +83,7 @@ def _leaves_node(cluster: Cluster, a: int, b: int) -> bool:
 def devices_of(cluster: Cluster, ranks: int, placement: Sequence[int] | None = None
                ) -> list[int]:
     """The device index of each of ``ranks`` ranks: ``placement[r]``, or r."""
-    devices = list(placement) if placement is not None else list(range(ranks))
+    devices = list(placement) if placement is not None else list(range(cluster.world))
     if len(devices) < ranks:
         where = f"placement lists {len(devices)} devices" if placement is not None else \
             f"the cluster has {cluster.world} devices"

@@ -41,17 +41,28 @@ def stage_sync_seconds(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, sp
 
 def choose_stage_codecs(end_s: Sequence[float], sync: Sequence[dict[str, float]], *,
                         min_gain: float = 0.02) -> tuple[list[str], list[Decision]]:
-    """Per stage, the codec of its gradient exchange: ``sync[s][spec]`` its seconds."""
+    """Per stage, the codec of its gradient exchange: ``sync[s][spec]`` its seconds.
+
+    Starts from the best uniform choice (one codec on every stage: stages whose exchanges end
+    the step together gain only when all are compressed, which a stage at a time never sees),
+    then, slowest stage first, keeps on each stage the codec that ends the step soonest, or
+    ``none`` unless a codec saves ``min_gain`` of the step."""
     chosen = ["none"] * len(end_s)
 
     def step(choice) -> float:
         return max(e + sync[s][choice[s]] for s, e in enumerate(end_s))
 
+    base = step(chosen)
+    for spec in sorted({k for table in sync for k in table} - {"none"}):
+        trial = [spec if spec in sync[s] else "none" for s in range(len(end_s))]
+        if step(trial) < min(step(chosen), base * (1 - min_gain)):
+            chosen = trial
     for s in sorted(range(len(end_s)), key=lambda s: -(end_s[s] + sync[s]["none"])):
-        best = min(sync[s], key=lambda spec: step([*chosen[:s], spec, *chosen[s + 1:]]))
-        if best != "none" and step([*chosen[:s], best, *chosen[s + 1:]]) < step(chosen) * (
-                1 - min_gain):
-            chosen[s] = best
+        with_ = {spec: step([*chosen[:s], spec, *chosen[s + 1:]]) for spec in sync[s]}
+        best = min(with_, key=lambda spec: (with_[spec], spec != "none"))
+        chosen[s] = best if with_[best] < with_["none"] * (1 - min_gain) else "none"
+    if step(chosen) >= base * (1 - min_gain):
+        chosen = ["none"] * len(end_s)
     total = step(chosen)
     decisions = []
     for s, e in enumerate(end_s):
