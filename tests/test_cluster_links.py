@@ -18,6 +18,7 @@ from ccfx.planner.links import (
     group_links,
     hop_links,
     level_of,
+    rank_devices,
     stage_devices,
     stage_group_links,
 )
@@ -154,6 +155,13 @@ def test_data_parallel_groups_are_priced_on_their_slowest_link_shared_where_they
     assert all(g.level == "intra_node" and g.flows == 1 for g in inside)
     # a group of one device has no link to price
     assert group_links(c, [[0]])[0].level == "same device"
+
+
+def test_ranks_sit_on_their_placed_devices():
+    c = two_by_two()
+    assert rank_devices(c, [1, 3]) == [1, 3]
+    assert rank_devices(c, [0, 1], placement=[0, 2, 1, 3]) == [0, 2]
+    assert c.slowest_link(rank_devices(c, [0, 1], placement=[0, 2, 1, 3])) == c.link(0, 2)
 
 
 def test_a_shared_medium_is_not_divided_again():

@@ -97,6 +97,14 @@ def devices_of(cluster: Cluster, ranks: int, placement: Sequence[int] | None = N
     return devices[:ranks]
 
 
+def rank_devices(cluster: Cluster, ranks: Sequence[int],
+                 placement: Sequence[int] | None = None) -> list[int]:
+    """The device index of each of ``ranks`` (global ranks): ``placement[r]``, or r. What a
+    collective over those ranks is priced on: ``cluster.slowest_link(rank_devices(...))``."""
+    devices = devices_of(cluster, max(ranks) + 1, placement) if ranks else []
+    return [devices[r] for r in ranks]
+
+
 def stage_devices(cluster: Cluster, num_stages: int, *, replicas: int = 1,
                   pipeline_ranks: int | None = None,
                   placement: Sequence[int] | None = None) -> list[list[int]]:
