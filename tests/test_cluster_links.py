@@ -177,6 +177,19 @@ def test_too_few_devices_is_a_config_error_that_names_the_fix():
         hop_links(two_by_two(), 3, placement=[0, 1])
 
 
+def test_the_world_says_where_a_compiled_pipelines_stages_sit():
+    from ccfx.planner.plan_edges import pipeline_shape, priced_hops
+
+    assert pipeline_shape(4, 1) == (4, 1)  # the single-process simulation
+    assert pipeline_shape(2, 2) == (2, 1) and pipeline_shape(2, 4) == (2, 2)  # PP, PP x DP
+    assert pipeline_shape(4, 2) == (2, 1)  # 2 stages per rank
+    cfg = Config(stages=2, activation_codec="auto", cluster=two_by_two().to_dict(),
+                 placement=[0, 2, 1, 3])
+    assert [h.flows for h in priced_hops(cfg, 2, world=4)] == [2]  # both replicas leave n0
+    assert [h.flows for h in priced_hops(cfg, 2, world=2)] == [1]
+    assert priced_hops(Config(stages=2, activation_codec="auto", link_gbps=1.0), 2) is None
+
+
 # -- the options ----------------------------------------------------------------------------------
 
 
