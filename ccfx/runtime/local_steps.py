@@ -111,7 +111,7 @@ class LocalSteps:
     """The outer loop of one replica (see the module docstring); made by :func:`local_steps`."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], optimizer,
-                 config: Config, group=None, ledger=None):
+                 config: Config, group=None, ledger=None, elastic=None):
         if config.sync_every is None:
             raise ConfigError("local steps need sync_every=H (inner steps between syncs): pass "
                               "it in torch.compile's options or to ccfx.local_steps()")
@@ -124,7 +124,8 @@ class LocalSteps:
         self.syncs = 0  # fragment exchanges merged
         self.raw_bytes = 0  # pseudo-gradient bytes averaged, raw (fp32) and on the wire
         self.wire_bytes = 0
-        started = dist.is_available() and dist.is_initialized()
+        # fault tolerant (ccfx.runtime.elastic): torchft's quorum, not a process group
+        started = elastic is None and dist.is_available() and dist.is_initialized()
         self.group = self._own_group(group, named_params) if started else None
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank() if started else 0
@@ -146,6 +147,12 @@ class LocalSteps:
             self.fragments.append(frag)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ccfx-outer-sync") if config.fragment_delay else None
+        self.elastic = None
+        if elastic is not None:
+            from .elastic import Elastic
+
+            self.elastic = Elastic(self, elastic, {**_outer_options(config), "compress_min_numel":
+                                                   config.compress_min_numel})
         self._hook = optimizer.register_step_post_hook(self._after_step)
         self.optimizer = optimizer
 
@@ -194,6 +201,11 @@ class LocalSteps:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
+        if self.elastic is not None:
+            due = [f for f in self.fragments if self.step % self.sync_every == f.offset]
+            if due:
+                self.elastic.sync(due)
+            return
         for frag in self.fragments:
             flight = frag.in_flight
             if flight is not None and self.step >= flight.merge_at:
@@ -287,8 +299,18 @@ class LocalSteps:
         """Finish, stop the hook and the sync thread; the optimizer goes back to plain steps."""
         self.finish()
         self._hook.remove()
+        if self.elastic is not None:
+            self.elastic.shutdown()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def add_tokens(self, n: int) -> None:
+        """Fault tolerant: ``n`` more tokens trained since the last sync; the outer average
+        weights each replica by them (by inner steps if it never reports)."""
+        if self.elastic is None:
+            raise ConfigError("add_tokens weights the fault-tolerant sync: local_steps(..., "
+                              "fault_tolerant=True)")
+        self.elastic.add_tokens(n)
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -424,6 +446,9 @@ def local_steps(target, optimizer, group=None, *, compiled_config: Config | None
     ``compiled_config`` / ``compiled_ledger``: for a model compiled by ccfx, the options it
     was compiled with and a function returning its ledger (or None before the first call);
     ``ccfx.local_steps`` looks them up in the backend."""
+    from .elastic import split_options
+
+    options, elastic = split_options(options)
     config, ledger, named = _target(target, compiled_config, compiled_ledger)
     if group is None and isinstance(target, (list, tuple)):
         sync = getattr(target[0], "grad_sync", None)
@@ -442,7 +467,7 @@ def local_steps(target, optimizer, group=None, *, compiled_config: Config | None
         raise ConfigError(f"parameters {missing[:3]}{' ...' if len(missing) > 3 else ''} are not "
                           "in the optimizer: local steps sync what the optimizer trains; give "
                           "it every parameter that requires grad")
-    outer = LocalSteps(named, optimizer, config, group, ledger)
+    outer = LocalSteps(named, optimizer, config, group, ledger, elastic)
     ctx = getattr(target, "dynamo_ctx", None)
     if ctx is not None:  # the backend checks, when it compiles, that something syncs the model
         ctx._ccfx_local_steps = weakref.ref(outer)

@@ -1,0 +1,369 @@
+"""Local steps that survive their replicas: the outer sync on a torchft ``Manager``.
+
+    outer = ccfx.local_steps(compiled, opt, fault_tolerant=True)  # lighthouse: TORCHFT_LIGHTHOUSE
+
+Each replica (one process; its own torchft replica group of size 1) owns a torchft
+``Manager`` with a reconfigurable gloo process group. Every outer sync is one torchft step:
+
+1. ``start_quorum()`` (synchronous): the lighthouse forms a quorum of the replicas alive now;
+   a replica behind the others (restarted, or one that missed a commit) *heals* in it: it
+   receives, from a live peer over torchft's HTTP checkpoint transport, what
+   :meth:`Elastic._recovery_state` holds (the global parameters, the outer optimizer's
+   momentum, every codec state tensor, the inner step) and takes the global parameters as its
+   own. The peer's error-feedback residuals arrive with it and are zeroed on load: a residual
+   is what *that* replica has not sent yet, and counting it twice would bias the average;
+   shared state (PowerSGD's Q, a random codec's step) is kept.
+2. One small all-gather on the quorum's group: each replica's tokens since its last committed
+   sync, its inner step and the fingerprint of what it syncs (the parameters' names, shapes
+   and dtypes and the outer options). A replica whose fingerprint is not the quorum's (the one
+   most replicas hold; ties: the one at the highest step, then the lowest quorum rank) raises
+   :class:`~ccfx.ConfigError` naming both fingerprints and leaves; the others do not commit
+   this sync and go on without it.
+3. Each due fragment's pseudo-gradient, scaled by ``tokens_i · W / Σ tokens``, is averaged by
+   ccfx's own exchanges (:mod:`ccfx.wire.exchange`) over the quorum's group: the same bytes on
+   every replica, so the same global parameters, bit for bit. Tokens are what a replica reports
+   with ``outer.add_tokens(n)``; a replica that never reports counts its inner steps. A replica
+   that has just healed contributes zero tokens (its pseudo-gradient is zero).
+4. ``should_commit()``: only if every member got through (no error reported, at least
+   ``min_replicas`` of them) does the outer optimizer step; otherwise the codec state is put
+   back as it was, the pseudo-gradient keeps growing to the next sync, and nobody's global
+   parameters move. ``max_retries`` consecutive uncommitted syncs raise
+   :class:`~ccfx.CollectiveError`.
+
+Joining is a sync at :func:`~ccfx.local_steps` time with nothing to send: a replica started
+late waits there (up to ``quorum_timeout_s``) for the others' next sync, heals in it and trains
+from its result. Stragglers: the lighthouse's ``join_timeout_ms`` is the grace window (a quorum
+waits that long for replicas that are alive but not yet at the sync); a straggler that misses
+it joins the next quorum and heals there, its local steps since its last sync discarded.
+
+Not supported here (each a :class:`~ccfx.ConfigError` or documented): ``fragment_delay`` > 0
+(an exchange in flight across a quorum change), ``outer_collective="ring"`` (point to point on
+a group that changes under it), a replica spanning several ranks (PP × DP stages).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+
+from ..errors import CollectiveError, ConfigError
+
+log = logging.getLogger("ccfx")
+
+#: ``ccfx.local_steps`` keywords that configure fault tolerance (not torch.compile options).
+KEYS = ("fault_tolerant", "lighthouse", "replica_id", "min_replicas", "quorum_timeout_s",
+        "max_retries")
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """``lighthouse``: its address (``http://host:port``), else ``TORCHFT_LIGHTHOUSE``;
+    ``replica_id``: this replica's name (else ``REPLICA_ID``, else a fresh one);
+    ``min_replicas``: the fewest replicas a sync may commit with; ``quorum_timeout_s``: how long
+    a sync waits for a quorum (longer than the inner steps between two syncs);
+    ``max_retries``: consecutive uncommitted syncs before giving up."""
+
+    lighthouse: str | None = None
+    replica_id: str | None = None
+    min_replicas: int = 1
+    quorum_timeout_s: float = 300.0
+    max_retries: int = 3
+
+
+def split_options(options: dict) -> tuple[dict, ElasticOptions | None]:
+    """(the local-step options, the fault-tolerance ones or None without ``fault_tolerant``)."""
+    rest = {k: v for k, v in options.items() if k not in KEYS}
+    mine = {k: options[k] for k in KEYS if k in options}
+    if not mine.pop("fault_tolerant", False):
+        if mine:
+            raise ConfigError(f"{sorted(mine)} configure fault tolerance: pass "
+                              "fault_tolerant=True with them")
+        return rest, None
+    opts = ElasticOptions(**mine)
+    if opts.min_replicas < 1 or opts.max_retries < 0 or opts.quorum_timeout_s <= 0:
+        raise ConfigError(f"fault tolerance options {opts}: min_replicas >= 1, max_retries >= 0 "
+                          "and quorum_timeout_s > 0")
+    return rest, opts
+
+
+def fingerprint(fragments, options: dict) -> str:
+    """16 hex digits naming what a replica syncs: parameters (names, shapes, dtypes) and the
+    outer options. Replicas with different ones must not average."""
+    desc = {"params": [[n, list(p.shape), str(p.dtype)] for f in fragments
+                       for n, p in zip(f.names, f.local)], "options": options}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TorchftComm:
+    """The exchanges' ``Comm`` (:mod:`ccfx.wire.comm`) on a torchft process group: its size is
+    the current quorum's. gloo's torchft group has no reduce-scatter, and point to point (the
+    ring) is not offered on a group that is rebuilt at every quorum change."""
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.world = pg.size()
+
+    def all_reduce(self, t):
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        return self.pg.allreduce([out], opts), lambda: out
+
+    def all_gather(self, t):
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        flat = t.detach().reshape(-1).contiguous()
+        outs = [torch.empty_like(flat) for _ in range(self.world)]
+        return self.pg.allgather([outs], [flat], AllgatherOptions()), lambda: torch.cat(outs)
+
+    def all_to_all(self, t, output_splits=None, input_splits=None):
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        inp = t.detach().contiguous()
+        out = torch.empty_like(inp) if output_splits is None else inp.new_empty(
+            (sum(output_splits), *inp.shape[1:]))
+        work = self.pg.alltoall_base(out, inp, list(output_splits or []),
+                                     list(input_splits or []), AllToAllOptions())
+        return work, lambda: out
+
+    def reduce_scatter(self, t):
+        raise ConfigError("torchft's gloo process group has no reduce-scatter")
+
+    def ring(self, flat, spec, state):
+        raise ConfigError("outer_collective='ring' is not supported with fault_tolerant=True")
+
+    def wait(self, handle):
+        work, result = handle
+        work.wait()
+        return result()
+
+
+def _reachable(address: str, timeout_s: float = 2.0) -> bool:
+    url = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class Elastic:
+    """The torchft side of one replica's :class:`~ccfx.runtime.local_steps.LocalSteps` (see the
+    module docstring). Made by ``LocalSteps`` when ``fault_tolerant=True``; joins at once."""
+
+    def __init__(self, outer, opts: ElasticOptions, options: dict):
+        try:
+            import torchft
+        except ImportError as e:
+            raise ConfigError("fault_tolerant=True needs torchft: pip install 'ccfx[ft]' "
+                              "(torchft 0.2.0)") from e
+        config = outer.config
+        if config.fragment_delay:
+            raise ConfigError("fault_tolerant=True syncs each fragment within one torchft "
+                              "step: set fragment_delay=0 (an exchange in flight cannot cross "
+                              "a quorum change)")
+        if config.outer_collective == "ring":
+            raise ConfigError("outer_collective='ring' is not supported with "
+                              "fault_tolerant=True: use 'all_gather' or 'auto'")
+        self.lighthouse = opts.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not self.lighthouse:
+            raise ConfigError("fault_tolerant=True needs a torchft lighthouse: start one "
+                              "(torchft_lighthouse --min_replicas 2 --join_timeout_ms 10000) "
+                              "and pass lighthouse='http://host:29510' or set "
+                              "TORCHFT_LIGHTHOUSE")
+        self.outer = outer
+        self.opts = opts
+        self.fingerprint = fingerprint(outer.fragments, options)
+        self.tokens = 0  # reported since the last committed sync (add_tokens)
+        self.counts_tokens = False
+        self.since = 0  # inner step of the last committed sync (or of the heal)
+        self.commits = 0
+        self.history: list[dict] = []  # one row per sync: step, quorum, committed, ...
+        self._healed = False
+        self._refused: str | None = None  # a healer's peer's fingerprint, when it differs
+        timeout = timedelta(seconds=config.collective_timeout_s)
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        replica_id = opts.replica_id or os.environ.get("REPLICA_ID")
+        try:
+            self.manager = torchft.Manager(
+                pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=self._load,
+                state_dict=self._recovery_state, min_replica_size=opts.min_replicas,
+                use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=opts.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=min(opts.quorum_timeout_s, 30.0)),
+                rank=0, world_size=1, store_addr=host, store_port=self._store.port,
+                lighthouse_addr=self.lighthouse, replica_id=replica_id, hostname=host,
+                max_retries=opts.max_retries)
+        except Exception as e:
+            raise self._no_quorum(e, "starting torchft's manager") from e
+        self.sync([])  # join: heal from a live peer if the others are ahead
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    def add_tokens(self, n: int) -> None:
+        self.counts_tokens = True
+        self.tokens += int(n)
+
+    def _weight(self) -> int:
+        return self.tokens if self.counts_tokens else self.outer.step - self.since
+
+    # -- recovery (torchft calls these) -------------------------------------------------------
+
+    def _recovery_state(self) -> dict:
+        """What a healing peer takes from this replica (clones: served while we go on)."""
+        outer = self.outer
+        return {"fingerprint": self.fingerprint, "step": outer.step, "syncs": outer.syncs,
+                "global": [[g.clone() for g in f.global_] for f in outer.fragments],
+                "outer": [f.outer.state_dict() for f in outer.fragments],
+                "codec": {k: t.clone() for k, t in outer._codec_state().items()}}
+
+    def _load(self, state: dict) -> None:
+        if state["fingerprint"] != self.fingerprint:
+            self._refused = state["fingerprint"]  # raised after the all-gather (step 2)
+            return
+        outer = self.outer
+        with torch.no_grad():
+            for frag, saved, opt_state in zip(outer.fragments, state["global"], state["outer"]):
+                for g, p, s in zip(frag.global_, frag.local, saved):
+                    g.copy_(s)
+                    p.copy_(s)
+                frag.outer.load_state_dict(opt_state)
+            for name, t in outer._codec_state().items():
+                residual = name.rsplit(".", 1)[-1].startswith("residual")
+                t.copy_(torch.zeros_like(t) if residual else state["codec"][name])
+        outer.step, outer.syncs = int(state["step"]), int(state["syncs"])
+        self.since, self.tokens = outer.step, 0
+        self._healed = True
+
+    # -- one sync -----------------------------------------------------------------------------
+
+    def sync(self, due: list) -> bool:
+        """One torchft step over the fragments ``due`` (see the module docstring); whether it
+        was committed."""
+        outer = self.outer
+        started = time.monotonic()
+        snapshot = {k: t.clone() for k, t in outer._codec_state().items()}
+        self._healed, self._refused = False, None
+        try:
+            self.manager.start_quorum()
+        except Exception as e:
+            raise self._no_quorum(e, f"the outer sync at inner step {outer.step}") from e
+        if self._healed:  # the fragments the peers sync now, at the step we took from them
+            due = [f for f in outer.fragments
+                   if outer.step > 0 and outer.step % outer.sync_every == f.offset]
+        pg = self.manager._pg
+        comm = TorchftComm(pg)
+        averaged: dict[int, list[torch.Tensor]] = {}
+        try:
+            rows = self._meet(comm)
+            self._check_fingerprints(rows, comm)
+            total = sum(r[0] for r in rows)
+            if total > 0:
+                scale = self._weight() * comm.world / total
+                for frag in due:
+                    averaged[frag.index] = self._exchange(frag, scale, comm)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a peer died or hung: this sync is not committed)
+            log.warning("ccfx: outer sync at inner step %d failed (%s): not committed",
+                        outer.step, (str(e).splitlines() or [type(e).__name__])[0])
+            self.manager.report_error(e)
+        try:
+            committed = self.manager.should_commit()
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"replica {self.manager._replica_id}: {self.opts.max_retries + 1} outer syncs in "
+                f"a row were not committed (the last at inner step {outer.step}): replicas "
+                "keep dying or fewer than min_replicas="
+                f"{self.opts.min_replicas} are alive") from e
+        world = comm.world
+        if committed:
+            for frag in due:
+                if frag.index in averaged:
+                    from .local_steps import _InFlight
+
+                    frag.in_flight = _InFlight(outer.step, outer.step,
+                                               averaged=averaged[frag.index])
+                    outer._merge(frag)
+            self.commits += 1
+            self.since, self.tokens = outer.step, 0
+        else:
+            for k, t in outer._codec_state().items():
+                t.copy_(snapshot[k])
+        self.history.append({
+            "step": outer.step, "torchft_step": self.manager.current_step(),
+            "replicas": world, "committed": committed, "healed": self._healed,
+            "fragments": [f.index for f in due if f.index in averaged],
+            "seconds": time.monotonic() - started})
+        return committed
+
+    def _meet(self, comm: TorchftComm) -> list[tuple[int, int, int]]:
+        """Every member's (tokens, inner step, fingerprint as an int)."""
+        mine = torch.tensor([self._weight(), self.outer.step,
+                             int(self.fingerprint, 16) - (1 << 63)], dtype=torch.int64)
+        rows = comm.wait(comm.all_gather(mine)).view(comm.world, 3)
+        return [(int(a), int(b), int(c)) for a, b, c in rows.tolist()]
+
+    def _check_fingerprints(self, rows, comm) -> None:
+        prints = [f"{c + (1 << 63):016x}" for _, _, c in rows]
+        if len(set(prints)) == 1 and self._refused is None:
+            return
+        counts = {p: prints.count(p) for p in prints}
+        steps = {p: max(r[1] for r, q in zip(rows, prints) if q == p) for p in prints}
+        ref = min(prints, key=lambda p: (-counts[p], -steps[p], prints.index(p)))
+        if self.fingerprint != ref:
+            self.shutdown()
+            raise ConfigError(
+                f"this replica syncs other parameters or options (fingerprint "
+                f"{self.fingerprint}) than the replicas it joined (fingerprint {ref}): start it "
+                "with the same model and the same local-step options")
+        odd = sorted({p for p in prints if p != ref} | {self._refused} - {None})
+        raise RuntimeError(f"a replica with fingerprint {', '.join(odd)} (ours: {ref}) was "
+                           "refused: this sync is not committed")
+
+    def _exchange(self, frag, scale: float, comm) -> list[torch.Tensor]:
+        with torch.no_grad():
+            delta = [(g - p.detach().float()) * scale for g, p in zip(frag.global_, frag.local)]
+        out: list[torch.Tensor | None] = [None] * len(delta)
+        for part in frag.parts:
+            result = part.exchange.run([delta[i] for i in part.members], part.state, comm)
+            for i, a in zip(part.members, result, strict=True):
+                out[i] = a.float()
+        return out
+
+    # -- failures -----------------------------------------------------------------------------
+
+    def _no_quorum(self, e: BaseException, what: str) -> CollectiveError:
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if not _reachable(self.lighthouse):
+            return CollectiveError(
+                f"{what}: the torchft lighthouse at {self.lighthouse} is unreachable ({text}): "
+                "start it (torchft_lighthouse --min_replicas N --join_timeout_ms 10000) or point "
+                "lighthouse= / TORCHFT_LIGHTHOUSE at it")
+        return CollectiveError(
+            f"{what}: no quorum formed within quorum_timeout_s={self.opts.quorum_timeout_s:g} s "
+            f"({text}): fewer replicas than the lighthouse's --min_replicas (this replica asks "
+            f"min_replicas={self.opts.min_replicas}) reached a sync in time; start more "
+            "replicas, lower the minimum, or raise quorum_timeout_s above the time between "
+            "two syncs")
+
+    def shutdown(self) -> None:
+        """Stop the manager (its heartbeats: the lighthouse drops this replica)."""
+        manager = getattr(self, "manager", None)
+        if manager is not None:
+            manager.shutdown(wait=False)
+            self.manager = None

@@ -1,0 +1,161 @@
+"""Replicas for tests/test_elastic.py and the small launcher that starts, kills and restarts them.
+
+Why not tests/ranks.py: its ranks form one torch.distributed world that lives and dies
+together (a rank that dies fails the spawn). Fault-tolerant replicas are separate torchft
+replica groups, each its own process with its own store, meeting only through the lighthouse;
+the test must SIGKILL one and start it again while the others train on. So each replica here
+is a plain ``spawn``-ed process that reports what it does on a queue as it goes (its rows
+arrive even if it is killed later), and the parent (:class:`Replicas`) decides when to kill,
+restart and stop, bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+
+import torch
+from torch import nn
+
+from . import ranks
+
+#: Local-step options every replica of the tests uses (int8 with error feedback: a residual
+#: per replica, so recovery's handling of codec state is exercised).
+OPTIONS = {"sync_every": 2, "outer_codec": "int8:ef", "compress_min_numel": 0,
+           "collective_timeout_s": 10.0}
+
+
+def mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def replica(name: str, seed: int, lighthouse: str, options: dict, stop_at, events,
+            step_sleep_s: float) -> None:
+    """One replica: trains until its torchft step reaches ``stop_at.value`` (a shared int the
+    parent sets), reporting ("sync", name, row, digest of the global parameters) after every
+    sync and ("done" | "error", name, ...) at the end. The model starts from ``seed``: a
+    replica that joins must take the others' parameters, not its own."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    torch.set_num_threads(1)
+    import ccfx
+
+    try:
+        model = mlp(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        started = time.monotonic()
+        outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
+                                 replica_id=name, min_replicas=1, quorum_timeout_s=20.0,
+                                 max_retries=5, **options)
+        seen = 0
+
+        def report():
+            nonlocal seen
+            for row in outer.elastic.history[seen:]:
+                digest = ranks.digest(outer.global_parameters().values())
+                events.put(("sync", name, {**row, "since_start": time.monotonic() - started},
+                            digest))
+            seen = len(outer.elastic.history)
+
+        report()
+        events.put(("fingerprint", name, outer.elastic.fingerprint, None))
+        i = 0
+        while outer.elastic.manager.current_step() < stop_at.value and i < 2000:
+            x, y = (t for t in _batch(seed, i))
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            report()
+            i += 1
+            time.sleep(step_sleep_s)
+        outer.close()
+        events.put(("done", name, {"steps": i}, None))
+    except Exception as e:  # noqa: BLE001 (the test asserts on the type and message)
+        events.put(("error", name, f"{type(e).__name__}: {e}", None))
+
+
+def _batch(seed: int, step: int):
+    g = ranks.rng(seed, step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+class Replicas:
+    """The parent side: start replicas, collect their events, kill and restart them."""
+
+    def __init__(self, lighthouse: str, deadline_s: float, step_sleep_s: float = 0.02):
+        self.ctx = mp.get_context("spawn")
+        self.lighthouse = lighthouse
+        self.events = self.ctx.Queue()
+        self.stop_at = self.ctx.Value("i", 10**9)
+        self.procs: dict[str, mp.Process] = {}
+        self.syncs: dict[str, list[tuple[dict, str]]] = {}  # name -> [(row, digest)]
+        self.ends: dict[str, tuple[str, object]] = {}
+        self.fingerprints: dict[str, str] = {}
+        self.may_fail: set[str] = set()
+        self.deadline = time.monotonic() + deadline_s
+        self.step_sleep_s = step_sleep_s
+
+    def start(self, name: str, seed: int, options: dict | None = None,
+              may_fail: bool = False) -> None:
+        """Start replica ``name``; one that ``may_fail`` (the test expects its error) does not
+        stop the waits."""
+        if may_fail:
+            self.may_fail.add(name)
+        p = self.ctx.Process(target=replica, args=(
+            name, seed, self.lighthouse, options or OPTIONS, self.stop_at, self.events,
+            self.step_sleep_s), daemon=True)
+        p.start()
+        self.procs[name] = p
+        self.ends.pop(name, None)
+
+    def kill(self, name: str) -> None:
+        os.kill(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].join(10)
+        self.ends[name] = ("killed", None)
+
+    def pump(self, timeout_s: float = 0.2) -> None:
+        try:
+            while True:
+                kind, name, data, digest = self.events.get(timeout=timeout_s)
+                if kind == "sync":
+                    self.syncs.setdefault(name, []).append((data, digest))
+                elif kind == "fingerprint":
+                    self.fingerprints[name] = data
+                else:
+                    self.ends[name] = (kind, data)
+                timeout_s = 0.0
+        except queue.Empty:
+            pass
+
+    def wait_for(self, what: str, cond) -> None:
+        """Pump events until ``cond()``; AssertionError naming ``what`` past the deadline."""
+        while not cond():
+            if time.monotonic() > self.deadline:
+                raise AssertionError(f"timed out waiting for {what}; ends {self.ends}")
+            errors = {n: e for n, e in self.ends.items()
+                      if e[0] == "error" and n not in self.may_fail}
+            if errors:
+                raise AssertionError(f"a replica failed while waiting for {what}: {errors}")
+            self.pump()
+
+    def committed(self, name: str, replicas: int | None = None, after: int = 0) -> int:
+        return sum(1 for row, _ in self.syncs.get(name, [])[after:] if row["committed"]
+                   and (replicas is None or row["replicas"] == replicas))
+
+    def torchft_step(self) -> int:
+        return max((row["torchft_step"] for rows in self.syncs.values() for row, _ in rows),
+                   default=0)
+
+    def stop(self, names) -> None:
+        """Every replica in ``names`` stops after the same torchft step, a few ahead."""
+        self.stop_at.value = self.torchft_step() + 3
+        self.wait_for("the replicas to stop", lambda: all(n in self.ends for n in names))
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(5)

@@ -1,0 +1,149 @@
+"""Fault-tolerant local steps on torchft (issue #20): replicas die, join and recover from a live
+peer; nobody restarts from a checkpoint.
+
+One scenario group (the module fixture ``run``) starts a torchft lighthouse in this process and
+replicas as processes on 127.0.0.1 (tests/elastic_workers.py says why not tests/ranks.py):
+three train, one is SIGKILLed mid-training, the other two go on, the killed one is started
+again and recovers, then a replica with other options tries to join and is refused. The
+failures that need no peer (lighthouse unreachable, too few replicas) run in this process.
+Every wait is bounded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ccfx
+
+pytest.importorskip("torchft")
+
+from . import elastic_workers as w
+
+
+@pytest.fixture(scope="module")
+def run():
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=500,
+                                  quorum_tick_ms=20, heartbeat_timeout_ms=1000)
+    reps = w.Replicas(lighthouse.address(), deadline_s=150)
+    out = {}
+    try:
+        for name in ("r0", "r1", "r2"):
+            reps.start(name, seed=int(name[1]))
+        reps.wait_for("r2's second committed sync among three",
+                      lambda: reps.committed("r2", replicas=3) >= 2)
+        reps.kill("r2")
+        out["before_kill"] = {n: len(reps.syncs[n]) for n in ("r0", "r1")}
+        reps.wait_for("two committed syncs of the survivors alone",
+                      lambda: all(reps.committed(n, replicas=2, after=out["before_kill"][n]) >= 2
+                                  for n in ("r0", "r1")))
+        out["killed_rows"] = len(reps.syncs["r2"])
+        reps.start("r2", seed=7)
+        reps.wait_for("the restarted r2's first committed sync",
+                      lambda: reps.committed("r2", after=out["killed_rows"]) >= 1)
+        reps.start("odd", seed=0, options={**w.OPTIONS, "outer_lr": 0.5},
+                   may_fail=True)
+        reps.wait_for("the replica with other options to end", lambda: "odd" in reps.ends)
+        reps.stop(("r0", "r1", "r2"))
+        out["reps"] = reps
+        yield out
+    finally:
+        reps.close()
+        lighthouse.shutdown()
+
+
+@pytest.mark.slow
+def test_survivors_keep_committing_after_a_sigkill(run):
+    reps = run["reps"]
+    for name in ("r0", "r1"):
+        after = reps.syncs[name][run["before_kill"][name]:]
+        alone = [row for row, _ in after if row["committed"] and row["replicas"] == 2]
+        assert len(alone) >= 2, after
+        assert reps.ends[name][0] == "done"
+
+
+@pytest.mark.slow
+def test_restarted_replica_heals_bit_identical_at_its_first_sync(run):
+    reps = run["reps"]
+    rows = reps.syncs["r2"][run["killed_rows"]:]
+    first = next((row, digest) for row, digest in rows if row["committed"])
+    assert first[0]["healed"]  # it took the state from a live peer, not its own seed-7 model
+    for name in ("r0", "r1"):
+        peer = {row["torchft_step"]: d for row, d in reps.syncs[name] if row["committed"]}
+        assert peer[first[0]["torchft_step"]] == first[1], name
+
+
+@pytest.mark.slow
+def test_globals_equal_after_every_committed_sync(run):
+    reps = run["reps"]
+    by_step: dict[int, set[str]] = {}
+    for name in ("r0", "r1", "r2"):
+        for row, digest in reps.syncs[name]:
+            if row["committed"]:
+                by_step.setdefault(row["torchft_step"], set()).add(digest)
+    assert len(by_step) >= 6
+    assert all(len(d) == 1 for d in by_step.values()), by_step
+
+
+@pytest.mark.slow
+def test_replica_with_other_options_is_refused_naming_both_fingerprints(run):
+    reps = run["reps"]
+    kind, message = reps.ends["odd"]
+    assert kind == "error" and message.startswith("ConfigError"), message
+    ours = reps.fingerprints["r0"]
+    assert ours in message
+    theirs = message.split("(fingerprint ")[1].split(")")[0]
+    assert theirs != ours and len(theirs) == 16, message
+
+
+@pytest.mark.slow
+def test_lighthouse_unreachable_is_a_clear_error_within_a_bound():
+    from ccfx.runtime.launch import free_port
+
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    address = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ccfx.CollectiveError, match="lighthouse at .* is unreachable") as e:
+        ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=address,
+                         quorum_timeout_s=2.0, **w.OPTIONS)
+    assert address in str(e.value)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_too_few_replicas_is_a_clear_error_within_a_bound():
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100)
+    try:
+        model = w.mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        start = time.monotonic()
+        with pytest.raises(ccfx.CollectiveError, match="no quorum formed within "
+                                                       "quorum_timeout_s=2 s"):
+            ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse.address(),
+                             quorum_timeout_s=2.0, **w.OPTIONS)
+        assert time.monotonic() - start < 30
+    finally:
+        lighthouse.shutdown()
+
+
+def test_fault_tolerance_options_are_checked():
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ccfx.ConfigError, match="fault_tolerant=True"):
+        ccfx.local_steps(model, opt, sync_every=2, min_replicas=2)
+    with pytest.raises(ccfx.ConfigError, match="fragment_delay=0"):
+        ccfx.local_steps(model, opt, sync_every=4, fragments=2, fragment_delay=1,
+                         fault_tolerant=True, lighthouse="http://127.0.0.1:1")
+    with pytest.raises(ccfx.ConfigError, match="ring"):
+        ccfx.local_steps(model, opt, sync_every=2, outer_collective="ring",
+                         fault_tolerant=True, lighthouse="http://127.0.0.1:1")
+    outer = ccfx.local_steps(model, opt, sync_every=2)
+    with pytest.raises(ccfx.ConfigError, match="add_tokens"):
+        outer.add_tokens(5)
+    outer.close()
