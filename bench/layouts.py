@@ -1,0 +1,222 @@
+"""Every 4-rank layout of a ≥ 10 M-parameter GPT on two "nodes" joined by a slow link (#19).
+
+The heterogeneous harness of DESIGN.md (:func:`bench.shaped.two_nodes`): two network
+namespaces, two ranks in each; inside a node the ranks talk over its loopback (34 Gbit/s
+measured), across over a veth pair limited by tc tbf (``--mbit``, 50 by default: 48.1 Mbit/s
+measured). Which ranks sit on which node is the layout's placement. The model is ccfx's GPT at
+width 384, 6 blocks, context 64 (10.7 M parameters), on the bundled corpus, AdamW; every layout
+trains the same global batch (``--batch`` samples per step, split over the replicas) in
+``--microbatches`` microbatches under torch's 1F1B, the way ``ccfx run`` does
+(``ccfx.build_stages`` on a ``(dp, pp)`` mesh, ``ccfx.sync_grads`` after the schedule).
+
+Layouts (pp × dp, and where the slow link falls):
+
+  pp1-dp4            data parallel over all four: the gradient all-reduce crosses the link
+  pp2-dp2-dp-across  each pipeline inside a node, each stage's replicas across (buckets cross)
+  pp2-dp2-pp-across  each pipeline across the nodes (its one hop crosses), replicas inside
+  pp4-dp1            one pipeline over all four: hop 1→2 crosses, 0→1 and 2→3 stay inside
+
+each with codecs ``none`` and, with ``--codecs``, others (``int8`` on every hop and bucket,
+``auto`` planned on the cluster the harness is: ``ccfx.Cluster.nodes(2, 2, ...)``).
+
+Per layout: the steady step (the slowest rank's, median over ``--steps`` timed steps after
+``--warmup``), the loss at the last step (same data in every layout: a sanity check, not a
+result), and per rank the peak resident memory during one step above the rank's resident
+memory before the model was built (Linux VmHWM, reset before the step: parameters, gradients,
+optimizer state, activations, codec buffers, and the allocator's slack), beside the exact bytes
+of parameters, gradients and AdamW state. Ratios are against the best layout of the same
+run. With the layout planner (``ccfx.plan_parallel``) present, its predicted step and memory
+stand beside each measured one.
+
+    python -m bench.layouts                               # 50 Mbit/s, codecs none
+    python -m bench.layouts --codecs none int8 --steps 6
+    python -m bench.layouts --layouts pp4-dp1 --mbit 50 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from bench import common
+from bench.shaped import (
+    RankFailed,
+    RankTimeout,
+    ShapingUnavailable,
+    exit_cleanly_on_sigterm,
+    run_ranks,
+    two_nodes,
+)
+
+#: layout → (pp, dp, node of each rank); the mesh is (dp, pp): rank = replica * pp + stage.
+LAYOUTS = {
+    "pp1-dp4": (1, 4, [0, 0, 1, 1]),
+    "pp2-dp2-dp-across": (2, 2, [0, 0, 1, 1]),
+    "pp2-dp2-pp-across": (2, 2, [0, 1, 0, 1]),
+    "pp4-dp1": (4, 1, [0, 0, 1, 1]),
+}
+MODEL = {"block_size": 64, "n_layer": 6, "n_head": 6, "n_embd": 384}
+INSIDE_GBPS = 34.0  # the loopback inside a node, measured by bench.shaped --selftest --two-nodes
+
+
+def cluster_dict(mbit: float, placement: list[int]) -> dict:
+    """The harness as a ccfx cluster description (2 nodes × 2 devices, the measured links), its
+    devices in rank order: rank r on a device of node ``placement[r]``."""
+    import ccfx
+
+    whole = ccfx.Cluster.nodes(2, 2, intra=(INSIDE_GBPS, 0.05), inter=(mbit / 1000, 0.05),
+                               memory="24GiB")
+    free = {0: ["n0.d0", "n0.d1"], 1: ["n1.d0", "n1.d1"]}
+    return whole.select([free[n].pop(0) for n in placement]).to_dict()
+
+
+def _log(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: int,
+               microbatches: int, steps: int, warmup: int, cluster: dict, memory: bool = True,
+               seed: int = 0) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    import ccfx
+    from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, batches, load_corpus
+
+    base_kib = _rss_kib("VmRSS")
+    mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    text = load_corpus()
+    tok = CharTokenizer(text)
+    torch.manual_seed(seed)
+    model = TinyGPT(GPTConfig(vocab_size=tok.vocab_size, **MODEL))
+    stream = batches(tok.encode(text), batch // dp, MODEL["block_size"], 1000 * seed + dp_rank)
+    options = {"stages": pp, "activation_codec": codec, "activation_grad_codec": codec,
+               "gradient_codec": codec if dp > 1 else "none", "lowering": "eager"}
+    if codec == "auto":
+        options.update(cluster=cluster, microbatches=microbatches, pipeline_schedule="1F1B")
+    compiled = torch.compile(model, backend="ccfx", fullgraph=True, options=options)
+    x, _ = next(stream)
+    compiled(x.chunk(microbatches)[0])
+    stages = ccfx.build_stages(compiled, pp_rank, "cpu", mesh.get_group("pp"),
+                               dp_group=mesh.get_group("dp") if dp > 1 else None)
+    del compiled, model
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+    sched = Schedule1F1B(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    first, last = stages[0].is_first, stages[-1].is_last
+
+    def step() -> float | None:
+        x, y = next(stream)
+        losses: list = []
+        opt.zero_grad(set_to_none=True)
+        sched.step(*((x,) if first else ()), target=y if last else None,
+                   losses=losses if last else None)
+        ccfx.sync_grads(stages)
+        opt.step()
+        return sum(float(v) for v in losses) / len(losses) if last else None
+
+    for i in range(warmup):
+        step()
+        _log(rank, f"warm-up step {i}")
+    peak = _peak_memory(step, base_kib) if memory else "not measured"
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor))
+    times, loss = [], None
+    for i in range(steps):
+        dist.barrier()
+        t = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t)
+        _log(rank, f"timed step {i}: {times[-1]:.3f} s")
+    slowest = [None] * world
+    dist.all_gather_object(slowest, times)
+    return {"step_s": statistics.median(max(ts[i] for ts in slowest) for i in range(steps)),
+            "loss": loss, "peak_bytes": peak, "params": sum(p.numel() for p in params),
+            "param_grad_opt_bytes": 2 * sum(p.numel() * p.element_size() for p in params)
+            + state}
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _peak_memory(step, base_kib: int) -> int | str:
+    """This rank's peak resident bytes during one step above its resident bytes before the
+    model existed (Linux: VmHWM, reset through /proc/self/clear_refs), or why it could not say.
+    MemTracker would count tensors alone, but its dispatch mode hung the pipeline's step here."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        return f"cannot reset the peak: {e}"
+    step()
+    return (_rss_kib("VmHWM") - base_kib) * 1024
+
+
+def run_layout(name: str, codec: str, args) -> dict:
+    pp, dp, placement = LAYOUTS[name]
+    with two_nodes(args.mbit) as nodes:
+        netns, env = nodes.launch(placement)
+        res = run_ranks("bench.layouts", "train_rank", 4,
+                        {"pp": pp, "dp": dp, "codec": codec, "batch": args.batch,
+                         "microbatches": args.microbatches, "steps": args.steps,
+                         "warmup": args.warmup, "cluster": cluster_dict(args.mbit, placement),
+                         "memory": not args.no_memory},
+                        netns=netns, rank_env=env, timeout_s=args.timeout, stall_s=240)
+    return {"layout": name, "codec": codec, "pp": pp, "dp": dp, "placement": placement,
+            "step_s": res[0]["step_s"], "loss": next(r["loss"] for r in res if r["loss"]),
+            "peak_bytes": [r["peak_bytes"] for r in res], "params": sum(
+                r["params"] for r in res[:pp])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("--mbit", type=float, default=50.0, help="the link between the nodes")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--codecs", nargs="+", default=["none"])
+    ap.add_argument("--batch", type=int, default=32, help="samples per step, all replicas")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-memory", action="store_true", help="skip the MemTracker step")
+    a = ap.parse_args(argv)
+    exit_cleanly_on_sigterm()
+    rows = []
+    for name in a.layouts:
+        for codec in a.codecs:
+            print(f"== {name} codec {codec}", flush=True)
+            try:
+                rows.append(run_layout(name, codec, a))
+            except (RankFailed, RankTimeout, ShapingUnavailable) as e:
+                reason = getattr(e, "reason", str(e).splitlines()[0])
+                rows.append({"layout": name, "codec": codec, "failed": reason})
+            print(json.dumps(rows[-1]), flush=True)
+    ok = [r for r in rows if "step_s" in r]
+    best = min((r["step_s"] for r in ok), default=None)
+    table = [[r["layout"], r["codec"], f"{r['step_s']:.3f}", f"{r['step_s'] / best:.2f}",
+              f"{r['loss']:.4f}", " ".join(f"{b / 2**20:.0f}" if isinstance(b, int) else "?"
+                                            for b in r["peak_bytes"])]
+             if "step_s" in r else [r["layout"], r["codec"], "failed", "", "", r["failed"][:60]]
+             for r in rows]
+    print(common.table(table, ["layout", "codec", "step s", "vs best", "loss",
+                               "peak MiB per rank"]))
+    common.write_json(a.json, "layouts", {"mbit": a.mbit, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
