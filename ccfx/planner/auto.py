@@ -84,7 +84,8 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
                 table.append((spec, score(trial)))
             table.sort(key=lambda t: t[1])
             tables[(e.index, d)] = table
-            choice[e.index] = _set(choice[e.index], d, _winner(table, min_gain))
+            current = choice[e.index][0 if d == "fwd" else 1]
+            choice[e.index] = _set(choice[e.index], d, _winner(table, min_gain, current))
     if score(choice) >= base_s * (1 - min_gain):
         # all together the lossy codecs do not buy min_gain: send everything raw
         for e, d, _ in searched:
@@ -114,10 +115,18 @@ def _set(pair: tuple[str, str], direction: str, spec: str) -> tuple[str, str]:
     return (spec, pair[1]) if direction == "fwd" else (pair[0], spec)
 
 
-def _winner(table: list[tuple[str, float]], min_gain: float) -> str:
-    none_s = dict(table)["none"]
+def _winner(table: list[tuple[str, float]], min_gain: float, current: str = "none") -> str:
+    """The edge's codec: the best if it beats ``none`` on this edge by ``min_gain``; else the
+    lossy codec the edge already has while it still beats ``none`` (one hop of many saves less
+    than ``min_gain`` alone: the whole choice is held to ``min_gain`` at the end); else none."""
+    times = dict(table)
+    none_s = times["none"]
     best, best_s = table[0]
-    return best if best != "none" and best_s < none_s * (1 - min_gain) else "none"
+    if best != "none" and best_s < none_s * (1 - min_gain):
+        return best
+    if current != "none" and times.get(current, none_s) < none_s:
+        return current
+    return "none"
 
 
 def _reason(model: PipelineModel, base: PipelinePrediction, edge, direction: str, spec: str,
