@@ -30,6 +30,17 @@ def backend(config: Config | None = None, **options):
     return CcfxBackend(config, **options)
 
 
+def plan_parallel(model, example_inputs, cluster, *, target=None, top: int = 5, **search):
+    """The fastest pipeline × data (× tensor) layout of ``model`` on ``cluster`` (a
+    ``ccfx.Cluster``, a file's path or its dict) that fits in 80 % of every device's memory:
+    ``best.explain()``, ``best.layout``, ``best.predicted_step_s``, ``best.peak_memory_bytes``,
+    ``best.options(rank)`` for ``torch.compile(..., backend="ccfx")``. ``example_inputs`` is
+    the whole step's batch. See :mod:`ccfx.backends.plan_parallel`."""
+    from ccfx.backends.plan_parallel import plan_parallel as _plan
+
+    return _plan(model, example_inputs, cluster, target=target, top=top, **search)
+
+
 def plan_of(compiled) -> Plan:
     """The Plan of a model compiled with ccfx (all of its graphs); of a DDP model with ccfx's
     comm hook (:func:`ddp_comm_hook`), the hook's buckets: parameters, codec, bytes per step."""
@@ -223,6 +234,7 @@ __all__ = [
     "ledger_of",
     "local_steps",
     "plan_of",
+    "plan_parallel",
     "shard",
     "stage_boundary",
     "sync_grads",

@@ -19,6 +19,8 @@ COMMANDS = {
             "draw the partitioned graph of module:factory"),
     "report": ("ccfx.viz.cli", "add_report_arguments", "run_report",
                "write a self-contained HTML report"),
+    "plan": ("ccfx.backends.plan_parallel", "add_arguments", "main",
+             "choose the pipeline x data (x tensor) layout of module:callable on a cluster"),
 }
 
 

@@ -1,0 +1,280 @@
+"""``ccfx.plan_parallel``: the model's facts, measured once without running it at size, then the
+layout search of :mod:`ccfx.planner.layout_search`; and ``ccfx plan`` on the command line.
+
+    best = ccfx.plan_parallel(model, example_inputs, cluster)
+    print(best.explain()); best.layout; best.predicted_step_s; best.peak_memory_bytes
+    compiled = torch.compile(model, backend="ccfx", options=best.options(rank))
+
+``example_inputs`` is the whole step's batch (every replica's microbatches together); the
+planner splits it over ``dp × microbatches``.
+
+How the facts are measured (:func:`model_facts`): the model's forward runs once through
+``torch.func.functional_call`` with every parameter and buffer replaced by a ``meta`` tensor of
+its shape and the inputs moved to ``meta``: shapes propagate, nothing is allocated or computed,
+and the user's module and its tensors are untouched (a 1 B-parameter transformer at batch 512 ×
+2048 traces in about a second, in no memory). Three PyTorch tools read it:
+
+* ``torch.utils.flop_counter.FlopCounterMode``: forward FLOPs, read at each block's forward
+  hooks (the counter ``torch.distributed._tools.RuntimeEstimator`` itself builds on; its
+  roofline and benchmark modes need a CUDA device to time or to read peak rates from, and a
+  cluster's devices are described, not present, so the planner turns FLOPs into seconds with
+  each device's own rate, ``Cluster.rate``);
+* ``torch.autograd.graph.saved_tensors_hooks``: the bytes autograd keeps for each block's
+  backward (the activations a pipeline stage holds per microbatch in flight), each tensor
+  counted once, parameters not counted;
+* forward hooks on the blocks: the tensor a cut after each block would send.
+
+``torch.distributed._tools.MemTracker`` serves where a real run exists: the tests check the
+memory model against its measured peak of a CPU step (tests/test_layout_planner.py). Models
+whose forward depends on data values (``.item()``, boolean masks) cannot run on meta tensors:
+the trace says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ccfx.errors import CcfxError, ConfigError
+from ccfx.planner.cluster import Cluster
+from ccfx.planner.layout_result import ParallelPlan
+from ccfx.planner.layout_search import search
+from ccfx.planner.model_facts import LayerFacts, ModelFacts
+
+
+def find_blocks(model: torch.nn.Module) -> tuple[str, list[tuple[str, torch.nn.Module]]]:
+    """The model's repeated blocks: the ``ModuleList`` / ``Sequential`` with the most children
+    holding parameters (the first of equals), as (its name, [(qualified name, block)])."""
+    best_name, best = "", []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
+            kids = [(f"{name}.{k}" if name else k, c) for k, c in mod.named_children()
+                    if any(True for _ in c.parameters())]
+            if len(kids) >= 2 and len(kids) > len(best):
+                best_name, best = name, kids
+    return best_name, best
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(value, Mapping):
+        for v in value.values():
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if hasattr(value, "to_tuple"):  # Hugging Face ModelOutput
+        return _first_tensor(value.to_tuple())
+    return None
+
+
+def _meta(value):
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_meta(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _meta(v) for k, v in value.items()}
+    return value
+
+
+def _tp_plan(model: torch.nn.Module):
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or \
+        getattr(model, "_tp_plan", None)
+    if not plan:
+        return None
+    return tuple(sorted((str(k), str(v)) for k, v in dict(plan).items()))
+
+
+def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
+    """Per block: forward FLOPs, parameters, saved activation bytes and the tensor handed on,
+    at ``example_inputs``' batch, from one forward on meta tensors (the module docstring)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"plan_parallel: the model is a {type(model).__name__}: give the "
+                          "torch.nn.Module (not a compiled wrapper or a function)")
+    kwargs = {}
+    if isinstance(example_inputs, Mapping):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, torch.Tensor):
+        args = (example_inputs,)
+    else:
+        args = tuple(example_inputs)
+    first = _first_tensor((args, kwargs))
+    if first is None or first.dim() == 0:
+        raise ConfigError("plan_parallel: the example inputs hold no batched tensor: give the "
+                          "step's batch (e.g. (token_ids,) of shape (batch, sequence))")
+    batch = int(first.shape[0])
+    container, blocks = find_blocks(model)
+    block_ids = {id(b) for _, b in blocks}
+
+    params = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+              for n, p in model.named_parameters()}
+    buffers = {n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()}
+    param_ids = {id(p) for p in params.values()}
+
+    current = ["pre"]
+    flops_at: dict[str, float] = {}
+    saved: dict[str, dict[int, int]] = {}
+    outs: dict[str, torch.Tensor] = {}
+    keep = []
+    counter = FlopCounterMode(display=False)
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if id(base) not in param_ids and id(t) not in param_ids:
+            keep.append(base)  # alive until the trace ends: ids stay unique
+            saved.setdefault(current[0], {})[id(base)] = base.nbytes
+        return t
+
+    handles = []
+    for name, block in blocks:
+        def pre(mod, a, name=name):
+            flops_at[name + ":start"] = counter.get_total_flops()
+            current[0] = name
+
+        def post(mod, a, out, name=name):
+            flops_at[name + ":end"] = counter.get_total_flops()
+            current[0] = "post"
+            t = _first_tensor(out)
+            if t is not None:
+                outs[name] = t
+
+        handles.append(block.register_forward_pre_hook(pre))
+        handles.append(block.register_forward_hook(post))
+    try:
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.func.functional_call(model, {**params, **buffers}, _meta(args), _meta(kwargs))
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        raise ConfigError(
+            f"plan_parallel: the model's forward did not run on meta tensors ({type(e).__name__}:"
+            f" {str(e).splitlines()[0] if str(e) else ''}): the planner traces shapes only, so a "
+            "forward that reads data values (.item(), boolean masks) cannot be planned; give "
+            "ModelFacts yourself (ccfx.planner.model_facts)") from e
+    finally:
+        for h in handles:
+            h.remove()
+    total = counter.get_total_flops()
+
+    if not blocks:  # one layer: the whole model
+        out = None
+        return ModelFacts((LayerFacts(
+            "", float(total), sum(p.numel() for p in params.values()),
+            sum(p.nbytes for p in params.values()), sum(sum(v.values()) for v in saved.values()),
+            (batch,), str(first.dtype).replace("torch.", ""),
+            tuple(tuple(p.shape) for p in params.values())),), batch, _tp_plan(model),
+            "meta trace (no repeated blocks found: one layer)")
+
+    # parameters outside the blocks: before the container (embeddings) or after (head); a tied
+    # parameter used on both sides is held by both
+    pre_params: dict[int, torch.Tensor] = {}
+    post_params: dict[int, torch.Tensor] = {}
+    side = pre_params
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if name == container:
+            side = post_params
+            continue
+        if id(mod) in block_ids or (container and name.startswith(container + ".")):
+            continue
+        for p in mod.parameters(recurse=False):
+            side[id(p)] = p
+    layers = []
+    for i, (name, block) in enumerate(blocks):
+        if name not in outs:
+            raise ConfigError(f"plan_parallel: block {name} did not run in the forward: the "
+                              "planner needs every repeated block on the forward path")
+        ps = list(block.parameters())
+        extra = []
+        fl = flops_at[name + ":end"] - flops_at[name + ":start"]
+        sv = sum(saved.get(name, {}).values())
+        if i == 0:
+            extra += list(pre_params.values())
+            fl += flops_at[name + ":start"]
+            sv += sum(saved.get("pre", {}).values())
+        if i == len(blocks) - 1:
+            extra += list(post_params.values())
+            fl += total - flops_at[name + ":end"]
+            sv += sum(saved.get("post", {}).values())
+        every = ps + extra
+        out = outs[name]
+        layers.append(LayerFacts(
+            name, float(fl), sum(p.numel() for p in every),
+            sum(p.numel() * p.element_size() for p in every), int(sv), tuple(out.shape),
+            str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every)))
+    return ModelFacts(tuple(layers), batch, _tp_plan(model), "meta trace")
+
+
+def as_cluster(cluster) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, (str, Path)):
+        return Cluster.from_file(cluster)
+    if isinstance(cluster, Mapping):
+        return Cluster.from_dict(cluster)
+    raise ConfigError(f"plan_parallel: cluster is a {type(cluster).__name__}: give a "
+                      "ccfx.Cluster, a .toml / .json file's path or Cluster.to_dict()'s dict")
+
+
+def plan_parallel(model, example_inputs, cluster, *, target: int | None = None, top: int = 5,
+                  microbatches=None, schedule: str = "1F1B", tensor_parallel: bool | None = None,
+                  local_steps: bool | None = None, timer=None) -> ParallelPlan:
+    """The fastest pipeline × data (× tensor) layout of ``model`` on ``cluster`` that fits in
+    memory, its runners-up and the refused ones (:class:`ccfx.planner.layout_result.
+    ParallelPlan`). ``example_inputs``: the whole step's batch. ``target``: the steps the
+    run needs (the explanation then gives the time to it). ``top``: layouts the explanation
+    lists. ``microbatches``, ``schedule``, ``tensor_parallel``, ``local_steps``: narrow the search
+    (:func:`ccfx.planner.layout_search.search`); ``timer``: a ``CodecTimer`` for codec prices."""
+    facts = model if isinstance(model, ModelFacts) else model_facts(model, example_inputs)
+    return search(facts, as_cluster(cluster), top=top, timer=timer, microbatches=microbatches,
+                  schedule=schedule, tensor_parallel=tensor_parallel, target_steps=target,
+                  local_steps=local_steps)
+
+
+# -- ccfx plan ------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", required=True, help="the cluster: a .toml / .json (/ .yaml) "
+                   "file (examples/cluster64.toml)")
+    p.add_argument("--model", required=True, metavar="MODULE:CALLABLE",
+                   help="a callable with no arguments returning (model, example_inputs): the "
+                        "inputs are the whole step's batch (build a large model on the meta "
+                        "device: only shapes are used)")
+    p.add_argument("--top", type=int, default=5, help="layouts to list (default 5)")
+    p.add_argument("--target", type=int, default=None, metavar="STEPS",
+                   help="steps the run needs: also print the time to reach them")
+    p.add_argument("--schedule", default="1F1B", choices=("1F1B", "GPipe"))
+    p.add_argument("--json", action="store_true", help="print the chosen options as JSON")
+
+
+def main(args) -> int:
+    from ccfx.viz.cli import load_factory
+
+    try:
+        made = load_factory(args.model)()
+        if not (isinstance(made, (tuple, list)) and len(made) == 2
+                and isinstance(made[0], torch.nn.Module)):
+            raise ConfigError(f"{args.model} returned {type(made).__name__}: return the pair "
+                              "(model, example_inputs)")
+        plan = plan_parallel(made[0], made[1], args.cluster, target=args.target, top=args.top,
+                             schedule=args.schedule)
+    except CcfxError as e:
+        print(f"ccfx plan: {e}", file=sys.stderr)
+        return 2
+    print(plan.explain())
+    options = {k: v for k, v in plan.options(0).items() if k != "cluster"}
+    if args.json:
+        print(json.dumps(options, indent=1))
+    else:
+        print(f"options (every rank; with \"cluster\": the placed description): {options}")
+    return 0

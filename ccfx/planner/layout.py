@@ -1,0 +1,400 @@
+"""One parallel layout, and its predicted step and memory on a cluster: :func:`predict_layout`.
+
+A :class:`Layout` is the pipeline × data × tensor degrees, the microbatches, the schedule,
+replicated or sharded data parallel, where each rank runs (``order``: how the three axes nest
+over the cluster's devices taken node by node), the stage boundaries, and the codecs of each
+pipeline hop, each stage's gradient exchange and (local steps) the outer sync. Ranks are
+numbered as ``ccfx run``'s ``(dp, pp)`` DeviceMesh, tensor-parallel innermost:
+``rank = (d · pp + s) · tp + t``.
+
+The model (analytic, per link: each hop and each group priced on the link its own devices
+cross, ``Cluster.link``; where several pairs carry one hop or one group, the slowest):
+
+* **compute**: a stage's forward FLOPs per microbatch / ``tp`` at its slowest device's rate
+  (``Cluster.rate``), the backward twice that (the usual 2:1);
+* **tensor parallel**: Megatron's two all-reduces of a layer's output per layer forward and
+  two backward, ``2 (tp-1)/tp`` of the tensor each, on the critical path;
+* **pipeline** (GPipe and 1F1B take the same time; they differ in memory): a steady period of
+  ``max(slowest stage's forward + backward + codec work, slowest hop's transfer)`` per
+  microbatch, plus the fill and drain (every stage's and every hop's time once):
+  ``(m - 1) · period + Σ stages + Σ hops``. Sends are buffered (they overlap compute) unless
+  a hop is slower than the stages;
+* **gradient buckets**: without a pipeline the exchange overlaps the backward bucket by bucket
+  (25 MiB each, one latency each); under PP × DP ccfx averages each stage's gradients after
+  the step (``ccfx.sync_grads``), so stage ``s`` starts when its last backward ends, which is
+  ``Σ_{s' < s} (backward + hop)`` before stage 0's: a late stage's exchange hides behind the
+  drain (Optimus-CC's selective stage compression). All-reduce ``2 (dp-1)/dp`` of the payload;
+* **sharded data parallel** (``ccfx.shard``, no pipeline): the weights all-gathered in the
+  forward and again in the backward, the gradients reduce-scattered, each hidden behind the
+  compute of its pass where it fits;
+* **local steps** (``sync_every`` H): the data-parallel exchange replaced by an outer sync
+  every H steps, priced by :func:`ccfx.planner.local_model.predict_local_steps` on the group's
+  link; its effect on the loss per step is not priced;
+* **codecs**: payload bytes exact (``CodecTimer``), encode and decode at the timer's rate on
+  the sending and receiving stage.
+
+Not modelled: contention of several groups for one NIC (a cluster gives a link per pair), the
+optimizer step, overlap of tensor-parallel collectives with compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..config import Config
+from ..errors import ConfigError
+from ..wire.link import Link
+from .cluster import Cluster
+from .codec_cost import CodecTimer
+from .local_model import predict_local_steps
+from .memory_model import MEMORY_LIMIT, SCHEDULES, MemoryEstimate, in_flight, stage_memory
+from .model_facts import ModelFacts
+
+AXES = ("tp", "pp", "dp")
+#: the data-parallel bucket cap ccfx uses (``bucket_mb``), one latency per bucket
+BUCKET_BYTES = 25 * 2 ** 20
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees, microbatches, schedule, placement order (axes innermost first over the
+    node-major device list), stage boundaries (the first layer of each stage), codecs."""
+
+    pp: int
+    dp: int
+    tp: int = 1
+    microbatches: int = 1
+    schedule: str = "1F1B"
+    sharded: bool = False
+    order: tuple[str, ...] = AXES
+    boundaries: tuple[int, ...] = (0,)
+    hop_codecs: tuple[tuple[str, str], ...] = ()  # per hop s -> s+1: (forward, backward)
+    gradient_codecs: tuple[str, ...] = ()  # per stage
+    sync_every: int | None = None
+    outer_codec: str = "none"
+
+    def __post_init__(self):
+        for name in ("pp", "dp", "tp", "microbatches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"layout: {name} is {v!r}: a whole number ≥ 1")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"layout: schedule {self.schedule!r}: use one of {SCHEDULES}")
+        if sorted(self.order) != sorted(AXES):
+            raise ConfigError(f"layout: order {self.order!r} must name each of {AXES} once")
+        if len(self.boundaries) != self.pp or self.boundaries[0] != 0 or any(
+                a >= b for a, b in zip(self.boundaries, self.boundaries[1:])):
+            raise ConfigError(f"layout: boundaries {self.boundaries} must be {self.pp} "
+                              "increasing first-layer indices starting at 0")
+        if self.pp > 1 and self.microbatches < self.pp:
+            raise ConfigError(f"layout: {self.microbatches} microbatches for {self.pp} stages: "
+                              "a pipeline needs at least one microbatch per stage")
+        if self.sharded and self.pp > 1:
+            raise ConfigError("layout: sharded data parallel (ccfx.shard) runs without a "
+                              "pipeline: use pp=1, or replicated data parallel")
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def rank(self, s: int, d: int, t: int = 0) -> int:
+        return (d * self.pp + s) * self.tp + t
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(stage, replica, tensor-parallel lane) of ``rank``."""
+        t = rank % self.tp
+        s = (rank // self.tp) % self.pp
+        return s, rank // (self.tp * self.pp), t
+
+    def position(self, s: int, d: int, t: int) -> int:
+        """The place in the node-major device list of the rank at (s, d, t)."""
+        index, degree = {"tp": t, "pp": s, "dp": d}, {"tp": self.tp, "pp": self.pp,
+                                                        "dp": self.dp}
+        pos, mult = 0, 1
+        for axis in self.order:
+            pos += index[axis] * mult
+            mult *= degree[axis]
+        return pos
+
+    def placement(self, cluster: Cluster) -> tuple[str, ...]:
+        """The device of each rank, in rank order."""
+        devices = node_major(cluster)
+        return tuple(devices[self.position(*self.coords(r))] for r in range(self.world))
+
+    def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
+        ends = list(self.boundaries[1:]) + [num_layers]
+        return list(zip(self.boundaries, ends, strict=True))
+
+    def describe(self) -> str:
+        parts = [f"pp={self.pp}", f"dp={self.dp}" + (" sharded" if self.sharded else "")]
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        parts.append(f"mb={self.microbatches}")
+        nested = [a for a in self.order if getattr(self, a) > 1]
+        if len(nested) > 1:
+            parts.append(f"{nested[0]} inside nodes")
+        if self.sync_every:
+            parts.append(f"local H={self.sync_every}")
+        return " ".join(parts)
+
+
+def node_major(cluster: Cluster) -> tuple[str, ...]:
+    """The device names grouped by region, then node (in order of first appearance)."""
+    groups: dict[tuple, list[str]] = {}
+    for d in cluster.devices:
+        groups.setdefault((d.region, d.node), []).append(d.name)
+    regions: dict = {}
+    for (region, node), names in groups.items():
+        regions.setdefault(region, []).extend(names)
+    return tuple(n for names in regions.values() for n in names)
+
+
+class Links:
+    """The cluster's links by device position, cached (a search asks for the same pairs
+    many times)."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.index = {n: i for i, n in enumerate(cluster.names)}
+        self._pair: dict[tuple[int, int], Link] = {}
+
+    def link(self, a: str, b: str) -> Link:
+        key = (self.index[a], self.index[b])
+        hit = self._pair.get(key)
+        if hit is None:
+            hit = self._pair[key] = self.cluster.link(*key)
+        return hit
+
+    def slowest(self, pairs) -> Link:
+        """The slowest link among ``pairs`` (lowest bandwidth), with their highest latency."""
+        links = {self.link(a, b) for a, b in pairs if a != b}
+        worst = min(links, key=lambda x: (x.gbps, -x.latency_ms))
+        return replace(worst, latency_ms=max(x.latency_ms for x in links))
+
+
+@dataclass
+class LayoutPrediction:
+    """A layout's predicted step (seconds) and its parts, its memory per stage, and why it was
+    refused (None: it fits)."""
+
+    layout: Layout
+    step_s: float
+    compute_s: float
+    codec_s: float
+    hops_s: float
+    buckets_s: float
+    collectives_s: float
+    syncs_s: float
+    bubble_s: float
+    memory: tuple[MemoryEstimate, ...]
+    device_memory: tuple[int, ...]  # per stage: the smallest device's bytes
+    hop_links: tuple[Link, ...] = ()
+    dp_links: tuple[Link | None, ...] = ()
+    tp_links: tuple[Link | None, ...] = ()
+    refused: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(m.total for m in self.memory)
+
+    @property
+    def fits(self) -> bool:
+        return self.refused is None
+
+    def breakdown(self) -> str:
+        def ms(x: float) -> str:
+            return f"{x * 1e3:.4g} ms"
+
+        parts = [f"compute {ms(self.compute_s)}"]
+        for name, value in (("codecs", self.codec_s), ("hops", self.hops_s),
+                            ("buckets", self.buckets_s), ("collectives", self.collectives_s),
+                            ("syncs", self.syncs_s), ("bubble", self.bubble_s)):
+            if value > 5e-7:
+                parts.append(f"{name} {ms(value)}")
+        return " + ".join(parts)
+
+
+def default_timer(cluster: Cluster) -> CodecTimer:
+    """Codec prices: measured on this machine when a device's rate is "measure here" (the
+    planner runs where the model will); else a modelled 200 GB/s per encode and per decode
+    (an elementwise kernel on a data-centre GPU, memory-bound), bytes always exact."""
+    if any(d.flops is None for d in cluster.devices):
+        return CodecTimer()
+    return CodecTimer(throughput=2e11)
+
+
+def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
+                   timer: CodecTimer | None = None, links: Links | None = None
+                   ) -> LayoutPrediction:
+    """The predicted step and per-device memory of ``layout`` for a model of ``facts`` on
+    ``cluster``, with the layout's own codecs (the search chooses them; this prices them).
+    The traced batch is the whole step's (every replica's microbatches together)."""
+    if layout.world != cluster.world:
+        raise ConfigError(f"layout {layout.describe()} has {layout.world} ranks but the cluster "
+                          f"{cluster.world} devices: pp × dp × tp must equal the devices")
+    if layout.boundaries[-1] >= facts.num_layers:
+        raise ConfigError(f"layout: {layout.pp} stages need {layout.pp} layers; the model has "
+                          f"{facts.num_layers}")
+    split = layout.dp * layout.microbatches
+    if facts.batch % split:
+        raise ConfigError(f"layout {layout.describe()}: the batch of {facts.batch} does not "
+                          f"split into dp × microbatches = {split} equal parts")
+    timer = timer or default_timer(cluster)
+    links = links or Links(cluster)
+    pp, dp, tp, m = layout.pp, layout.dp, layout.tp, layout.microbatches
+    where = layout.placement(cluster)
+
+    def dev(s, d, t):
+        return where[layout.rank(s, d, t)]
+
+    samples = facts.batch // split
+    fraction = samples / facts.batch
+    stages = layout.stage_layers(facts.num_layers)
+    sf = [facts.stage(lo, hi) for lo, hi in stages]
+    notes: list[str] = []
+
+    # compute and tensor parallel, per stage and microbatch
+    fwd, bwd, tp_s, tp_links = [], [], [], []
+    for s, st in enumerate(sf):
+        devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
+        rate = min(cluster.rate(x) for x in devs)
+        f = st.flops * fraction / tp / rate
+        fwd.append(f)
+        bwd.append(2 * f)
+        if tp > 1:
+            link = links.slowest((dev(s, d, a), dev(s, d, b)) for d in range(dp)
+                                 for a in range(tp) for b in range(tp))
+            per_layer = 0.0
+            for i in range(st.lo, st.hi):
+                nbytes = facts.layers[i].out_bytes * fraction
+                per_layer += link.seconds(2 * (tp - 1) / tp * nbytes) * 2
+            tp_s.append(per_layer)  # forward; the backward the same again
+            tp_links.append(link)
+        else:
+            tp_s.append(0.0)
+            tp_links.append(None)
+
+    # pipeline hops
+    enc_dec = [0.0] * pp
+    codec_mem = [0] * pp
+    hop_fwd, hop_bwd, hop_links = [], [], []
+    for h in range(pp - 1):
+        link = links.slowest((dev(h, d, t), dev(h + 1, d, t)) for d in range(dp)
+                             for t in range(tp))
+        hop_links.append(link)
+        last = stages[h][1] - 1
+        shape = facts.cut_shape(last, samples)
+        dtype = getattr(torch, facts.layers[last].out_dtype)
+        fspec, bspec = layout.hop_codecs[h] if h < len(layout.hop_codecs) else ("none", "none")
+        cf, cb = timer.cost(fspec, shape, dtype), timer.cost(bspec, shape, dtype)
+        hop_fwd.append(link.seconds(cf.wire_bytes))
+        hop_bwd.append(link.seconds(cb.wire_bytes))
+        enc_dec[h] += cf.encode_s + cb.decode_s
+        enc_dec[h + 1] += cf.decode_s + cb.encode_s
+        for c, spec in ((cf, fspec), (cb, bspec)):
+            if spec != "none":  # a payload each side, and an error-feedback residual
+                residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
+                codec_mem[h] += c.wire_bytes + residual
+                codec_mem[h + 1] += c.wire_bytes + residual
+
+    per_mb = [fwd[s] + bwd[s] + 2 * tp_s[s] + enc_dec[s] for s in range(pp)]
+    hops = [max(a, b) for a, b in zip(hop_fwd, hop_bwd, strict=True)]
+    worst_stage = max(per_mb)
+    period = max([worst_stage] + hops)
+    pipe = (m - 1) * period + sum(per_mb) + sum(hop_fwd) + sum(hop_bwd)
+    # when stage s's last backward ends: the drain runs back through the stages before it
+    ends = []
+    for s in range(pp):
+        ends.append(pipe - sum(bwd[x] + tp_s[x] + (hop_bwd[x] if x < pp - 1 else 0.0)
+                               for x in range(s)))
+
+    # data parallel: buckets, sharded, or local steps
+    buckets = syncs = 0.0
+    dp_links: list[Link | None] = []
+    for s, st in enumerate(sf):
+        if dp == 1:
+            dp_links.append(None)
+            continue
+        link = links.slowest((dev(s, a, t), dev(s, b, t)) for t in range(tp)
+                             for a in range(dp) for b in range(dp))
+        dp_links.append(link)
+    if dp > 1 and layout.sync_every:
+        cfg = Config(sync_every=layout.sync_every, outer_codec=layout.outer_codec)
+        worst = 0.0
+        for s, st in enumerate(sf):
+            shapes = [_shard(shape, tp) for shape in st.param_shapes] or [(1,)]
+            pred = predict_local_steps(pipe, shapes, dp, dp_links[s], cfg, timer)
+            worst = max(worst, pred.step_s - pipe)
+        syncs = worst
+        notes.append(f"local steps: the replicas sync every {layout.sync_every} steps "
+                     f"({layout.outer_codec}); their effect on the loss per step is not priced")
+    elif dp > 1:
+        done = pipe
+        for s, st in enumerate(sf):
+            link = dp_links[s]
+            share = dp if link.shared else 1
+            spec = layout.gradient_codecs[s] if s < len(layout.gradient_codecs) else "none"
+            numel = max(1, st.param_numel // tp)
+            c = timer.cost(spec, (numel,), torch.float32)
+            n_buckets = max(1, math.ceil(c.raw_bytes / BUCKET_BYTES))
+            if spec != "none":
+                residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
+                codec_mem[s] += 2 * min(c.wire_bytes, BUCKET_BYTES) + residual
+            if layout.sharded:
+                gather = link.seconds(0) * n_buckets + (dp - 1) / dp * st.param_bytes / tp \
+                    * share * 8 / (link.gbps * 1e9)
+                scatter = gather
+                buckets += max(0.0, gather - m * fwd[s]) + max(0.0, gather + scatter
+                                                               - m * bwd[s])
+                continue
+            wire = 2 * (dp - 1) / dp * c.wire_bytes * share * 8 / (link.gbps * 1e9)
+            t_sync = n_buckets * link.latency_ms * 1e-3 + wire + c.encode_s + c.decode_s
+            if pp == 1:
+                backward = m * (bwd[s] + tp_s[s])
+                hidden = backward * (n_buckets - 1) / n_buckets
+                buckets = max(buckets, max(t_sync / n_buckets, t_sync - hidden))
+            else:
+                done = max(done, ends[s] + t_sync)
+        if pp > 1:
+            buckets = done - pipe
+    step = pipe + buckets + syncs
+
+    # the breakdown: the slowest stage's own work m times; the rest of the pipeline is bubble
+    # or hops
+    s_star = max(range(pp), key=lambda s: per_mb[s])
+    compute = m * (fwd[s_star] + bwd[s_star])
+    collectives = m * 2 * tp_s[s_star]
+    codec = m * enc_dec[s_star]
+    hop_exposed = sum(hop_fwd) + sum(hop_bwd) + (m - 1) * max(0.0, period - worst_stage)
+    bubble = max(0.0, pipe - compute - collectives - codec - hop_exposed)
+
+    # memory
+    memory, device_memory = [], []
+    largest = max(x.param_bytes for x in facts.layers)
+    refused = None
+    for s, st in enumerate(sf):
+        est = stage_memory(st, fraction=fraction, held=in_flight(layout.schedule, s, pp, m),
+                           tp=tp, dp=dp, sharded=layout.sharded, largest_layer_bytes=largest,
+                           codec_bytes=codec_mem[s])
+        devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
+        smallest = min(devs, key=cluster.memory)
+        cap = cluster.memory(smallest)
+        memory.append(est)
+        device_memory.append(cap)
+        if refused is None and est.total > MEMORY_LIMIT * cap:
+            refused = (f"stage {s} on {smallest} needs {est.describe()}, above "
+                       f"{MEMORY_LIMIT:.0%} of its {cap / 2 ** 30:.3g} GiB")
+    return LayoutPrediction(layout, step, compute, codec, hop_exposed, buckets, collectives,
+                            syncs, bubble, tuple(memory), tuple(device_memory),
+                            tuple(hop_links), tuple(dp_links), tuple(tp_links), refused, notes)
+
+
+def _shard(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """A parameter's local shape under tensor parallelism (its first dimension split)."""
+    if tp == 1 or not shape:
+        return tuple(shape)
+    return (max(1, shape[0] // tp), *shape[1:])

@@ -1,0 +1,224 @@
+"""The layout search: every pipeline × data (× tensor) layout of a cluster, priced by
+:func:`~ccfx.planner.layout.predict_layout`, the ones that fit in memory ranked by their step.
+
+What is enumerated (small on purpose: a 64-device cluster is a few hundred layouts):
+
+* degrees ``pp × dp × tp = world``: ``pp`` up to the model's layers; ``tp`` only for a model
+  that declares a tensor-parallel plan (``ModelFacts.tp_plan``), 2, 4 or 8 and within a node;
+* microbatches ``pp``, ``2 pp``, ``4 pp``, ``8 pp`` (1 without a pipeline), those that split
+  the batch evenly over the replicas;
+* replicated or sharded data parallel (``ccfx.shard``; without a pipeline);
+* placement: every nesting of the non-trivial axes over the node-major device list (tensor
+  parallel inside a node then pipeline across nodes, or data parallel across nodes, ...): the
+  sensible rank orders, so the slow links carry the hops or groups that move the least;
+* stage boundaries balanced by each stage's device speed (contiguous blocks, the slowest
+  stage's time minimal);
+* codecs per hop and direction, and per stage's gradient exchange, each chosen on *its* link
+  among the codecs ``auto`` admits (``candidates``: within the measured loss budget), only
+  where it saves ``auto_min_gain`` (10 %) of that transfer;
+* local steps when the data-parallel exchange is over half the step of the best layout that
+  syncs every step (a slow link dominates): the smallest H of 2 … 128 that brings the sync
+  under a tenth of the step (their effect on the loss per step is not priced, so they never
+  compete where every-step data parallel is fine).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from ..config import Config
+from .candidates import candidates
+from .cluster import Cluster
+from .codec_cost import CodecTimer
+from .layout import AXES, Layout, LayoutPrediction, Links, default_timer, predict_layout
+from .layout_result import ParallelPlan
+from .model_facts import ModelFacts
+
+MIN_GAIN = Config().auto_min_gain
+LOCAL_H = (2, 4, 8, 16, 32, 64, 128)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def orders(pp: int, dp: int, tp: int) -> list[tuple[str, ...]]:
+    """The distinct nestings: permutations of the axes whose degree is above 1 (the others
+    change nothing)."""
+    degree = {"tp": tp, "pp": pp, "dp": dp}
+    live = [a for a in AXES if degree[a] > 1]
+    rest = tuple(a for a in AXES if degree[a] == 1)
+    return [tuple(p) + rest for p in itertools.permutations(live)] or [AXES]
+
+
+def balance(flops: Sequence[float], rates: Sequence[float]) -> tuple[int, ...]:
+    """First-layer indices of ``len(rates)`` contiguous stages over layers of ``flops``, the
+    slowest stage's ``Σ flops / rate`` minimal (dynamic programming)."""
+    n, k = len(flops), len(rates)
+    prefix = [0.0]
+    for f in flops:
+        prefix.append(prefix[-1] + f)
+    inf = float("inf")
+    # best[j][i]: the slowest of the first j stages over the first i layers
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for p in range(j - 1, i):
+                t = max(best[j - 1][p], (prefix[i] - prefix[p]) / rates[j - 1])
+                if t < best[j][i]:
+                    best[j][i], cut[j][i] = t, p
+    bounds, i = [], n
+    for j in range(k, 0, -1):
+        i = cut[j][i]
+        bounds.append(i)
+    return tuple(reversed(bounds))
+
+
+def _pick(costs: dict[str, float]) -> str:
+    """The cheapest codec if it beats ``none`` by ``MIN_GAIN``, else ``none``."""
+    best = min(costs, key=costs.get)
+    return best if best != "none" and costs[best] < costs["none"] * (1 - MIN_GAIN) else "none"
+
+
+def choose_codecs(facts: ModelFacts, layout: Layout, base: LayoutPrediction,
+                  timer: CodecTimer, config: Config) -> Layout:
+    """Per hop and direction, per stage's gradient exchange: the codec with the least exposed
+    time on that hop's or group's link, its codec work included (``base``: the layout priced
+    uncompressed, whose links and slowest stage these are)."""
+    samples = facts.batch // (layout.dp * layout.microbatches)
+    m = layout.microbatches
+    # the slowest stage's work per microbatch: what a transfer hides behind
+    period = (base.compute_s + base.collectives_s) / m
+    hops = []
+    for h, link in enumerate(base.hop_links):
+        last = layout.boundaries[h + 1] - 1
+        shape = facts.cut_shape(last, samples)
+        dtype = getattr(torch, facts.layers[last].out_dtype)
+        pair = []
+        for role in ("activation", "activation_grad"):
+            costs = {}
+            for spec in candidates(role, config):
+                c = timer.cost(spec, shape, dtype)
+                wire = link.seconds(c.wire_bytes)
+                # exposed once in the fill or drain, and every microbatch where the transfer
+                # outlasts the slowest stage; the codec's work on the stages every microbatch
+                costs[spec] = (wire + (m - 1) * max(0.0, wire - period)
+                               + m * (c.encode_s + c.decode_s))
+            pair.append(_pick(costs))
+        hops.append(tuple(pair))
+    grads = []
+    for s, (lo, hi) in enumerate(layout.stage_layers(facts.num_layers)):
+        link = base.dp_links[s] if s < len(base.dp_links) else None
+        if link is None or layout.sharded:
+            grads.append("none")
+            continue
+        numel = max(1, facts.stage(lo, hi).param_numel // layout.tp)
+        costs = {}
+        for spec in candidates("gradient", config):
+            c = timer.cost(spec, (numel,), torch.float32)
+            costs[spec] = (2 * (layout.dp - 1) / layout.dp * c.wire_bytes * 8
+                           / (link.gbps * 1e9) + c.encode_s + c.decode_s)
+        grads.append(_pick(costs))
+    return replace(layout, hop_codecs=tuple(hops), gradient_codecs=tuple(grads))
+
+
+def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTimer | None = None,
+           microbatches: Sequence[int] | None = None, schedule: str = "1F1B",
+           tensor_parallel: bool | None = None, config: Config | None = None,
+           target_steps: int | None = None, local_steps: bool | None = None) -> ParallelPlan:
+    """Every layout (the module's docstring), priced; the fitting ones ranked by step.
+    ``microbatches``: the counts to try (default ``pp``, ``2 pp``, ``4 pp``, ``8 pp``);
+    ``tensor_parallel``: None (only for a model with a TP plan), True or False;
+    ``local_steps``: None (local-step variants compete only where the data-parallel exchange
+    is over half of the best every-step layout's step: their loss per step is not priced),
+    True (always) or False (never)."""
+    t0 = time.perf_counter()
+    timer = timer or default_timer(cluster)
+    config = config or Config()
+    links = Links(cluster)
+    world = cluster.world
+    per_node = min(len(v) for v in cluster.by_node().values())
+    allow_tp = facts.tp_plan is not None if tensor_parallel is None else tensor_parallel
+    tps = [1] + [t for t in (2, 4, 8) if allow_tp and world % t == 0 and per_node % t == 0]
+    flops = [x.flops for x in facts.layers]
+    priced: list[LayoutPrediction] = []
+    variants: list[LayoutPrediction] = []
+    skipped: list[str] = []
+    for tp in tps:
+        for pp in divisors(world // tp):
+            if pp > facts.num_layers:
+                skipped.append(f"pp={pp}: more stages than the model's {facts.num_layers} "
+                               "layers")
+                continue
+            dp = world // (tp * pp)
+            counts = [1] if pp == 1 else [k * pp for k in (1, 2, 4, 8)]
+            if microbatches is not None:
+                counts = [c for c in microbatches if c >= pp or pp == 1]
+            counts = [c for c in counts if facts.batch % (dp * c) == 0]
+            if not counts:
+                skipped.append(f"pp={pp} dp={dp} tp={tp}: no microbatch count splits the batch "
+                               f"of {facts.batch} over {dp} replicas")
+                continue
+            for order in orders(pp, dp, tp):
+                probe = Layout(pp, dp, tp, counts[0], schedule, order=order,
+                               boundaries=tuple(range(pp)))
+                where = probe.placement(cluster)
+                rates = [min(cluster.rate(where[probe.rank(s, d, t)]) for d in range(dp)
+                             for t in range(tp)) for s in range(pp)]
+                bounds = balance(flops, rates)
+                for m in counts:
+                    for sharded in ([False, True] if pp == 1 and dp > 1 else [False]):
+                        layout = Layout(pp, dp, tp, m, schedule, sharded, order, bounds)
+                        base = predict_layout(facts, cluster, layout, timer=timer, links=links)
+                        layout = choose_codecs(facts, layout, base, timer, config)
+                        pred = predict_layout(facts, cluster, layout, timer=timer,
+                                              links=links)
+                        priced.append(pred)
+                        if local_steps is not False:
+                            local = _local_steps(facts, cluster, pred, timer, links)
+                            if local is not None:
+                                variants.append(local)
+    fitting = sorted((p for p in priced if p.fits), key=lambda p: p.step_s)
+    notes = []
+    if variants:
+        # local steps change the training (a loss per step the planner cannot price): they
+        # compete only where the slow link dominates even the best every-step layout
+        dominated = not fitting or fitting[0].buckets_s > 0.5 * fitting[0].step_s
+        if local_steps or dominated:
+            priced += variants
+            notes.append("local steps considered: the data-parallel exchange is over half of "
+                         "the best every-step layout's step" if dominated else
+                         "local steps considered (asked for)")
+        else:
+            notes.append(f"local steps not considered: the best every-step layout's exchange "
+                         f"is {fitting[0].buckets_s / fitting[0].step_s:.0%} of its step "
+                         "(under half)")
+    fitting = sorted((p for p in priced if p.fits), key=lambda p: p.step_s)
+    refused = sorted((p for p in priced if not p.fits), key=lambda p: p.step_s)
+    return ParallelPlan(fitting, refused, skipped, facts, cluster, top,
+                        time.perf_counter() - t0, target_steps, notes)
+
+
+def _local_steps(facts, cluster, pred: LayoutPrediction, timer, links) -> LayoutPrediction | None:
+    """Where the data-parallel exchange is over half the step: the layout with local steps
+    (the smallest H whose sync costs under a tenth of the step), else None."""
+    layout = pred.layout
+    if layout.dp == 1 or layout.sharded or pred.buckets_s <= 0.5 * pred.step_s:
+        return None
+    best = None
+    outer = "bf16" if "bf16" in candidates("gradient", Config()) else "none"
+    for h in LOCAL_H:
+        trial = replace(layout, sync_every=h, outer_codec=outer,
+                        gradient_codecs=("none",) * layout.pp)
+        best = predict_layout(facts, cluster, trial, timer=timer, links=links)
+        if best.syncs_s < 0.1 * best.step_s:
+            break
+    return best
+

@@ -1,0 +1,87 @@
+"""Peak memory per device of one pipeline stage under a layout: what a layout planner must
+refuse before it prices anything (the memory estimator for 3D-parallel LLM training of the
+issue: in 454 runs, no configuration estimated under 80 % of device memory ran out of it).
+
+The parts, per device of stage ``s`` (tensor-parallel degree ``tp``, data-parallel ``dp``):
+
+* **parameters** and **gradients**: the stage's parameter bytes / ``tp`` each (gradients in
+  the parameters' dtype, as torch keeps them); sharded data parallel (``ccfx.shard``, ZeRO-3's
+  shape) divides both by ``dp`` and adds the largest layer gathered whole, twice (the one
+  computing and the next one prefetched);
+* **optimizer state**: AdamW's two fp32 moments per parameter (8 bytes each), / ``tp``
+  (/ ``dp`` sharded);
+* **activations in flight**: the bytes autograd saves for the stage's backward per
+  microbatch (measured by the trace, scaled to the microbatch, / ``tp``) times the
+  microbatches whose backward has not run yet at the worst moment: under 1F1B stage ``s`` of
+  ``pp`` holds ``min(pp - s, m)``, under GPipe all ``m``;
+* **transient**: the largest tensor a layer of the stage hands on, twice (an output and its
+  gradient while the last microbatch's backward starts);
+* **codec buffers and state**: a payload per hop and direction on the sending and receiving
+  side, and, for error feedback, one residual the size of the compressed tensor (per hop and
+  direction, per gradient bucket).
+
+Measured check (tests/test_layout_planner.py): the tiny GPT's first stage of two under 1F1B on
+this CPU, peak from ``torch.distributed._tools.MemTracker`` over a real step with AdamW.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_facts import StageFacts
+
+#: bytes of optimizer state per parameter: AdamW's exp_avg and exp_avg_sq in fp32
+ADAMW_STATE_BYTES = 8
+#: a layout whose estimate exceeds this fraction of a device's memory is refused
+MEMORY_LIMIT = 0.8
+
+SCHEDULES = ("1F1B", "GPipe")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device of one stage, by part."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    codec: int
+    in_flight: int  # microbatches whose activations are held at the peak
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations
+                + self.transient + self.codec)
+
+    def describe(self) -> str:
+        gib = 2 ** 30
+        return (f"{self.total / gib:.3g} GiB = params {self.params / gib:.3g} + grads "
+                f"{self.grads / gib:.3g} + AdamW {self.optimizer / gib:.3g} + activations "
+                f"{self.activations / gib:.3g} ({self.in_flight} microbatch(es) in flight) + "
+                f"transient {self.transient / gib:.3g} + codecs {self.codec / gib:.3g}")
+
+
+def in_flight(schedule: str, stage: int, pp: int, microbatches: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at its peak."""
+    if schedule == "GPipe":
+        return microbatches
+    return max(1, min(pp - stage, microbatches))
+
+
+def stage_memory(stage: StageFacts, *, fraction: float, held: int, tp: int = 1, dp: int = 1,
+                 sharded: bool = False, largest_layer_bytes: int = 0, codec_bytes: int = 0
+                 ) -> MemoryEstimate:
+    """The estimate for one device of ``stage``: ``fraction`` is a microbatch's share of the
+    traced batch, ``held`` the microbatches in flight (:func:`in_flight`), ``codec_bytes``
+    the codecs' buffers and state on this device (the caller prices them on its hops and
+    buckets)."""
+    shard = dp if sharded else 1
+    params = stage.param_bytes // (tp * shard)
+    optimizer = ADAMW_STATE_BYTES * stage.param_numel // (tp * shard)
+    gathered = 2 * largest_layer_bytes // tp if sharded and dp > 1 else 0
+    activations = int(stage.saved_bytes * fraction / tp) * held
+    transient = int(2 * stage.max_out_bytes * fraction)
+    return MemoryEstimate(params + gathered, params, optimizer, activations, transient,
+                          int(codec_bytes), held)

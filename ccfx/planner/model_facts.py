@@ -1,0 +1,117 @@
+"""What the layout planner knows about a model: per layer, its FLOPs, parameters, the
+activations it keeps for backward and the tensor it hands to the next layer.
+
+Plain data, measured once by the compile layer (:func:`ccfx.backends.plan_parallel.model_facts`
+traces the model on meta tensors, so a 1 B-parameter model costs no memory) at one batch, the
+*traced* batch; every figure but the parameters is linear in the batch and is scaled to a
+microbatch here (:meth:`ModelFacts.per_sample`). A layer is one of the model's repeated
+blocks (``blocks.3``, ``model.layers.3``): the planner cuts pipeline stages only before a
+block, so what comes before the first block (embeddings) is counted in the first block and
+what comes after the last (final norm, LM head, loss) in the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One block at the traced batch: ``flops`` of its forward (multiply-adds count two),
+    ``saved_bytes`` the activations autograd keeps for its backward (parameters not counted),
+    ``out_shape`` / ``out_dtype`` the tensor a cut after it would send."""
+
+    name: str
+    flops: float
+    param_numel: int
+    param_bytes: int
+    saved_bytes: int
+    out_shape: tuple[int, ...]
+    out_dtype: str = "float32"
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def out_bytes(self) -> int:
+        n = 1
+        for d in self.out_shape:
+            n *= int(d)
+        return n * _itemsize(self.out_dtype)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The blocks in order, the traced ``batch`` (samples), whether the model declares a
+    tensor-parallel plan (``tp_plan``: module pattern → style, as Hugging Face's
+    ``base_model_tp_plan``), and how the facts were obtained (``source``)."""
+
+    layers: tuple[LayerFacts, ...]
+    batch: int
+    tp_plan: tuple[tuple[str, str], ...] | None = None
+    source: str = "meta trace"
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ConfigError("model facts: no layers: the model has nothing to plan")
+        if self.batch < 1:
+            raise ConfigError(f"model facts: the traced batch is {self.batch}: it must be ≥ 1")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def param_numel(self) -> int:
+        return sum(x.param_numel for x in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(x.param_bytes for x in self.layers)
+
+    @property
+    def flops(self) -> float:
+        return sum(x.flops for x in self.layers)
+
+    def stage(self, lo: int, hi: int) -> StageFacts:
+        """Layers ``lo`` … ``hi - 1`` summed, at the traced batch."""
+        if not 0 <= lo < hi <= self.num_layers:
+            raise ConfigError(f"model facts: stage layers {lo}..{hi - 1} are not within the "
+                              f"model's {self.num_layers} layers")
+        part = self.layers[lo:hi]
+        return StageFacts(
+            lo, hi, sum(x.flops for x in part), sum(x.param_numel for x in part),
+            sum(x.param_bytes for x in part), sum(x.saved_bytes for x in part),
+            max(x.out_bytes for x in part), tuple(s for x in part for s in x.param_shapes))
+
+    def cut_shape(self, layer: int, samples: int) -> tuple[int, ...]:
+        """The shape a cut after ``layer`` sends for ``samples`` samples (the batch dimension,
+        the first, scaled from the traced batch)."""
+        shape = self.layers[layer].out_shape
+        if shape and shape[0] == self.batch:
+            return (samples, *shape[1:])
+        return shape
+
+
+@dataclass(frozen=True)
+class StageFacts:
+    """A run of layers ``lo`` … ``hi - 1``: sums at the traced batch; ``max_out_bytes`` the
+    largest tensor one of its layers hands on (a transient of its forward and backward)."""
+
+    lo: int
+    hi: int
+    flops: float
+    param_numel: int
+    param_bytes: int
+    saved_bytes: int
+    max_out_bytes: int
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+
+
+_ITEMSIZE = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
+             "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
+             "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZE.get(str(dtype).replace("torch.", ""), 4)

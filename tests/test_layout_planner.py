@@ -1,0 +1,268 @@
+"""The layout search (``ccfx.plan_parallel``, issue 19): placement on a cluster whose links
+differ, memory refusals, the 64-GPU plan, the memory model against a measured peak, and the
+chosen options compiling and running. Single process; the model is traced on meta tensors."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ccfx
+from ccfx.backends.plan_parallel import model_facts
+from ccfx.cli import main as cli_main
+from ccfx.errors import ConfigError
+from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
+from ccfx.planner.codec_cost import CodecTimer
+from ccfx.planner.layout import Layout, predict_layout
+from ccfx.planner.layout_search import balance, search
+from ccfx.planner.memory_model import in_flight, stage_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+#: codec work priced at a fixed rate: the same answer on any machine at any load
+TIMER = CodecTimer(throughput=1e10)
+
+
+def gpt(n_embd: int = 256, batch: int = 16, n_layer: int = 4):
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=96, block_size=64, n_layer=n_layer, n_head=4,
+                              n_embd=n_embd))
+    idx = torch.randint(0, 96, (batch, 64))
+    return model, (idx, idx)
+
+
+def two_nodes(memory="16GiB", inter_gbps=0.1):
+    """2 nodes × 2 devices: 100 Gbit/s inside a node, ``inter_gbps`` between."""
+    return ccfx.Cluster.nodes(2, 2, intra=(100, 0.01), inter=(inter_gbps, 1), memory=memory,
+                              flops=1e12)
+
+
+def test_facts_per_block():
+    model, inputs = gpt()
+    facts = model_facts(model, inputs)
+    assert [x.name for x in facts.layers] == [f"blocks.{i}" for i in range(4)]
+    assert facts.batch == 16
+    # every parameter counted once, but the tied embedding / LM head in the first and last
+    tied = model.tok_emb.weight.numel()
+    assert facts.param_numel == model.num_parameters() + tied
+    assert facts.layers[1].out_shape == (16, 64, 256)
+    # the blocks in the middle are alike; the first holds the embeddings, the last the head
+    assert facts.layers[1].flops == facts.layers[2].flops
+    assert facts.layers[3].flops > facts.layers[2].flops
+    assert facts.layers[1].saved_bytes > 0
+    # the user's model is untouched: real tensors, no hooks left
+    assert model.tok_emb.weight.device.type == "cpu"
+    assert not model.blocks[0]._forward_hooks and not model.blocks[0]._forward_pre_hooks
+
+
+def test_slow_link_carries_the_activations_when_gradients_are_heavier():
+    # 3.2 M parameters, batch 16: a stage's gradients (6 MB) outweigh its microbatch
+    # activations (0.26 MB): replicas inside a node, the pipeline hop across the slow link
+    facts = model_facts(*gpt(256, 16))
+    plan = search(facts, two_nodes(), timer=TIMER)
+    best = plan.chosen
+    assert (best.layout.pp, best.layout.dp) == (2, 2), plan.explain()
+    assert all(link.gbps == 100 for link in best.dp_links)
+    assert [link.gbps for link in best.hop_links] == [0.1]
+    other = next(p for p in plan.ranked if (p.layout.pp, p.layout.dp) == (2, 2)
+                 and p.layout.order != best.layout.order)
+    assert other.step_s > best.step_s
+
+
+def test_slow_link_carries_the_gradients_when_activations_are_heavier():
+    # 0.2 M parameters, batch 512: activations outweigh gradients: the pipeline inside a
+    # node, the replicas' exchange across (every-step data parallel only: local steps off)
+    facts = model_facts(*gpt(64, 512))
+    plan = search(facts, two_nodes(), timer=TIMER, local_steps=False)
+    pp2 = [p for p in plan.ranked if (p.layout.pp, p.layout.dp) == (2, 2)]
+    best = pp2[0]
+    assert [link.gbps for link in best.hop_links] == [100], plan.explain()
+    assert all(link.gbps == 0.1 for link in best.dp_links)
+    worse = [p for p in pp2 if p.hop_links[0].gbps == 0.1]
+    assert worse and min(p.step_s for p in worse) > best.step_s
+
+
+def test_local_steps_only_where_the_slow_link_dominates():
+    facts = model_facts(*gpt(64, 512))
+    slow = search(facts, two_nodes(inter_gbps=0.1), timer=TIMER)
+    assert slow.layout.sync_every is not None, slow.explain()
+    assert "local steps considered" in slow.explain()
+    fast = search(facts, two_nodes(inter_gbps=100), timer=TIMER)
+    assert fast.layout.sync_every is None
+    assert "local steps not considered" in fast.explain() or all(
+        p.layout.sync_every is None for p in fast.ranked)
+
+
+def test_a_small_device_refuses_what_does_not_fit():
+    facts = model_facts(*gpt(256, 64))
+    roomy = search(facts, two_nodes("16GiB"), timer=TIMER)
+    assert not roomy.refused
+    # the whole model with its batch needs ~0.15 GiB per device without a pipeline
+    cap = 0.12 * 2 ** 30
+    small = search(facts, two_nodes(int(cap)), timer=TIMER)
+    assert small.refused
+    assert small.peak_memory_bytes <= 0.8 * cap
+    for p in small.refused:
+        assert p.peak_memory_bytes > 0.8 * cap
+        assert "above 80% of its" in p.refused
+    text = small.explain()
+    assert "refused (" in text and "needs" in text and "activations" in text
+    with pytest.raises(ConfigError, match="no layout fits"):
+        search(facts, two_nodes(int(0.01 * 2 ** 30)), timer=TIMER)
+
+
+def test_memory_model_matches_memtracker():
+    """Stage 0 of 2 under 1F1B with 4 microbatches, a real CPU step with AdamW, peak measured by
+    torch.distributed._tools.MemTracker (measured: estimate 2.9 % under the peak)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, (idx, _) = gpt(256, 16)
+    facts = model_facts(model, (idx, idx))
+    m = 4
+
+    class Stage0(torch.nn.Module):
+        def __init__(self, g):
+            super().__init__()
+            self.tok_emb, self.pos_emb, self.blocks = g.tok_emb, g.pos_emb, g.blocks[:2]
+
+        def forward(self, i):
+            x = self.tok_emb(i) + self.pos_emb(torch.arange(i.shape[1]))
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    stage = Stage0(model)
+    opt = torch.optim.AdamW(stage.parameters())
+    chunks = idx.chunk(m)
+    tracker = None
+
+    def step():  # stage 0's 1F1B program for 2 stages: 2 forwards in flight at most
+        outs = {}
+        for kind, i in (("f", 0), ("f", 1), ("b", 0), ("f", 2), ("b", 1), ("f", 3), ("b", 2),
+                        ("b", 3)):
+            if kind == "f":
+                if tracker is not None:
+                    tracker.reset_mod_stats()  # one forward per microbatch
+                outs[i] = stage(chunks[i])
+            else:
+                out = outs.pop(i)
+                out.backward(torch.ones_like(out))
+        opt.step()
+        opt.zero_grad()
+
+    step()  # AdamW makes its state in the first step
+    tracker = MemTracker()
+    tracker.track_external(stage, opt)
+    with tracker:
+        step()
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    est = stage_memory(facts.stage(0, 2), fraction=1 / m, held=in_flight("1F1B", 0, 2, m))
+    error = est.total / measured - 1
+    print(f"memory: estimated {est.total} B, measured {measured} B ({error:+.1%})")
+    assert abs(error) < 0.10
+
+
+def test_predict_layout_is_public_and_checks_its_input():
+    facts = model_facts(*gpt(256, 16))
+    cluster = two_nodes()
+    layout = Layout(2, 2, 1, 4, order=("dp", "pp", "tp"), boundaries=(0, 2),
+                    hop_codecs=(("int8", "int8"),))
+    pred = predict_layout(facts, cluster, layout, timer=TIMER)
+    assert pred.fits and pred.step_s > 0
+    parts = (pred.compute_s + pred.codec_s + pred.hops_s + pred.buckets_s + pred.collectives_s
+             + pred.syncs_s + pred.bubble_s)
+    assert parts == pytest.approx(pred.step_s, rel=1e-9)
+    raw = predict_layout(facts, cluster, Layout(2, 2, 1, 4, order=("dp", "pp", "tp"),
+                                                boundaries=(0, 2)), timer=TIMER)
+    assert pred.hops_s < raw.hops_s  # int8 on the 0.1 Gbit/s hop
+    assert layout.placement(cluster) == ("n0.d0", "n1.d0", "n0.d1", "n1.d1")
+    with pytest.raises(ConfigError, match="pp × dp × tp must equal the devices"):
+        predict_layout(facts, cluster, Layout(2, 1, microbatches=2, boundaries=(0, 2)),
+                       timer=TIMER)
+    with pytest.raises(ConfigError, match="does not split"):
+        predict_layout(facts, cluster, Layout(1, 4, microbatches=3), timer=TIMER)
+    with pytest.raises(ConfigError, match="at least one microbatch per stage"):
+        Layout(2, 2, microbatches=1, boundaries=(0, 2))
+
+
+def test_balance_weights_stages_by_device_speed():
+    assert balance([1.0] * 8, [1.0, 1.0]) == (0, 4)
+    assert balance([1.0] * 8, [3.0, 1.0]) == (0, 6)  # the faster device takes more layers
+
+
+def test_tensor_parallel_only_with_a_declared_plan():
+    model, inputs = gpt(256, 16)
+    cluster = two_nodes()
+    plain = search(model_facts(model, inputs), cluster, timer=TIMER)
+    assert all(p.layout.tp == 1 for p in plain.ranked + plain.refused)
+    model._tp_plan = {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+    declared = search(model_facts(model, inputs), cluster, timer=TIMER)
+    tp = [p for p in declared.ranked if p.layout.tp == 2]
+    # the fastest tensor-parallel layout keeps its all-reduces inside a node
+    assert tp and all(link.gbps == 100 for link in tp[0].tp_links if link)
+    assert any(link and link.gbps == 0.1 for p in tp for link in p.tp_links)  # priced too
+
+
+def test_64_gpu_plan(capsys):
+    """The issue's goal: 64 GPUs (8 nodes, NVLink inside, 100 Gbit/s between) and the variant
+    with 1 Gbit/s between two halves, a 1 B-parameter transformer: answered in < 30 s (timed
+    and printed, not asserted)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpt1b", ROOT / "examples" / "gpt1b.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, inputs = module.gpt_1b()
+    for name in ("cluster64.toml", "cluster64_split.toml"):
+        t0 = time.perf_counter()
+        plan = ccfx.plan_parallel(model, inputs, ROOT / "examples" / name)
+        elapsed = time.perf_counter() - t0
+        with capsys.disabled():
+            print(f"\n{name}: planned in {elapsed:.2f} s: {plan.layout.describe()}, "
+                  f"{plan.predicted_step_s:.4g} s/step, peak "
+                  f"{plan.peak_memory_bytes / 2 ** 30:.3g} GiB")
+        assert plan.layout.world == 64
+        assert plan.peak_memory_bytes <= 0.8 * 80 * 2 ** 30
+        assert plan.refused  # the 1 B model with its batch does not fit without a pipeline
+        if name == "cluster64_split.toml":
+            # no gradient exchange crosses the 1 Gbit/s link every step
+            crosses = any(link.gbps == 1 for link in plan.chosen.dp_links if link)
+            assert not crosses or plan.layout.sync_every, plan.explain()
+
+
+def test_cli_plan(capsys):
+    rc = cli_main(["plan", "--cluster", str(ROOT / "examples" / "cluster64.toml"), "--model",
+                   f"{ROOT / 'examples' / 'gpt1b.py'}:gpt_1b", "--top", "3", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "chosen:" in out and "runners-up:" in out and '"stages"' in out
+    rc = cli_main(["plan", "--cluster", str(ROOT / "examples" / "cluster64.toml"), "--model",
+                   "ccfx.models.tiny_gpt:GPTConfig"])
+    assert rc == 2
+    assert "return the pair" in capsys.readouterr().err
+
+
+def test_options_compile_and_run():
+    """The chosen layout's options run with ccfx today (the single-process simulation: every
+    stage cut, codecs applied as round trips) at the microbatch shape."""
+    model, (idx, _) = gpt(256, 16)
+    facts = model_facts(model, (idx, idx))
+    cluster = ccfx.Cluster.nodes(1, 2, intra=(0.05, 1), inter=(0.05, 1), memory="16GiB",
+                                 flops=1e10)
+    plan = search(facts, cluster, timer=TIMER, local_steps=False)
+    opts = plan.options(0)
+    assert plan.options(1) == opts
+    with pytest.raises(ConfigError, match="not one of the layout's"):
+        plan.options(2)
+    lay = plan.layout
+    assert opts["stages"] == lay.pp
+    micro = idx[: facts.batch // (lay.dp * lay.microbatches)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ccfx", options={**opts, "lowering": "eager"})
+    logits = compiled(micro)
+    logits.sum().backward()
+    assert torch.isfinite(logits).all()
+    assert len(ccfx.plan_of(compiled).graphs[0].stages) == lay.pp
+    assert plan.role(0)["device"] == plan.placement[0]
