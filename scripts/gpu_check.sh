@@ -26,7 +26,9 @@
 #   3 codecs   python -m bench.codecs: Triton over the eager torch reference and over inductor's
 #   4 demo     ccfx demo --device cuda (the single-process simulation of the 4-stage pipeline)
 #   5 dp       scripts/gpu_dp_one_rank.py: data parallel on one NCCL rank
-#   6 demo-inductor (only if time is left): the demo with --lowering inductor, a few steps
+#   6 lightning scripts/gpu_lightning_callback.py: ccfx.integrations.LightningCodecCallback on
+#              a CUDA DDP model (Lightning registers its strategy's own hook there: refused)
+#   7 demo-inductor (only if time is left): the demo with --lowering inductor, a few steps
 set -u
 
 CALLER_DIR="$PWD"
@@ -136,7 +138,7 @@ py_has() { timeout 120 "$PY" -c "$1" >/dev/null 2>&1; }
 if ! command -v "$PY" >/dev/null 2>&1; then
     say "no Python: '$PY' not found (set PYTHON or --python)"
     record FAIL setup "no python interpreter"
-    for s in env triton codecs demo dp; do record SKIP "$s" "no python"; done
+    for s in env triton codecs demo dp lightning; do record SKIP "$s" "no python"; done
     finish
 fi
 say "python: $(command -v "$PY") ($("$PY" -V 2>&1))"
@@ -184,7 +186,7 @@ if [ "$DRY" = 1 ]; then
     say "steps (device $DEVICE, budget $BUDGET_S s): setup (pip install --no-deps -e .), env," \
         "triton (CCFX_TEST_DEVICE=$DEVICE pytest tests/test_triton_*.py), codecs" \
         "(python -m bench.codecs), demo (ccfx demo --device $DEVICE), dp (scripts/gpu_dp_one_rank.py)," \
-        "demo-inductor if time is left"
+        "lightning (scripts/gpu_lightning_callback.py), demo-inductor if time is left"
     say "results would go to $RESULTS"
     exit 0
 fi
@@ -197,7 +199,7 @@ if [ "$HAVE_TORCH" = 0 ]; then
     if [ "$HAVE_TORCH" = 0 ]; then
         say "torch/triton still missing: install a CUDA build of torch (with triton) first"
         record FAIL setup "torch/triton not importable by $PY"
-        for s in env triton codecs demo dp; do record SKIP "$s" "torch/triton not importable"; done
+        for s in env triton codecs demo dp lightning; do record SKIP "$s" "torch/triton not importable"; done
         finish
     fi
 fi
@@ -352,7 +354,7 @@ if [ "$DEVICE" = cuda ] && [ -n "$CUDA_REASON" ]; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# Steps 2-6. Sizes: on CUDA the real ones; with --device cpu (a check of this script) small.
+# Steps 2-7. Sizes: on CUDA the real ones; with --device cpu (a check of this script) small.
 XDIST=""
 if py_has "import xdist"; then XDIST="-n 2"; fi  # more processes compiling Triton's kernels
 if [ "$DEVICE" = cuda ]; then
@@ -395,7 +397,13 @@ export DEVICE WORK XDIST
 run_step triton 150 150 triton_tests "${TRITON_TESTS[@]}"
 run_step codecs 150 80 "$PY" -m bench.codecs "${BENCH[@]}"
 run_step demo 90 40 "$PY" -m ccfx.cli demo "${DEMO[@]}" --no-progress --report ""
-run_step dp 90 0 "$PY" scripts/gpu_dp_one_rank.py "${DP[@]}"
+run_step dp 90 60 "$PY" scripts/gpu_dp_one_rank.py "${DP[@]}"
+# Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only: ccfx's callback there (issue 16)
+if py_has "import pytorch_lightning"; then
+    run_step lightning 60 0 "$PY" scripts/gpu_lightning_callback.py --device "$DEVICE"
+else
+    record SKIP lightning "pytorch-lightning is not installed (pip install pytorch-lightning)"
+fi
 
 # Extra, only with time left: the demo's partitioned graphs lowered by inductor (CUDA codegen).
 if [ "$DEVICE" = cpu ]; then
