@@ -197,6 +197,11 @@ def test_with_a_cluster_each_group_is_priced_on_the_slowest_link_among_its_devic
     assert "100 Gbit/s" in p_in.link and "0.0001 Gbit/s" in p_across.link
     with pytest.raises(ConfigError, match="describes 4 devices"):
         plan(ranks=(0, 4))
+    # the placement option moves ranks: rank 1 on node 1's first device, rank 2 on node 0's
+    placed = Config(collective_codec="auto", cluster=cluster.to_dict(), placement=[0, 2, 1, 3])
+    moved = functools.partial(plan_collective_codecs, gm, "forward", [c], placed,
+                              timer=FAST_CODEC, rate=(1e12, 0.0))
+    assert moved(ranks=(0, 1))[0] == {0: "int8"} and moved(ranks=(0, 2))[0] == {0: "none"}
 
 
 def test_the_cluster_option_reads_a_file_and_keeps_the_description():

@@ -25,6 +25,7 @@ from .candidates import candidates
 from .codec_cost import CodecTimer
 from .collective_model import CollectiveTraffic, choose_collective_codecs, prediction
 from .compute import machine_rate
+from .links import rank_devices
 from .plan_edges import describe_link, link_of
 
 
@@ -61,16 +62,16 @@ def _within_all(roles: Sequence[str], config: Config) -> list[str]:
 
 def link_for(config: Config, ranks: Sequence[int] | None) -> Link:
     """The link a collective over ``ranks`` (global ranks) crosses: with the ``cluster``
-    option, the slowest link among those ranks' devices (rank r on device r); else the
-    ``link_gbps`` link."""
+    option, the slowest link among those ranks' devices (rank r on device ``placement[r]``,
+    or r); else the ``link_gbps`` link."""
     cluster = config.cluster_description()
     if cluster is None or not ranks:
         return link_of(config)
-    if max(ranks) >= cluster.world:
+    if config.placement is None and max(ranks) >= cluster.world:
         raise ConfigError(f"cluster describes {cluster.world} devices, but a group holds rank "
                           f"{max(ranks)}: describe every rank's device (rank r runs on the "
-                          "cluster's device r)")
-    return cluster.slowest_link(list(ranks))
+                          "cluster's device r, or on placement[r])")
+    return cluster.slowest_link(rank_devices(cluster, list(ranks), config.placement))
 
 
 def plan_collective_codecs(gm: torch.fx.GraphModule, part: str,
