@@ -212,6 +212,16 @@ class Plan:
     #: Where each option came from: "default", "environment" ($CCFX_OPTIONS) or "options".
     option_sources: dict[str, str] = field(default_factory=dict)
     data_parallel: DataParallelInfo | None = None
+    #: canonical codec spec → as the user wrote it (``powersgd:ef`` → ``powersgd:rank=4,ef``),
+    #: where they differ: the JSON keeps the canonical specs and this, so a plan read in
+    #: another process is shown as written. Filled from this process's spellings when empty.
+    spelled: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.spelled:
+            from .codecs.registry import spellings
+
+            self.spelled = spellings(_specs_of(self.config, self.data_parallel))
 
     # Convenience views over every graph.
     @property
@@ -290,9 +300,13 @@ class Plan:
                 )
             )
         dp = data.get("data_parallel")
+        from .codecs.registry import remember_spellings
+
+        remember_spellings(data.get("spelled") or {})  # shown as written here too
         return cls(config=data["config"], graphs=graphs,
                    option_sources=data.get("option_sources", {}),
-                   data_parallel=DataParallelInfo(**dp) if dp else None)
+                   data_parallel=DataParallelInfo(**dp) if dp else None,
+                   spelled=dict(data.get("spelled") or {}))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -307,6 +321,17 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def _specs_of(config: dict, dp) -> list[str]:
+    """Every codec spec a plan's options and data-parallel record hold."""
+    out = [v for k, v in config.items() if k.endswith("_codec") and isinstance(v, str)]
+    for key in ("codec_overrides", "collective_overrides"):
+        out += [v for v in (config.get(key) or {}).values() if isinstance(v, str)]
+    out += [v for v in (config.get("gradient_codec_stages") or ()) if isinstance(v, str)]
+    if dp is not None:
+        out.append(dp.gradient_codec)
+    return out
 
 
 def spelled(spec):

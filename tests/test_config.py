@@ -80,6 +80,28 @@ def test_the_plan_shows_a_codec_spec_as_the_user_wrote_it_and_stores_it_canonica
     assert codecs.spelled("int8") == "int8"
 
 
+def test_a_plan_read_in_another_process_shows_the_spelling_stored_with_it(monkeypatch):
+    from ccfx.codecs import registry
+    from ccfx.plan import DataParallelInfo, Plan
+
+    cfg = Config(data_parallel=True, gradient_codec="powersgd:rank=4,ef",
+                 activation_codec="topk:ratio=0.1")
+    plan = Plan(cfg.to_dict(), [], data_parallel=DataParallelInfo(2, "gloo", cfg.gradient_codec))
+    text = plan.to_json()
+    assert json.loads(text)["spelled"] == {"powersgd:ef": "powersgd:rank=4,ef"}
+    # another process: nothing written there yet (its own spelling memory is empty)
+    monkeypatch.setattr(registry, "_SPELLED", {})
+    assert "gradient codec powersgd:ef," in str(Plan(cfg.to_dict(), [], data_parallel=(
+        DataParallelInfo(2, "gloo", cfg.gradient_codec))))
+    again = Plan.from_json(text)
+    assert again == plan and "gradient codec powersgd:rank=4,ef" in str(again)
+    # a plan written before plans stored spellings reads, canonical
+    data = json.loads(text)
+    del data["spelled"]
+    monkeypatch.setattr(registry, "_SPELLED", {})
+    assert "gradient codec powersgd:ef," in str(Plan.from_json(json.dumps(data)))
+
+
 @pytest.mark.parametrize("env, options, words", [
     ('{"stage": 2}', None, ["$CCFX_OPTIONS: unknown ccfx option", "did you mean 'stages'?"]),
     (None, {"stagez": 2}, ["torch.compile(options=...): unknown", "did you mean 'stages'?"]),

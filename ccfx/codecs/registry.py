@@ -164,3 +164,23 @@ def spelled(spec: str | None) -> str | None:
     if not isinstance(spec, str):
         return spec
     return "/".join(_SPELLED.get(part, part) for part in spec.split("/"))
+
+
+def spellings(specs) -> dict[str, str]:
+    """canonical → as the user wrote it, for each part of ``specs`` (codec specs, ``"a/b"``
+    pairs) whose spelling this process saw differ: what a plan stores, so that a plan read in
+    another process is shown as written (:func:`remember_spellings`)."""
+    out = {}
+    for spec in specs:
+        if isinstance(spec, str):
+            for part in spec.split("/"):
+                if part in _SPELLED:
+                    out[part] = _SPELLED[part]
+    return out
+
+
+def remember_spellings(table: dict[str, str]) -> None:
+    """Take a stored plan's spellings (:func:`spellings`) as this process's, for display."""
+    for canon, written in (table or {}).items():
+        if isinstance(canon, str) and isinstance(written, str):
+            _SPELLED[canon] = written
