@@ -60,12 +60,15 @@ def test_facts_per_block():
 def test_slow_link_carries_the_activations_when_gradients_are_heavier():
     # 3.2 M parameters, batch 16: a stage's gradients (6 MB) outweigh its microbatch
     # activations (0.26 MB): replicas inside a node, the pipeline hop across the slow link
+    # (layouts that sync every step: local steps off)
     facts = model_facts(*gpt(256, 16))
-    plan = search(facts, two_nodes(), timer=TIMER)
+    plan = search(facts, two_nodes(), timer=TIMER, local_steps=False)
     best = plan.chosen
     assert (best.layout.pp, best.layout.dp) == (2, 2), plan.explain()
     assert all(link.gbps == 100 for link in best.dp_links)
-    assert [link.gbps for link in best.hop_links] == [0.1]
+    # both replicas' hops leave node n0: they share its 0.1 Gbit/s way out
+    assert [link.gbps for link in best.hop_links] == [0.05]
+    assert "inter_node" in best.hop_text[0] and "shared by 2 flows" in best.hop_text[0]
     other = next(p for p in plan.ranked if (p.layout.pp, p.layout.dp) == (2, 2)
                  and p.layout.order != best.layout.order)
     assert other.step_s > best.step_s
@@ -79,8 +82,8 @@ def test_slow_link_carries_the_gradients_when_activations_are_heavier():
     pp2 = [p for p in plan.ranked if (p.layout.pp, p.layout.dp) == (2, 2)]
     best = pp2[0]
     assert [link.gbps for link in best.hop_links] == [100], plan.explain()
-    assert all(link.gbps == 0.1 for link in best.dp_links)
-    worse = [p for p in pp2 if p.hop_links[0].gbps == 0.1]
+    assert all(link.gbps < 1 for link in best.dp_links)
+    worse = [p for p in pp2 if p.hop_links[0].gbps < 1]
     assert worse and min(p.step_s for p in worse) > best.step_s
 
 
@@ -202,7 +205,7 @@ def test_tensor_parallel_only_with_a_declared_plan():
     tp = [p for p in declared.ranked if p.layout.tp == 2]
     # the fastest tensor-parallel layout keeps its all-reduces inside a node
     assert tp and all(link.gbps == 100 for link in tp[0].tp_links if link)
-    assert any(link and link.gbps == 0.1 for p in tp for link in p.tp_links)  # priced too
+    assert any(link and link.gbps < 1 for p in tp for link in p.tp_links)  # priced too
 
 
 def test_64_gpu_plan(capsys):

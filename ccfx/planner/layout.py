@@ -8,7 +8,9 @@ numbered as ``ccfx run``'s ``(dp, pp)`` DeviceMesh, tensor-parallel innermost:
 ``rank = (d · pp + s) · tp + t``.
 
 The model (analytic, per link: each hop and each group priced on the link its own devices
-cross, ``Cluster.link``; where several pairs carry one hop or one group, the slowest):
+cross, as :mod:`ccfx.planner.links` prices them for the ``placement`` option: the slowest of
+the replicas' hops, a group's slowest pair, the bandwidth shared among the flows that leave
+one node on the same level; with tensor parallelism, the slowest pair without contention):
 
 * **compute**: a stage's forward FLOPs per microbatch / ``tp`` at its slowest device's rate
   (``Cluster.rate``), the backward twice that (the usual 2:1);
@@ -33,8 +35,8 @@ cross, ``Cluster.link``; where several pairs carry one hop or one group, the slo
 * **codecs**: payload bytes exact (``CodecTimer``), encode and decode at the timer's rate on
   the sending and receiving stage.
 
-Not modelled: contention of several groups for one NIC (a cluster gives a link per pair), the
-optimizer step, overlap of tensor-parallel collectives with compute.
+Not modelled: NIC contention under tensor parallelism, the optimizer step, overlap of
+tensor-parallel collectives with compute.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ..errors import ConfigError
 from ..wire.link import Link
 from .cluster import Cluster
 from .codec_cost import CodecTimer
+from .links import data_parallel_link, hop_links, stage_group_links
 from .local_model import predict_local_steps
 from .memory_model import MEMORY_LIMIT, SCHEDULES, MemoryEstimate, in_flight, stage_memory
 from .model_facts import ModelFacts
@@ -160,12 +163,33 @@ class Links:
         self.cluster = cluster
         self.index = {n: i for i, n in enumerate(cluster.names)}
         self._pair: dict[tuple[int, int], Link] = {}
+        self._priced: dict[tuple, tuple[list, list]] = {}
 
     def link(self, a: str, b: str) -> Link:
         key = (self.index[a], self.index[b])
         hit = self._pair.get(key)
         if hit is None:
             hit = self._pair[key] = self.cluster.link(*key)
+        return hit
+
+    def priced(self, layout: Layout) -> tuple[list, list]:
+        """Without tensor parallelism, the hops' and the data-parallel groups' links as
+        :mod:`ccfx.planner.links` prices them (NIC contention among the flows that leave a
+        node; the same rank → device rules as the ``placement`` option), cached per
+        degrees and order; with it ([], []): the caller takes the slowest pair."""
+        if layout.tp > 1:
+            return [], []
+        key = (layout.pp, layout.dp, layout.order)
+        hit = self._priced.get(key)
+        if hit is None:
+            idx = [self.index[n] for n in layout.placement(self.cluster)]
+            pp, dp = layout.pp, layout.dp
+            hops = hop_links(self.cluster, pp, replicas=dp, placement=idx) if pp > 1 else []
+            groups: list = [None] * pp
+            if dp > 1:
+                groups = (stage_group_links(self.cluster, pp, dp, placement=idx) if pp > 1
+                          else [data_parallel_link(self.cluster, dp, placement=idx)])
+            hit = self._priced[key] = (hops, groups)
         return hit
 
     def slowest(self, pairs) -> Link:
@@ -196,6 +220,9 @@ class LayoutPrediction:
     tp_links: tuple[Link | None, ...] = ()
     refused: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: how :mod:`ccfx.planner.links` describes each hop's and group's link (level, sharing)
+    hop_text: tuple[str, ...] = ()
+    dp_text: tuple[str, ...] = ()
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -282,9 +309,13 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     enc_dec = [0.0] * pp
     codec_mem = [0] * pp
     hop_fwd, hop_bwd, hop_links = [], [], []
+    priced_hops, priced_groups = links.priced(layout)
     for h in range(pp - 1):
-        link = links.slowest((dev(h, d, t), dev(h + 1, d, t)) for d in range(dp)
-                             for t in range(tp))
+        if priced_hops:
+            link = priced_hops[h].link
+        else:
+            link = links.slowest((dev(h, d, t), dev(h + 1, d, t)) for d in range(dp)
+                                 for t in range(tp))
         hop_links.append(link)
         last = stages[h][1] - 1
         shape = facts.cut_shape(last, samples)
@@ -318,10 +349,11 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     for s, st in enumerate(sf):
         if dp == 1:
             dp_links.append(None)
-            continue
-        link = links.slowest((dev(s, a, t), dev(s, b, t)) for t in range(tp)
-                             for a in range(dp) for b in range(dp))
-        dp_links.append(link)
+        elif s < len(priced_groups) and priced_groups[s] is not None:
+            dp_links.append(priced_groups[s].link)
+        else:
+            dp_links.append(links.slowest((dev(s, a, t), dev(s, b, t)) for t in range(tp)
+                                          for a in range(dp) for b in range(dp)))
     if dp > 1 and layout.sync_every:
         cfg = Config(sync_every=layout.sync_every, outer_codec=layout.outer_codec)
         worst = 0.0
@@ -388,9 +420,12 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
         if refused is None and est.total > MEMORY_LIMIT * cap:
             refused = (f"stage {s} on {smallest} needs {est.describe()}, above "
                        f"{MEMORY_LIMIT:.0%} of its {cap / 2 ** 30:.3g} GiB")
+    where_text = ([p.describe() for p in priced_hops],
+                  [p.describe() if p is not None else "" for p in priced_groups])
     return LayoutPrediction(layout, step, compute, codec, hop_exposed, buckets, collectives,
                             syncs, bubble, tuple(memory), tuple(device_memory),
-                            tuple(hop_links), tuple(dp_links), tuple(tp_links), refused, notes)
+                            tuple(hop_links), tuple(dp_links), tuple(tp_links), refused, notes,
+                            tuple(where_text[0]), tuple(where_text[1]))
 
 
 def _shard(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

@@ -187,12 +187,14 @@ class ParallelPlan:
                 spec = (lay.gradient_codecs[s] if s < len(lay.gradient_codecs) else "none")
                 how = (f"sync every {lay.sync_every} ({lay.outer_codec})" if lay.sync_every
                        else "sharded" if lay.sharded else spec)
-                text += f"; dp group on {_link(p.dp_links[s])}: {how}"
+                on = p.dp_text[s] if s < len(p.dp_text) and p.dp_text[s] else \
+                    _link(p.dp_links[s])
+                text += f"; dp group on {on}: {how}"
             out.append(text)
             if s < len(p.hop_links):
                 fwd, bwd = lay.hop_codecs[s] if s < len(lay.hop_codecs) else ("none", "none")
-                out.append(f"  hop {s}->{s + 1} on {_link(p.hop_links[s])}: forward {fwd}, "
-                           f"backward {bwd}")
+                on = p.hop_text[s] if s < len(p.hop_text) else _link(p.hop_links[s])
+                out.append(f"  hop {s}->{s + 1} on {on}: forward {fwd}, backward {bwd}")
         for s, link in enumerate(p.tp_links):
             if link is not None:
                 out.append(f"tp groups of stage {s} on {_link(link)}")

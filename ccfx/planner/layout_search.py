@@ -16,8 +16,8 @@ What is enumerated (small on purpose: a 64-device cluster is a few hundred layou
 * codecs per hop and direction, and per stage's gradient exchange, each chosen on *its* link
   among the codecs ``auto`` admits (``candidates``: within the measured loss budget), only
   where it saves ``auto_min_gain`` (10 %) of that transfer;
-* local steps when the data-parallel exchange is over half the step of the best layout that
-  syncs every step (a slow link dominates): the smallest H of 2 … 128 that brings the sync
+* local steps when exposed communication (hops and buckets) is over half the step of the best
+  layout that syncs every step (a slow link dominates): the smallest H of 2 … 128 that brings the sync
   under a tenth of the step (their effect on the loss per step is not priced, so they never
   compete where every-step data parallel is fine).
 """
@@ -136,8 +136,8 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
     """Every layout (the module's docstring), priced; the fitting ones ranked by step.
     ``microbatches``: the counts to try (default ``pp``, ``2 pp``, ``4 pp``, ``8 pp``);
     ``tensor_parallel``: None (only for a model with a TP plan), True or False;
-    ``local_steps``: None (local-step variants compete only where the data-parallel exchange
-    is over half of the best every-step layout's step: their loss per step is not priced),
+    ``local_steps``: None (local-step variants compete only where exposed communication is
+    over half of the best every-step layout's step: their loss per step is not priced),
     True (always) or False (never)."""
     t0 = time.perf_counter()
     timer = timer or default_timer(cluster)
@@ -190,16 +190,17 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
     if variants:
         # local steps change the training (a loss per step the planner cannot price): they
         # compete only where the slow link dominates even the best every-step layout
-        dominated = not fitting or fitting[0].buckets_s > 0.5 * fitting[0].step_s
+        comm = (fitting[0].hops_s + fitting[0].buckets_s) / fitting[0].step_s if fitting \
+            else 1.0
+        dominated = comm > 0.5
         if local_steps or dominated:
             priced += variants
-            notes.append("local steps considered: the data-parallel exchange is over half of "
-                         "the best every-step layout's step" if dominated else
+            notes.append(f"local steps considered: communication is {comm:.0%} of the best "
+                         "every-step layout's step" if dominated else
                          "local steps considered (asked for)")
         else:
-            notes.append(f"local steps not considered: the best every-step layout's exchange "
-                         f"is {fitting[0].buckets_s / fitting[0].step_s:.0%} of its step "
-                         "(under half)")
+            notes.append(f"local steps not considered: communication is {comm:.0%} of the "
+                         "best every-step layout's step (under half)")
     fitting = sorted((p for p in priced if p.fits), key=lambda p: p.step_s)
     refused = sorted((p for p in priced if not p.fits), key=lambda p: p.step_s)
     return ParallelPlan(fitting, refused, skipped, facts, cluster, top,
