@@ -269,3 +269,20 @@ def test_options_compile_and_run():
     assert torch.isfinite(logits).all()
     assert len(ccfx.plan_of(compiled).graphs[0].stages) == lay.pp
     assert plan.role(0)["device"] == plan.placement[0]
+    assert opts["placement"] == plan.placement and opts["cluster"] == cluster.to_dict()
+
+
+def test_time_to_target_uses_the_steps_multipliers():
+    from ccfx.planner.layout import steps_multiplier
+    from ccfx.planner.steps_model import StepsTable
+
+    table = StepsTable.from_dict({"multipliers": {"activation": {"int8": 1.5}}, "source": "t"})
+    layout = Layout(3, 1, microbatches=3, boundaries=(0, 1, 2),
+                    hop_codecs=(("int8", "none"), ("none", "none")))
+    assert steps_multiplier(layout, table) == pytest.approx(1.25)  # one hop of two: half
+    assert steps_multiplier(Layout(1, 4)) == 1.0
+    facts = model_facts(*gpt(256, 16))
+    plan = search(facts, two_nodes(), timer=TIMER, target_steps=1000)
+    assert plan.time_to_target_s == pytest.approx(
+        1000 * plan.steps_multiplier * plan.predicted_step_s)
+    assert "time to target: 1000 steps" in plan.explain()

@@ -433,3 +433,20 @@ def _shard(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     if tp == 1 or not shape:
         return tuple(shape)
     return (max(1, shape[0] // tp), *shape[1:])
+
+
+def steps_multiplier(layout: Layout, table=None) -> float:
+    """How many more steps than uncompressed the layout's hop codecs need to reach a loss
+    target (:mod:`ccfx.planner.steps_model`: the table ``bench/time_to_loss`` measures, each
+    hop one edge); gradient codecs and local steps count 1 (no multiplier measured for them)."""
+    from .pipeline_model import EdgeTraffic
+    from .steps_model import DEFAULT, StepsModel
+
+    if layout.pp == 1:
+        return 1.0
+    edges = [EdgeTraffic(h, f"hop {h}", (1,), torch.float32, ((h, h + 1),))
+             for h in range(layout.pp - 1)]
+    choice = {h: layout.hop_codecs[h] for h in range(min(len(layout.hop_codecs),
+                                                         layout.pp - 1))}
+    return StepsModel(table or DEFAULT, edges)(choice)
+

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from .cluster import Cluster
-from .layout import Layout, LayoutPrediction
+from .layout import Layout, LayoutPrediction, steps_multiplier
 from .memory_model import MEMORY_LIMIT
 from .model_facts import ModelFacts
+from .steps_model import SOURCE as STEPS_SOURCE
 
 GIB = 2 ** 30
 
@@ -66,10 +67,18 @@ class ParallelPlan:
         return self.layout.placement(self.cluster)
 
     @property
+    def steps_multiplier(self) -> float:
+        """The chosen hop codecs' steps multiplier (:func:`~ccfx.planner.layout.
+        steps_multiplier`)."""
+        return steps_multiplier(self.layout)
+
+    @property
     def time_to_target_s(self) -> float | None:
-        """``target_steps`` × the predicted step (no codec's steps multiplier is measured yet:
-        1 for every codec)."""
-        return None if self.target_steps is None else self.target_steps * self.predicted_step_s
+        """``target_steps`` (the uncompressed run's) × the steps multiplier × the predicted
+        step: what the search ranks by when a target is given."""
+        if self.target_steps is None:
+            return None
+        return self.target_steps * self.steps_multiplier * self.predicted_step_s
 
     def role(self, rank: int) -> dict:
         """Where ``rank`` sits: its stage, replica, tensor-parallel lane and device."""
@@ -82,7 +91,10 @@ class ParallelPlan:
     def options(self, rank: int | None = None) -> dict:
         """The ``torch.compile(..., backend="ccfx", options=...)`` that run the chosen layout:
         the same on every rank (ranks compare a fingerprint of their options), so ``rank``
-        only checks the range; :meth:`role` says what each rank runs. Compile at the
+        only checks the range; :meth:`role` says what each rank runs. ``cluster`` and
+        ``placement`` (each rank's device; ranks as a ``(dp, pp)`` DeviceMesh numbers them)
+        let ``auto`` and ``collective_codec="auto"`` price each hop, bucket and collective on
+        its own link; ``link_gbps`` is the slowest link the layout uses. Compile at the
         microbatch shape (the traced batch / (dp × microbatches)). Sharded data parallel is
         ``ccfx.shard(model, ...)`` before compiling, tensor parallel the model's own TP plan
         (``parallelize_module``) on a ``(dp, pp, tp)`` mesh: ccfx compresses their
@@ -118,7 +130,8 @@ class ParallelPlan:
         if lay.tp > 1 or lay.sharded:
             opts["collective_codec"] = "auto"
         if self.cluster.world > 1:
-            opts["cluster"] = self.cluster.select(self.placement).to_dict()
+            opts["cluster"] = self.cluster.to_dict()
+            opts["placement"] = self.placement
             slowest = min((x for x in (*self.chosen.hop_links, *self.chosen.dp_links)
                            if x is not None), key=lambda x: x.gbps, default=None)
             if slowest is not None:
@@ -150,8 +163,9 @@ class ParallelPlan:
         lines.extend("  " + x for x in self._detail(best))
         if self.time_to_target_s is not None:
             lines.append(f"  time to target: {self.target_steps} steps x "
-                         f"{best.step_s:.4g} s = {self.time_to_target_s / 3600:.3g} h "
-                         "(no codec's steps multiplier measured yet: 1 assumed)")
+                         f"{self.steps_multiplier:.3g} (the hop codecs' steps multiplier, "
+                         f"{STEPS_SOURCE}) x {best.step_s:.4g} s = "
+                         f"{self.time_to_target_s / 3600:.3g} h; ranked by it")
         runners = self.ranked[1:self.top]
         if runners:
             lines.append("runners-up:")

@@ -35,7 +35,15 @@ from ..config import Config
 from .candidates import candidates
 from .cluster import Cluster
 from .codec_cost import CodecTimer
-from .layout import AXES, Layout, LayoutPrediction, Links, default_timer, predict_layout
+from .layout import (
+    AXES,
+    Layout,
+    LayoutPrediction,
+    Links,
+    default_timer,
+    predict_layout,
+    steps_multiplier,
+)
 from .layout_result import ParallelPlan
 from .model_facts import ModelFacts
 
@@ -201,8 +209,12 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
         else:
             notes.append(f"local steps not considered: communication is {comm:.0%} of the "
                          "best every-step layout's step (under half)")
-    fitting = sorted((p for p in priced if p.fits), key=lambda p: p.step_s)
-    refused = sorted((p for p in priced if not p.fits), key=lambda p: p.step_s)
+    # with a target, the score is the time to it: steps × multiplier × step
+    def score(p: LayoutPrediction) -> float:
+        return p.step_s * (steps_multiplier(p.layout) if target_steps else 1.0)
+
+    fitting = sorted((p for p in priced if p.fits), key=score)
+    refused = sorted((p for p in priced if not p.fits), key=score)
     return ParallelPlan(fitting, refused, skipped, facts, cluster, top,
                         time.perf_counter() - t0, target_steps, notes)
 
