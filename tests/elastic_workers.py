@@ -88,7 +88,9 @@ class Replicas:
     def __init__(self, lighthouse: str, deadline_s: float, step_sleep_s: float = 0.02):
         self.ctx = mp.get_context("spawn")
         self.lighthouse = lighthouse
-        self.events = self.ctx.Queue()
+        # A queue per replica: a replica SIGKILLed while writing to a shared queue would leave
+        # its lock held and silence every other replica.
+        self.queues: dict[str, object] = {}
         self.stop_at = self.ctx.Value("i", 10**9)
         self.procs: dict[str, mp.Process] = {}
         self.syncs: dict[str, list[tuple[dict, str]]] = {}  # name -> [(row, digest)]
@@ -104,31 +106,39 @@ class Replicas:
         stop the waits."""
         if may_fail:
             self.may_fail.add(name)
+        self.queues[name] = self.ctx.Queue()
         p = self.ctx.Process(target=replica, args=(
-            name, seed, self.lighthouse, options or OPTIONS, self.stop_at, self.events,
+            name, seed, self.lighthouse, options or OPTIONS, self.stop_at, self.queues[name],
             self.step_sleep_s), daemon=True)
         p.start()
         self.procs[name] = p
         self.ends.pop(name, None)
 
     def kill(self, name: str) -> None:
+        """SIGKILL ``name``; its queue is dropped unread (a message cut in half would block)."""
+        self.pump()
         os.kill(self.procs[name].pid, signal.SIGKILL)
+        self.queues.pop(name)
         self.procs[name].join(10)
         self.ends[name] = ("killed", None)
 
-    def pump(self, timeout_s: float = 0.2) -> None:
-        try:
-            while True:
-                kind, name, data, digest = self.events.get(timeout=timeout_s)
-                if kind == "sync":
-                    self.syncs.setdefault(name, []).append((data, digest))
-                elif kind == "fingerprint":
-                    self.fingerprints[name] = data
-                else:
-                    self.ends[name] = (kind, data)
-                timeout_s = 0.0
-        except queue.Empty:
-            pass
+    def pump(self, idle_s: float = 0.1) -> None:
+        got = False
+        for q in list(self.queues.values()):
+            try:
+                while True:
+                    kind, name, data, digest = q.get_nowait()
+                    got = True
+                    if kind == "sync":
+                        self.syncs.setdefault(name, []).append((data, digest))
+                    elif kind == "fingerprint":
+                        self.fingerprints[name] = data
+                    else:
+                        self.ends[name] = (kind, data)
+            except queue.Empty:
+                pass
+        if not got:
+            time.sleep(idle_s)
 
     def wait_for(self, what: str, cond) -> None:
         """Pump events until ``cond()``; AssertionError naming ``what`` past the deadline."""
@@ -159,3 +169,94 @@ class Replicas:
             if p.is_alive():
                 p.kill()
             p.join(5)
+
+
+# -- replicas as threads of the test process (no spawn: the cheap scenarios) ----------------------
+
+
+def in_threads(fns, timeout_s: float) -> list:
+    """Run each ``fn()`` in its own thread (replicas of one process: each its own torchft
+    Manager); their results, or the first error raised. A thread still running after
+    ``timeout_s`` is an AssertionError."""
+    import threading
+
+    results: list = [None] * len(fns)
+    errors: list = []
+
+    def run(k):
+        try:
+            results[k] = fns[k]()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(len(fns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"replica threads still running after {timeout_s} s"
+    return results
+
+
+def loss_of(model, seed: int, step: int) -> torch.Tensor:
+    x, y = _batch(seed, step)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def weighted_replica(k: int, lighthouse: str, tokens: int, steps: int) -> dict:
+    """Replica ``k`` reports ``tokens`` per step; codec none, outer SGD lr 1 without momentum:
+    the global parameters after a sync are the token-weighted mean of the replicas'."""
+    import ccfx
+
+    model = mlp(k)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
+                             replica_id=f"w{k}", quorum_timeout_s=20.0, sync_every=steps,
+                             outer_codec="none", outer_lr=1.0, outer_momentum=0.0)
+    start = {n: g.clone() for n, g in outer.global_parameters().items()}
+    for i in range(steps):
+        loss_of(model, k, i).backward()
+        outer.add_tokens(tokens)  # before opt.step(): the step that syncs counts them
+        opt.step()
+        opt.zero_grad()
+    out = {"start": start, "global": {n: g.clone() for n, g in outer.global_parameters().items()},
+           "history": list(outer.elastic.history)}
+    outer.close()
+    return out
+
+
+def failing_replica(k: int, lighthouse: str, fail_at: int, steps: int) -> dict:
+    """Replica ``k``; if ``fail_at`` > 0 its exchange raises at that inner step (before any
+    collective of the exchange). Per sync: the global parameters' digest and the codec state's
+    digest before and after."""
+    import ccfx
+
+    model = mlp(k)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
+                             replica_id=f"f{k}", quorum_timeout_s=20.0, max_retries=2,
+                             **{**OPTIONS, "collective_timeout_s": 3.0})
+    exchange = outer.elastic._exchange
+
+    def maybe_failing(frag, scale, comm):
+        if outer.step == fail_at:
+            raise RuntimeError("injected: this replica's exchange failed")
+        return exchange(frag, scale, comm)
+
+    outer.elastic._exchange = maybe_failing
+    rows = []
+    for i in range(steps):
+        before = (ranks.digest(outer.global_parameters().values()),
+                  ranks.digest(outer._codec_state().values()))
+        loss_of(model, k, i).backward()
+        opt.step()
+        opt.zero_grad()
+        after = (ranks.digest(outer.global_parameters().values()),
+                 ranks.digest(outer._codec_state().values()))
+        rows.append({"step": outer.step, "before": before, "after": after})
+    out = {"rows": rows, "history": list(outer.elastic.history)}
+    outer.close()
+    return out

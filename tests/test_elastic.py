@@ -147,3 +147,59 @@ def test_fault_tolerance_options_are_checked():
     with pytest.raises(ccfx.ConfigError, match="add_tokens"):
         outer.add_tokens(5)
     outer.close()
+
+
+@pytest.fixture
+def lighthouse2():
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=200,
+                                  quorum_tick_ms=20, heartbeat_timeout_ms=1000)
+    yield lighthouse.address()
+    lighthouse.shutdown()
+
+
+@pytest.mark.slow
+def test_average_is_weighted_by_the_tokens_each_replica_reports(lighthouse2):
+    """Two replicas (threads of this process), 3 and 1 tokens per step: codec none, outer SGD
+    lr 1, no momentum, so the global parameters after the sync are start - Σ w_k (start -
+    local_k) / Σ w_k, each local_k what plain SGD makes of the start on replica k's batches."""
+    tokens, steps = (3, 1), 2
+    a, b = w.in_threads([lambda k=k: w.weighted_replica(k, lighthouse2, tokens[k], steps)
+                         for k in range(2)], timeout_s=60)
+    assert [r["committed"] for r in a["history"]] == [True, True]
+    for name in a["start"]:
+        assert torch.equal(a["start"][name], b["start"][name])  # joined from one replica
+        assert torch.equal(a["global"][name], b["global"][name])
+    expected = dict(a["start"])
+    deltas = []
+    for k in range(2):
+        probe = w.mlp(0)
+        probe.load_state_dict(a["start"])
+        opt = torch.optim.SGD(probe.parameters(), lr=0.05)
+        for i in range(steps):
+            w.loss_of(probe, k, i).backward()
+            opt.step()
+            opt.zero_grad()
+        deltas.append({n: a["start"][n] - p.detach() for n, p in probe.named_parameters()})
+    for name in expected:
+        avg = (tokens[0] * deltas[0][name] + tokens[1] * deltas[1][name]) / sum(tokens)
+        torch.testing.assert_close(a["global"][name], a["start"][name] - avg, rtol=0, atol=1e-6)
+        plain = (deltas[0][name] + deltas[1][name]) / 2  # the weights must matter here
+        assert (a["global"][name] - (a["start"][name] - plain)).abs().max() > 1e-5
+
+
+@pytest.mark.slow
+def test_failed_sync_is_committed_nowhere_and_changes_nothing(lighthouse2):
+    """Replica 1's exchange fails at inner step 2: neither replica commits that sync (replica 0
+    waits for it until collective_timeout_s), the global parameters and the codec state
+    (error-feedback residuals) stay as they were, and the next sync commits on both."""
+    a, b = w.in_threads([lambda k=k: w.failing_replica(k, lighthouse2, 2 if k else 0, 4)
+                         for k in range(2)], timeout_s=90)
+    for r in (a, b):
+        assert [(h["step"], h["committed"]) for h in r["history"]] == [
+            (0, True), (2, False), (4, True)], r["history"]
+        failed = r["rows"][1]
+        assert failed["step"] == 2 and failed["after"] == failed["before"]
+        assert r["rows"][3]["after"] != r["rows"][3]["before"]
+    assert a["rows"][3]["after"][0] == b["rows"][3]["after"][0]
