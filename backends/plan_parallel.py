@@ -276,5 +276,8 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(options, indent=1))
     else:
-        print(f"options (every rank; with \"cluster\": the placed description): {options}")
+        if "placement" in options:
+            p = options["placement"]
+            options["placement"] = f"({p[0]}, {p[1]}, … {len(p)} devices: rank r on p[r])"
+        print(f"options (every rank, with \"cluster\": {args.cluster}): {options}")
     return 0
