@@ -286,3 +286,26 @@ def test_time_to_target_uses_the_steps_multipliers():
     assert plan.time_to_target_s == pytest.approx(
         1000 * plan.steps_multiplier * plan.predicted_step_s)
     assert "time to target: 1000 steps" in plan.explain()
+
+
+def test_make_layout_places_by_hand_and_weights_device_speed():
+    from ccfx.planner.layout_search import make_layout
+
+    facts = model_facts(*gpt(256, 16, n_layer=8))
+    cluster = two_nodes()
+    by_order = make_layout(facts, cluster, 2, 2, microbatches=4, order=("pp", "dp", "tp"))
+    by_hand = make_layout(facts, cluster, 2, 2, microbatches=4,
+                          devices=by_order.placement(cluster))
+    a = predict_layout(facts, cluster, by_order, timer=TIMER)
+    b = predict_layout(facts, cluster, by_hand, timer=TIMER)
+    assert a.step_s == pytest.approx(b.step_s) and "placed by hand" in by_hand.describe()
+    # a device 3x faster takes more of the layers
+    fast_first = ccfx.Cluster((ccfx.planner.cluster.Device("a", "16GiB", 3e12),
+                               ccfx.planner.cluster.Device("b", "16GiB", 1e12)),
+                              intra_node=(100, 0.01))
+    skewed = make_layout(facts, fast_first, 2, 1, microbatches=4)
+    assert skewed.boundaries[1] > facts.num_layers // 2
+    even = make_layout(facts, two_nodes().select(["n0.d0", "n0.d1"]), 2, 1, microbatches=4)
+    assert even.boundaries[1] < skewed.boundaries[1]
+    with pytest.raises(ConfigError, match="one per rank"):
+        Layout(2, 2, microbatches=2, boundaries=(0, 1), devices=("n0.d0",))

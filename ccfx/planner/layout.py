@@ -78,6 +78,8 @@ class Layout:
     gradient_codecs: tuple[str, ...] = ()  # per stage
     sync_every: int | None = None
     outer_codec: str = "none"
+    #: each rank's device (names), overriding ``order``: a placement given by hand
+    devices: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for name in ("pp", "dp", "tp", "microbatches"):
@@ -95,6 +97,9 @@ class Layout:
         if self.pp > 1 and self.microbatches < self.pp:
             raise ConfigError(f"layout: {self.microbatches} microbatches for {self.pp} stages: "
                               "a pipeline needs at least one microbatch per stage")
+        if self.devices is not None and len(self.devices) != self.world:
+            raise ConfigError(f"layout: devices lists {len(self.devices)} devices for "
+                              f"{self.world} ranks (pp × dp × tp): give one per rank")
         if self.sharded and self.pp > 1:
             raise ConfigError("layout: sharded data parallel (ccfx.shard) runs without a "
                               "pipeline: use pp=1, or replicated data parallel")
@@ -124,6 +129,10 @@ class Layout:
 
     def placement(self, cluster: Cluster) -> tuple[str, ...]:
         """The device of each rank, in rank order."""
+        if self.devices is not None:
+            for name in self.devices:
+                cluster.index(name)  # a ConfigError naming an unknown device
+            return tuple(self.devices)
         devices = node_major(cluster)
         return tuple(devices[self.position(*self.coords(r))] for r in range(self.world))
 
@@ -137,7 +146,9 @@ class Layout:
             parts.append(f"tp={self.tp}")
         parts.append(f"mb={self.microbatches}")
         nested = [a for a in self.order if getattr(self, a) > 1]
-        if len(nested) > 1:
+        if self.devices is not None:
+            parts.append("placed by hand")
+        elif len(nested) > 1:
             parts.append(f"{nested[0]} inside nodes")
         if self.sync_every:
             parts.append(f"local H={self.sync_every}")
@@ -179,7 +190,7 @@ class Links:
         degrees and order; with it ([], []): the caller takes the slowest pair."""
         if layout.tp > 1:
             return [], []
-        key = (layout.pp, layout.dp, layout.order)
+        key = (layout.pp, layout.dp, layout.order, layout.devices)
         hit = self._priced.get(key)
         if hit is None:
             idx = [self.index[n] for n in layout.placement(self.cluster)]

@@ -89,6 +89,29 @@ def balance(flops: Sequence[float], rates: Sequence[float]) -> tuple[int, ...]:
     return tuple(reversed(bounds))
 
 
+def make_layout(facts: ModelFacts, cluster: Cluster, pp: int, dp: int, *, tp: int = 1,
+                microbatches: int | None = None, schedule: str = "1F1B",
+                order: tuple[str, ...] = AXES, devices: Sequence[str] | None = None,
+                activation_codec: str = "none", activation_grad_codec: str | None = None,
+                gradient_codec: str = "none", sharded: bool = False,
+                sync_every: int | None = None, outer_codec: str = "none") -> Layout:
+    """A layout as a user (or a benchmark) fixes it, with the search's stage boundaries
+    (balanced by the stages' device speed): ``devices`` each rank's device (default: ``order``
+    over the node-major device list), one codec for every hop and one for every stage's
+    gradients; then :func:`~ccfx.planner.layout.predict_layout` prices it."""
+    m = microbatches or pp
+    probe = Layout(pp, dp, tp, m, schedule, sharded, tuple(order), tuple(range(pp)),
+                   devices=tuple(devices) if devices is not None else None)
+    where = probe.placement(cluster)
+    rates = [min(cluster.rate(where[probe.rank(s, d, t)]) for d in range(dp)
+                 for t in range(tp)) for s in range(pp)]
+    bwd = activation_grad_codec or activation_codec
+    return replace(probe, boundaries=balance([x.flops for x in facts.layers], rates),
+                   hop_codecs=((activation_codec, bwd),) * (pp - 1),
+                   gradient_codecs=(gradient_codec,) * pp, sync_every=sync_every,
+                   outer_codec=outer_codec)
+
+
 def _pick(costs: dict[str, float]) -> str:
     """The cheapest codec if it beats ``none`` by ``MIN_GAIN``, else ``none``."""
     best = min(costs, key=costs.get)
