@@ -309,3 +309,36 @@ def test_make_layout_places_by_hand_and_weights_device_speed():
     assert even.boundaries[1] < skewed.boundaries[1]
     with pytest.raises(ConfigError, match="one per rank"):
         Layout(2, 2, microbatches=2, boundaries=(0, 1), devices=("n0.d0",))
+
+
+def test_facts_of_a_hugging_face_model_and_its_tp_plan():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 32, dtype=torch.long)
+    facts = model_facts(model, {"input_ids": ids, "labels": ids})
+    assert [x.name for x in facts.layers] == [f"model.layers.{i}" for i in range(3)]
+    assert facts.layers[0].out_shape == (8, 32, 64)
+    assert facts.tp_plan is not None  # the config's base_model_tp_plan: tp is searched
+    plan = search(facts, two_nodes(), timer=TIMER)
+    assert any(p.layout.tp == 2 for p in plan.ranked)
+
+
+def test_a_forward_that_reads_values_is_a_clear_error():
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x if x.sum() > 0 else -x  # a value decides: no shapes-only trace
+
+    with pytest.raises(ConfigError, match="did not run on meta tensors"):
+        model_facts(Branchy(), (torch.randn(2, 4),))
+    with pytest.raises(ConfigError, match="no batched tensor"):
+        model_facts(Branchy(), (torch.tensor(1.0),))
