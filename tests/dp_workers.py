@@ -214,6 +214,24 @@ def dies_mid_step(rank, world, timeout_s, dead=1):
     return _timed_backward(out)
 
 
+def hook_dies_mid_step(rank, world, dead=1):
+    """Eager DDP with ccfx's comm hook: one step on every rank, then rank ``dead`` exits; the
+    others' backward must fail naming the bucket and the dead rank."""
+    import os
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(mlp(seed=0))
+    model.register_comm_hook(*ccfx.ddp_comm_hook("int8"))
+    for step in range(2):  # every rank: DDP's buckets, rebuilt in the second forward
+        loss_fn(model(batch(rank, step))).backward()
+    if rank == dead:
+        os._exit(0)
+    time.sleep(0.5)
+    return caught(lambda: loss_fn(model(batch(rank, 2))).backward())
+
+
 def _timed_backward(out) -> dict:
     """Backward, and the error it raised (type, message) with the seconds it took."""
     return caught(lambda: loss_fn(out).backward())
@@ -254,7 +272,8 @@ def bn_buffers(rank, world, broadcast):
 def uneven_last_batch(rank, world, timeout_s):
     """Two steps, then a last batch of 5 on rank 1 (16 on rank 0): rank 1 recompiles while
     rank 0 waits in the gradient collectives. Rank 1 must fail within seconds naming the
-    recompile, rank 0 after ``timeout_s`` naming it too (both errors as data)."""
+    recompile, and rank 0, blocked in gloo, as soon as rank 1 closes its connections of the
+    group (well before ``timeout_s``), naming it too (both errors as data)."""
     import time
 
     torch._dynamo.reset()  # Dynamo's shape history of earlier scenarios (same forward code)

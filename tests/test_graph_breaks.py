@@ -162,6 +162,33 @@ def test_equal_graphs_each_get_their_stages():
     assert not [m for m in ccfx_warnings(caught) if "left whole" in m]
 
 
+def test_two_large_graphs_have_no_pipeline_on_real_ranks():
+    """Simulated, each large graph keeps the stages asked (above); a pipeline on real ranks
+    runs one graph's stages, so ``build_stages`` refuses several graphs, naming each graph's
+    stages and the ways out (no process group needed: it refuses before any)."""
+    compiled, _ = compile_ccfx(models.GraphBreak(width=16, depth=4), stages=2,
+                               activation_codec="int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(torch.randn(4, 16))
+    with pytest.raises(ccfx.ConfigError) as e:
+        ccfx.build_stages(compiled, 0, "cpu")
+    text = str(e.value)
+    assert "compiled to 2 graphs (graph breaks: graph 0: 2 stage(s); graph 1: 2 stage(s))" \
+        in text, text
+    assert "fullgraph=True" in text and "outside the compiled module" in text
+
+
+def test_gpt2_with_its_loss_break_names_the_graph_left_whole_when_pipelined():
+    compiled, _ = compile_ccfx(gpt2(), stages=2, activation_codec="int8")
+    x = ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(input_ids=x, labels=x)
+    with pytest.raises(ccfx.ConfigError, match=r"graph 1: 1 stage\(s\) \(left whole\)"):
+        ccfx.build_stages(compiled, 0, "cpu")
+
+
 def test_a_parameterless_prologue_is_left_whole():
     """The first graph cannot know what follows it (nothing bigger has been seen), but it holds
     no parameters: left whole, and the model's main graph after the break gets the stages."""

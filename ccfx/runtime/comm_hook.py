@@ -62,7 +62,7 @@ import torch.distributed as dist
 from .. import codecs
 from ..codecs.state import SCHEME, check, check_place, ddp_channel, named, split_key
 from ..config import COLLECTIVES
-from ..errors import CcfxWarning, ConfigError
+from ..errors import CcfxWarning, CollectiveError, ConfigError
 from ..wire.comm import ProcessGroupComm
 from ..wire.exchange import BucketLayout, Exchange, exchange_for
 from ..wire.link import resolve_collective
@@ -123,6 +123,9 @@ class CommHookState:
         return live
 
     def _new_bucket_state(self, index: int, layout: BucketLayout, device) -> _BucketState:
+        from ..wire import agree
+
+        agree.publish_process()  # once per process: a peer's error can then name this rank
         # "auto" by bytes (no link given): the same answer on every rank
         collective = resolve_collective(self.collective, self.spec, layout.numel, layout.dtype,
                                         dist.get_world_size(self.process_group))
@@ -234,7 +237,10 @@ def codec_hook(state: CommHookState,
     module: DDP checks these two annotations against the classes themselves."""
     live = state.bucket_state(bucket)
     comm = ProcessGroupComm(state.process_group)
-    averaged = live.exchange.run(bucket.gradients(), live.tensors, comm)
+    try:
+        averaged = live.exchange.run(bucket.gradients(), live.tensors, comm)
+    except RuntimeError as e:
+        raise _failed(state, bucket, live, e) from e
     buffer = bucket.buffer()
     flat = torch.cat([t.reshape(-1) for t in averaged]).to(buffer.dtype).view(buffer.shape)
     state.ledger.record_bucket(0, bucket.index(), live.exchange.raw_bytes,
@@ -247,6 +253,28 @@ def codec_hook(state: CommHookState,
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(flat)
     return fut
+
+
+def _failed(state: CommHookState, bucket: dist.GradBucket, live: _BucketState,
+            e: RuntimeError) -> CollectiveError:
+    """A failed exchange (a dead, hung or diverged peer: gloo's error, after the hook's process
+    group's timeout at most) as a :class:`~ccfx.CollectiveError` naming this rank, the bucket,
+    what was awaited and the peer rank gloo's address points at (:func:`ccfx.wire.agree.blame`).
+    DDP passes it on as the ``RuntimeError`` of ``backward()``, with this text."""
+    from ..wire import agree
+
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    what = (f"the DDP comm hook's exchange of bucket {bucket.index()} ({state.spec} via "
+            f"{live.exchange.collective}, step {state.steps})")
+    ranks = agree.world_ranks(state.process_group)
+    agree.gave_up(what, first, ranks)
+    who = agree.blame(e, ranks)
+    who = f" {who[0].upper()}{who[1:]}." if who else ""
+    rank, world = dist.get_rank(), dist.get_world_size(state.process_group)
+    return CollectiveError(
+        f"rank {rank} of {world}: {what} failed: {first}.{who} A peer rank died, hung past the "
+        "process group's timeout (init_process_group(timeout=...)), or ran a different "
+        "model; see that rank's own error.")
 
 
 def ddp_comm_hook(spec: str, process_group=None,

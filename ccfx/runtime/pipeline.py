@@ -240,8 +240,12 @@ class CompressedStage(PipelineStage):
             _IN_FLIGHT_PEERS.add(op.peer)
 
     def _refuse(self, e: ConfigError) -> ConfigError:
-        """Record that this rank gives up (its peers' errors quote why), and return ``e``."""
+        """Record that this rank gives up (its peers' errors quote why), then close its
+        connections of the stages' group: a peer blocked on a transfer with this rank fails at
+        once and quotes the record, instead of after ``collective_timeout_s``
+        (:func:`ccfx.wire.agree.close_group`; the group is finished). Returns ``e``."""
         agree.gave_up(f"pipeline stage {self.stage_index}", str(e))
+        agree.close_group(getattr(self.group, "group_name", None))
         return e
 
     # -- the swap ---------------------------------------------------------------------------
@@ -447,8 +451,7 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
         raise ConfigError("the model has not been compiled yet: call it once on a microbatch "
                           "before building pipeline stages")
     if len(graphs) > 1 and graph == 0:
-        raise ConfigError(f"the model compiled to {len(graphs)} graphs (graph breaks): a "
-                          "pipeline needs one; compile with fullgraph=True and fix the breaks")
+        raise ConfigError(_several_graphs(graphs))
     parent = graphs[graph].split()
     interfaces = parent.meta["ccfx"]["interfaces"]
     plan_fp = fingerprint(interfaces)
@@ -471,6 +474,24 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
         st.grad_sync = sync
     _record_place(out, len(interfaces), dp_group)
     return out
+
+
+def _several_graphs(graphs) -> str:
+    """Why a model Dynamo captured as several graphs has no pipeline on real ranks: the
+    stages are one graph's, so the other graphs' code (and the Python between them) would not
+    run on any rank. In one process (simulation) each graph keeps its own stages, and small
+    or parameterless graphs are left whole (README, Graph breaks)."""
+    parts = []
+    for g in graphs:
+        plan = g.plan
+        whole = " (left whole)" if getattr(plan, "left_whole", "") else ""
+        parts.append(f"graph {g.index}: {plan.num_stages} stage(s){whole}")
+    return (f"the model compiled to {len(graphs)} graphs (graph breaks: {'; '.join(parts)}): "
+            "a pipeline on real ranks runs the stages of one graph, and the other graphs' code "
+            "(and the Python between them) would run on no rank. Compile with fullgraph=True "
+            "(Dynamo then names the break) and remove it, or keep what breaks the graph outside "
+            "the compiled module (compute the loss from its output, build masks before calling "
+            "it); in one process, ccfx simulates each graph's stages")
 
 
 def _record_place(stages: list[CompressedStage], num_stages: int, dp_group) -> None:

@@ -37,8 +37,8 @@ runs out, the error says what the peer last published. A rank entering a group's
 collective step records it (:func:`entering`: the group and the step's number), and a rank that
 recompiled a graph records what and why (:func:`note_compile`): a peer waiting at an agreement
 while this rank waits in a collective step it has not entered (it recompiled for an uneven
-batch) fails within a poll, quoting the recompile; the rank in the collective quotes it when
-its collective gives up.
+batch) fails within a poll, quoting the recompile, and shuts down its connections of the
+peer's group (:func:`close_group`): the rank in the collective then fails at once, quoting it.
 
 Naming the dead. A rank publishes where it runs (host, addresses, pid) under
 ``ccfx/agree/proc/<rank>`` when it makes its first group. gloo names a dead peer by an
@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..errors import CollectiveError, ConfigError
+from . import sockets
 
 #: Seconds between two looks at the store while waiting (each is one round trip).
 POLL_S = 0.1
@@ -187,6 +188,8 @@ def _wait(store, rank: int, at: dict, needs: dict[int, str], timeout_s: float, h
         # peer (and only while it still waits there) fails too
         _RECORD.write(store, rank, "failed", at, reason=str(e).splitlines()[0],
                       seen=getattr(e, "ccfx_seen", {}))
+        for name in getattr(e, "ccfx_close", ()):  # a peer blocked in gloo there: end it now
+            close_group(name)
         raise
     except RuntimeError as e:  # the store itself is gone (the rank hosting it ended)
         raise StoreTimeout(
@@ -312,6 +315,7 @@ def _in_other_collective(rank: int, peer: int, at: dict, rec: dict) -> Diverged:
         f"{theirs.get('fp')}), which this rank has not entered: neither can go on.{why} "
         f"{SHAPES_HINT}.")
     e.ccfx_seen = {str(peer): _wait_id(theirs)}
+    e.ccfx_close = (theirs.get("fp"),)  # the peer's collective waits on that group
     return e
 
 
@@ -662,8 +666,23 @@ def _make_group(name: str, ranks: tuple[int, ...], timeout_s: float, what: str):
     backend, store = c10d._world.pg_map[default]
     rank = dist.get_rank()
     publish_process()
+    before = sockets.snapshot() if str(backend) == "gloo" else None
     pg, _ = c10d._new_process_group_helper(
         len(ranks), ranks.index(rank), list(ranks), c10d.Backend(backend), store, name,
         timeout=datetime.timedelta(seconds=timeout_s), group_desc=f"ccfx {what}")
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    if before is not None:  # gloo connected the group as it was made: its sockets
+        _SOCKETS[name] = sockets.opened(before)
     return pg
+
+
+#: Each gloo group's own sockets, by name (:func:`close_group`).
+_SOCKETS: dict[str, dict[int, str]] = {}
+
+
+def close_group(name: str | None) -> int:
+    """Shut down this rank's connections of ccfx's group ``name`` (:mod:`ccfx.wire.sockets`):
+    a peer blocked on it fails at once instead of after the group's timeout. Call it only after
+    recording why this rank gives up (:func:`gave_up`, or a failed wait): the peer's error
+    quotes that record. The group is finished afterwards. Returns the sockets shut down."""
+    return sockets.shut(_SOCKETS.pop(name, {})) if name else 0
