@@ -421,7 +421,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     refused = None
     for s, st in enumerate(sf):
         est = stage_memory(st, fraction=fraction, held=in_flight(layout.schedule, s, pp, m),
-                           tp=tp, dp=dp, sharded=layout.sharded, largest_layer_bytes=largest,
+                           microbatches=m, tp=tp, dp=dp, sharded=layout.sharded, largest_layer_bytes=largest,
                            codec_bytes=codec_mem[s])
         devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
         smallest = min(devs, key=cluster.memory)
