@@ -60,8 +60,10 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         gib = 2 ** 30
+        grads = f"{self.grads / gib:.3g}" + (" at the peak" if self.grads < self.params
+                                                 else "")
         return (f"{self.total / gib:.3g} GiB = params {self.params / gib:.3g} + grads "
-                f"{self.grads / gib:.3g} + AdamW {self.optimizer / gib:.3g} + activations "
+                f"{grads} + AdamW {self.optimizer / gib:.3g} + activations "
                 f"{self.activations / gib:.3g} ({self.in_flight} microbatch(es) in flight) + "
                 f"transient {self.transient / gib:.3g} + codecs {self.codec / gib:.3g}")
 
