@@ -291,6 +291,38 @@ def uneven_last_batch(rank, world, timeout_s):
     return got
 
 
+class Flagged(nn.Module):
+    """The MLP with a Python flag its forward branches on (a guard for Dynamo)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp(seed=0)
+        self.doubled = False
+
+    def forward(self, x):
+        y = self.net(x)
+        return y * 2 if self.doubled else y
+
+
+def branch_on_one_rank(rank, world, timeout_s):
+    """Two steps, then rank 1 alone flips the flag its forward branches on: it recompiles
+    (Dynamo's guard on the flag fails) while rank 0 waits in the gradient collectives. Both
+    fail at once, naming the guard (both errors as data)."""
+    import time
+
+    torch._dynamo.reset()
+    model = Flagged()
+    compiled = compile_dp(model, "int8", collective_timeout_s=timeout_s, bucket_mb=0.5)
+    for i in range(2):
+        loss_fn(compiled(batch(rank, i))).backward()
+    model.doubled = rank == 1
+    start = time.monotonic()
+    got = caught(lambda: loss_fn(compiled(batch(rank, 2))).backward())
+    got["elapsed"] = time.monotonic() - start
+    dist.barrier()
+    return got
+
+
 def stalls_mid_step(rank, world, timeout_s):
     """Rank 1 stays alive but never joins the backward's collectives: rank 0 must fail after
     about ``timeout_s``, not hang. Rank 1 stays until rank 0 has its error (a key in the

@@ -42,6 +42,7 @@ def two(tmp_path_factory):
         scenario("buffers", dp_workers.bn_buffers, True),
         scenario("buffers per rank", dp_workers.bn_buffers, False),
         scenario("uneven", dp_workers.uneven_last_batch, UNEVEN_TIMEOUT_S),
+        scenario("branch", dp_workers.branch_on_one_rank, UNEVEN_TIMEOUT_S),
         scenario("stall", dp_workers.stalls_mid_step, 8.0),
     ], timeout_s=600)
 
@@ -256,6 +257,18 @@ def test_an_uneven_last_batch_names_the_rank_that_recompiled_at_once_on_both_ran
     assert waiting["elapsed"] < UNEVEN_TIMEOUT_S / 2, waiting["elapsed"]
     assert why.capitalize() in waiting["message"], waiting["message"]
     assert "Rank 1 gave up first" in waiting["message"]
+
+
+@pytest.mark.slow
+def test_a_branch_one_rank_alone_takes_names_dynamos_failed_guard_at_once(two):
+    waiting, recompiled = two["branch"]
+    why = "Rank 1 recompiled graph 0 (as graph 1) because Dynamo's guard failed:"
+    assert recompiled["error"] == "ConfigError", recompiled
+    assert why in recompiled["message"] and "doubled" in recompiled["message"], recompiled
+    assert waiting["error"] == "CollectiveError", waiting
+    assert why in waiting["message"] and "Connection closed by peer" in waiting["message"], \
+        waiting["message"]
+    assert waiting["elapsed"] < UNEVEN_TIMEOUT_S / 2, waiting["elapsed"]
 
 
 @pytest.mark.slow

@@ -208,6 +208,7 @@ class DataParallel:
         if self.world < 2:
             return
         names = sorted(g.param_names.values())
+        dynamo = _dynamo_reason()  # read every time: what it recorded since the last graph
         for k, other in sorted(self._graphs.items(), reverse=True):
             # the same model (its parameters) compiled before: Dynamo recompiled it
             if k == index or other.shapes is None or \
@@ -215,9 +216,10 @@ class DataParallel:
                 continue
             changed = [f"input {i}'s shape changed {_shape(a)} -> {_shape(b)}"
                        for i, (a, b) in enumerate(zip(other.shapes, g.shapes)) if a != b]
-            if changed:
+            why = ", ".join(changed[:3]) or dynamo  # a branch one rank took, say
+            if why:
                 agree.note_compile(f"rank {self.rank} recompiled graph {k} (as graph {index}) "
-                                   f"because {', '.join(changed[:3])}")
+                                   f"because {why}")
             return
 
     def _was_synced(self, t: torch.Tensor) -> bool:
@@ -417,6 +419,33 @@ _HINT = ("The ranks planned different gradient buckets or options for this graph
          "data_parallel.")
 #: First-call broadcasts made on each group (by name): the n-th pairs with the peers' n-th.
 _BROADCASTS: dict[str, int] = {}
+
+
+#: Dynamo's guard failures per code object when last read: (count, the last one).
+_GUARD_FAILURES_SEEN: dict = {}
+
+
+def _dynamo_reason() -> str:
+    """Why Dynamo recompiled most recently, from its record of failed guards
+    (``torch._dynamo.utils.guard_failures``: per frame, one line per recompile), as
+    ``"Dynamo's guard failed: self.flag == False"``; ``""`` when it recorded nothing new."""
+    try:
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # another torch
+        return ""
+    latest = ""
+    for code, failures in list(guard_failures.items()):
+        # (count, last entry) when last read: torch._dynamo.reset() empties the lists, so a
+        # count alone could miss a new failure
+        now = (len(failures), failures[-1] if failures else None)
+        seen = _GUARD_FAILURES_SEEN.get(code)
+        if failures and (seen is None or seen[0] != now[0] or seen[1] is not now[1]):
+            latest = str(failures[-1])
+        _GUARD_FAILURES_SEEN[code] = now
+    text = latest.splitlines()[0].split("#")[0].strip() if latest.strip() else ""
+    if ": " in text and text.split(": ", 1)[0].replace("/", "").isdigit():
+        text = text.split(": ", 1)[1]  # Dynamo's "0/1: " (frame/compile) prefix
+    return f"Dynamo's guard failed: {text}" if text else ""
 
 
 def _shape(s) -> str:
