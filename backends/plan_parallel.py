@@ -9,10 +9,15 @@ layout search of :mod:`ccfx.planner.layout_search`; and ``ccfx plan`` on the com
 planner splits it over ``dp × microbatches``.
 
 How the facts are measured (:func:`model_facts`): the model's forward runs once through
-``torch.func.functional_call`` with every parameter and buffer replaced by a ``meta`` tensor of
-its shape and the inputs moved to ``meta``: shapes propagate, nothing is allocated or computed,
-and the user's module and its tensors are untouched (a 1 B-parameter transformer at batch 512 ×
-2048 traces in about a second, in no memory). Three PyTorch tools read it:
+``torch.func.functional_call`` under a ``FakeTensorMode``, every parameter, buffer and input
+replaced by a fake CPU tensor of its shape and dtype: shapes propagate, nothing is allocated or
+computed, and the user's module and its tensors (real or ``meta``) are untouched (a
+1 B-parameter transformer at batch 512 × 2048 traces in about a second, in no memory). Fake
+*CPU* tensors rather than ``meta`` ones because kernels are chosen by device: on ``meta``,
+``scaled_dot_product_attention`` takes the math path and saves the T × T attention
+probabilities for backward (twice the activations of a 1 B GPT at sequence 2048), while CPU and
+CUDA run a fused flash kernel that saves its output and log-sum-exp only. Three PyTorch tools
+read the trace:
 
 * ``torch.utils.flop_counter.FlopCounterMode``: forward FLOPs, read at each block's forward
   hooks (the counter ``torch.distributed._tools.RuntimeEstimator`` itself builds on; its
@@ -26,7 +31,7 @@ and the user's module and its tensors are untouched (a 1 B-parameter transformer
 
 ``torch.distributed._tools.MemTracker`` serves where a real run exists: the tests check the
 memory model against its measured peak of a CPU step (tests/test_layout_planner.py). Models
-whose forward depends on data values (``.item()``, boolean masks) cannot run on meta tensors:
+whose forward depends on data values (``.item()``, boolean masks) cannot run on fake tensors:
 the trace says so.
 """
 
@@ -39,6 +44,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ccfx.errors import CcfxError, ConfigError
@@ -79,13 +85,15 @@ def _first_tensor(value):
     return None
 
 
-def _meta(value):
+def _fake(value):
+    """``value`` with every tensor replaced by an empty CPU tensor of its shape and dtype
+    (called under a FakeTensorMode: nothing is allocated)."""
     if isinstance(value, torch.Tensor):
-        return value.to("meta")
+        return torch.empty(value.shape, dtype=value.dtype, device="cpu")
     if isinstance(value, (tuple, list)):
-        return type(value)(_meta(v) for v in value)
+        return type(value)(_fake(v) for v in value)
     if isinstance(value, Mapping):
-        return {k: _meta(v) for k, v in value.items()}
+        return {k: _fake(v) for k, v in value.items()}
     return value
 
 
@@ -99,7 +107,7 @@ def _tp_plan(model: torch.nn.Module):
 
 def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
     """Per block: forward FLOPs, parameters, saved activation bytes and the tensor handed on,
-    at ``example_inputs``' batch, from one forward on meta tensors (the module docstring)."""
+    at ``example_inputs``' batch, from one forward on fake tensors (the module docstring)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"plan_parallel: the model is a {type(model).__name__}: give the "
                           "torch.nn.Module (not a compiled wrapper or a function)")
@@ -118,9 +126,12 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
     container, blocks = find_blocks(model)
     block_ids = {id(b) for _, b in blocks}
 
-    params = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
-              for n, p in model.named_parameters()}
-    buffers = {n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()}
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        params = {n: _fake(p).requires_grad_(p.requires_grad)
+                  for n, p in model.named_parameters()}
+        buffers = {n: _fake(b) for n, b in model.named_buffers()}
+        fake_args, fake_kwargs = _fake(args), _fake(kwargs)
     param_ids = {id(p) for p in params.values()}
 
     current = ["pre"]
@@ -153,11 +164,11 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
         handles.append(block.register_forward_pre_hook(pre))
         handles.append(block.register_forward_hook(post))
     try:
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.func.functional_call(model, {**params, **buffers}, _meta(args), _meta(kwargs))
-    except (RuntimeError, NotImplementedError, TypeError) as e:
+        with fake_mode, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.func.functional_call(model, {**params, **buffers}, fake_args, fake_kwargs)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         raise ConfigError(
-            f"plan_parallel: the model's forward did not run on meta tensors ({type(e).__name__}:"
+            f"plan_parallel: the model's forward did not run on fake tensors ({type(e).__name__}:"
             f" {str(e).splitlines()[0] if str(e) else ''}): the planner traces shapes only, so a "
             "forward that reads data values (.item(), boolean masks) cannot be planned; give "
             "ModelFacts yourself (ccfx.planner.model_facts)") from e
@@ -173,7 +184,7 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
             sum(p.nbytes for p in params.values()), sum(sum(v.values()) for v in saved.values()),
             (batch,), str(first.dtype).replace("torch.", ""),
             tuple(tuple(p.shape) for p in params.values())),), batch, _tp_plan(model),
-            "meta trace (no repeated blocks found: one layer)")
+            "fake-tensor trace (no repeated blocks found: one layer)")
 
     # parameters outside the blocks: before the container (embeddings) or after (head); a tied
     # parameter used on both sides is held by both
@@ -211,7 +222,7 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
             name, float(fl), sum(p.numel() for p in every),
             sum(p.numel() * p.element_size() for p in every), int(sv), tuple(out.shape),
             str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every)))
-    return ModelFacts(tuple(layers), batch, _tp_plan(model), "meta trace")
+    return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace")
 
 
 def as_cluster(cluster) -> Cluster:

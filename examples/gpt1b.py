@@ -16,3 +16,9 @@ def gpt_1b(batch: int = 512):
         model = TinyGPT(config).to(torch.bfloat16)
         idx = torch.zeros(batch, config.block_size, dtype=torch.long)
     return model, (idx, idx)
+
+
+def gpt_1b_big_batch():
+    """The same GPT with 2048 sequences per step: without a pipeline a replica's activations
+    no longer fit in 80 GiB (``ccfx plan`` lists those layouts as refused)."""
+    return gpt_1b(batch=2048)

@@ -161,8 +161,8 @@ class _Last(torch.nn.Module):
 @pytest.mark.parametrize("case", ["first stage", "last stage", "whole model"])
 def test_memory_model_matches_memtracker(case):
     """Real CPU steps with AdamW, peaks measured by torch.distributed._tools.MemTracker, against
-    the estimate (measured: first stage of 2 under 1F1B with 4 microbatches -2.9 %, last stage
-    -6.0 %, the whole model in one microbatch +2.0 %; bound 10 %)."""
+    the estimate (measured: first stage of 2 under 1F1B with 4 microbatches -5.2 %, last stage
+    -7.3 %, the whole model in one microbatch -1.3 %; bound 10 %)."""
     model, (idx, _) = gpt(256, 16)
     facts = model_facts(model, (idx, idx))
     m = 1 if case == "whole model" else 4
@@ -277,7 +277,12 @@ def test_64_gpu_plan(capsys):
                   f"{plan.peak_memory_bytes / 2 ** 30:.3g} GiB")
         assert plan.layout.world == 64
         assert plan.peak_memory_bytes <= 0.8 * 80 * 2 ** 30
-        assert plan.refused  # the 1 B model with its batch does not fit without a pipeline
+        if name == "cluster64.toml":
+            # four times the batch: 32 sequences of 2048 per replica without a pipeline need
+            # more than 80 GiB of activations
+            big = ccfx.plan_parallel(model, module.gpt_1b(batch=2048)[1],
+                                     ROOT / "examples" / name)
+            assert any(p.layout.pp == 1 for p in big.refused) and big.layout.pp > 1
         if name == "cluster64_split.toml":
             # no gradient exchange crosses the 1 Gbit/s link every step
             crosses = any(link.gbps == 1 for link in plan.chosen.dp_links if link)
@@ -387,7 +392,7 @@ def test_a_forward_that_reads_values_is_a_clear_error():
                 x = layer(x)
             return x if x.sum() > 0 else -x  # a value decides: no shapes-only trace
 
-    with pytest.raises(ConfigError, match="did not run on meta tensors"):
+    with pytest.raises(ConfigError, match="did not run on fake tensors"):
         model_facts(Branchy(), (torch.randn(2, 4),))
     with pytest.raises(ConfigError, match="no batched tensor"):
         model_facts(Branchy(), (torch.tensor(1.0),))

@@ -49,7 +49,7 @@ class ModelFacts:
     layers: tuple[LayerFacts, ...]
     batch: int
     tp_plan: tuple[tuple[str, str], ...] | None = None
-    source: str = "meta trace"
+    source: str = "fake-tensor trace"
 
     def __post_init__(self):
         if not self.layers:
