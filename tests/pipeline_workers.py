@@ -346,3 +346,34 @@ def selective_stages(rank: int, world: int, n_micro: int, steps: int) -> list:
                        extra={"link_gbps": 0.001, "microbatches": n_micro,
                               "auto_loss_budget": 0.05})
     return [given, auto]
+
+
+def replica_dies(rank: int, world: int) -> dict:
+    """PP x DP with one stage per replica (a DeviceMesh ("dp", "pp") of (world, 1)): a step on
+    every rank, then the last replica exits; the others' ``sync_grads`` must fail naming the
+    bucket and the dead replica (the error as data)."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from .ranks import caught
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "pp"))
+    pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
+    m = make_model("mlp")
+    opts = {**options(1, "none", None), "gradient_codec": "int8", "compress_min_numel": 16}
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=opts)
+    data = batches(2)
+    compiled(data[0][0].chunk(2)[0])
+    built = ccfx.build_stages(compiled, 0, "cpu", pp, dp_group=dp)
+    sched = ScheduleGPipe(built[0], n_microbatches=2, loss_fn=loss_fn)
+    for step, (x, y) in enumerate(data):
+        if step == 1 and rank == world - 1:
+            os._exit(0)
+        sched.step(x, target=y)
+        if step == 1:
+            time.sleep(0.5)
+            return caught(lambda: ccfx.sync_grads(built))
+        ccfx.sync_grads(built)
+    return {"error": None}

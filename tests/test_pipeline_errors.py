@@ -85,6 +85,20 @@ def test_a_frozen_rank_fails_its_peer_after_collective_timeout_s():
     assert 6 < survivor["elapsed"] < 18, survivor["elapsed"]
 
 
+@pytest.mark.slow
+def test_a_dead_replica_fails_sync_grads_naming_the_bucket_and_the_rank():
+    # PP x DP, one stage per replica: rank 1 exits after a step; rank 0's sync_grads exchange
+    # over the replicas is a ccfx error, not gloo's alone
+    with pytest.raises(RankFailed) as e:
+        spawn(pw.replica_dies, 2, (), timeout_s=180, **SPAWN)
+    survivor = e.value.results[0]
+    assert survivor["error"] == "CollectiveError", survivor
+    msg = survivor["message"]
+    assert msg.startswith("rank 0 (replica 0 of 2): ccfx.sync_grads: the data-parallel exchange "
+                          "of stage 0's bucket 0"), msg
+    assert "Rank 1 (" in msg and "has exited" in msg, msg
+
+
 def test_stage_placement_checks_the_world_size():
     assert stage_indices(1, 2, 4) == [1, 3]
     assert stage_indices(1, 2, 4, "v") == [1, 2]

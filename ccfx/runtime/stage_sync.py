@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.state import bucket_channel, state_of
-from ..errors import ConfigError
+from ..errors import CollectiveError, ConfigError
 from ..wire.comm import ProcessGroupComm
 from ..wire.exchange import BucketLayout, exchange_for
 from ..wire.link import configured_link, resolve_collective
@@ -60,6 +60,9 @@ class StageGradSync:
         if (dp_group is not None and dist.get_world_size(dp_group) > 1
                 and config.sync_every is None):
             self._plan_buckets(config)
+            from ..wire import agree
+
+            agree.publish_process()  # a replica's failure can then be named by rank
 
     def _plan_buckets(self, config) -> None:
         names = list(self.params)
@@ -108,12 +111,36 @@ class StageGradSync:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-            averaged = exchange.run(grads, tensors, comm)
+            try:
+                averaged = exchange.run(grads, tensors, comm)
+            except RuntimeError as e:
+                raise self._failed(index, exchange, e) from e
             for g, a in zip(grads, averaged, strict=True):
                 g.copy_(a)
             if self.ledger is not None:
                 self.ledger.record_bucket(self.graph, index, exchange.raw_bytes,
                                           exchange.wire_bytes())
+
+
+    def _failed(self, index: int, exchange, e: RuntimeError) -> CollectiveError:
+        """A failed bucket exchange over the replicas (a dead, hung or diverged replica:
+        gloo's error, within ``dp_group``'s own timeout) as a CollectiveError naming this rank,
+        its stages, the bucket and the replica rank gloo's address points at."""
+        from ..wire import agree
+
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        stages = ", ".join(str(st.stage_index) for st in self.stages)
+        what = (f"the data-parallel exchange of stage {stages}'s bucket {index} "
+                f"({exchange.spec} via {exchange.collective}) over the replicas")
+        ranks = agree.world_ranks(self.dp_group)
+        agree.gave_up(what, first, ranks)
+        who = agree.blame(e, ranks)
+        who = f" {who[0].upper()}{who[1:]}." if who else ""
+        return CollectiveError(
+            f"rank {dist.get_rank()} (replica {dist.get_rank(self.dp_group)} of "
+            f"{dist.get_world_size(self.dp_group)}): ccfx.sync_grads: {what} failed: {first}."
+            f"{who} A replica died, hung past dp_group's timeout, or ran a different step; see "
+            "that rank's own error.")
 
 
 def sync_grads(stages: Sequence) -> None:
