@@ -177,6 +177,28 @@ def test_lightning_module_with_compiled_stages(two):
             assert 0 < wire < raw / 3, compiled  # int8: a quarter of fp32, plus scales
 
 
+@pytest.mark.slow
+def test_lightning_launching_its_own_processes_registers_in_each_rank(tmp_path):
+    """The README's Lightning section as a user runs it: one ``python train.py``, and Lightning
+    (``strategy="ddp"``, ``devices=2`` on CPU) runs the script again for rank 1. Each process
+    builds its own callback, which counts that rank's buckets every step; the ranks end
+    bit-equal. (~10 s.)"""
+    _needs("pytorch_lightning")
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("integrations_lightning_script.py")
+    out = tmp_path / "result"
+    run = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, timeout=240,
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks_ = [json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks_:
+        assert r["world"] == 2 and r["steps"] == r["hook_steps"] == 4, r
+        assert 0 < r["wire"] < r["raw"], r
+    assert ranks_[0]["digest"] == ranks_[1]["digest"], "the ranks' parameters differ"
+
+
 # -- checkpoints: the hook's state saved and resumed through each framework ----------------------
 
 
