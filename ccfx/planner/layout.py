@@ -16,16 +16,18 @@ one node on the same level; with tensor parallelism, the slowest pair without co
   (``Cluster.rate``), the backward twice that (the usual 2:1);
 * **tensor parallel**: Megatron's two all-reduces of a layer's output per layer forward and
   two backward, ``2 (tp-1)/tp`` of the tensor each, on the critical path;
-* **pipeline** (GPipe and 1F1B take the same time; they differ in memory): a steady period of
-  ``max(slowest stage's forward + backward + codec work, slowest hop's transfer)`` per
-  microbatch, plus the fill and drain (every stage's and every hop's time once):
-  ``(m - 1) · period + Σ stages + Σ hops``. Sends are buffered (they overlap compute) unless
-  a hop is slower than the stages;
+* **pipeline**: torch's GPipe / 1F1B program simulated rank by rank with each hop on its own
+  link (:class:`~ccfx.planner.pipeline_model.PipelineModel` with per-hop links, the simulator
+  validated against measured steps on the shaped harness); an analytic
+  ``(m - 1) · period + fill + drain`` was up to 45 % short of it where links are slow (the
+  1F1B dependencies put transfers on the critical path), so it is not used. The breakdown:
+  the same schedule with instant links and no codecs gives compute + bubble; what the links
+  and codecs add is theirs;
 * **gradient buckets**: without a pipeline the exchange overlaps the backward bucket by bucket
   (25 MiB each, one latency each); under PP × DP ccfx averages each stage's gradients after
-  the step (``ccfx.sync_grads``), so stage ``s`` starts when its last backward ends, which is
-  ``Σ_{s' < s} (backward + hop)`` before stage 0's: a late stage's exchange hides behind the
-  drain (Optimus-CC's selective stage compression). All-reduce ``2 (dp-1)/dp`` of the payload;
+  the step (``ccfx.sync_grads``), so stage ``s`` starts when its program ends in the
+  simulation: a late stage's exchange hides behind the drain (Optimus-CC's selective stage
+  compression). All-reduce ``2 (dp-1)/dp`` of the payload;
 * **sharded data parallel** (``ccfx.shard``, no pipeline): the weights all-gathered in the
   forward and again in the backward, the gradients reduce-scattered, each hidden behind the
   compute of its pass where it fits;
@@ -55,10 +57,13 @@ from .links import data_parallel_link, hop_links, stage_group_links
 from .local_model import predict_local_steps
 from .memory_model import MEMORY_LIMIT, SCHEDULES, MemoryEstimate, in_flight, stage_memory
 from .model_facts import ModelFacts
+from .pipeline_model import EdgeTraffic, PipelineModel, StageCompute
 
 AXES = ("tp", "pp", "dp")
 #: the data-parallel bucket cap ccfx uses (``bucket_mb``), one latency per bucket
 BUCKET_BYTES = 25 * 2 ** 20
+#: a link that costs nothing: the pipeline without communication
+INSTANT = Link(1e12, 0.0)
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,7 @@ class Links:
         self.index = {n: i for i, n in enumerate(cluster.names)}
         self._pair: dict[tuple[int, int], Link] = {}
         self._priced: dict[tuple, tuple[list, list]] = {}
+        self._simulated: dict[tuple, object] = {}
 
     def link(self, a: str, b: str) -> Link:
         key = (self.index[a], self.index[b])
@@ -201,6 +207,18 @@ class Links:
                 groups = (stage_group_links(self.cluster, pp, dp, placement=idx) if pp > 1
                           else [data_parallel_link(self.cluster, dp, placement=idx)])
             hit = self._priced[key] = (hops, groups)
+        return hit
+
+    def simulate(self, compute, edges, hop_links, schedule, m, timer, choice):
+        """:meth:`PipelineModel.predict`'s timeline, memoised (local-step variants and the
+        codec choice ask for the same pipeline again)."""
+        key = (tuple(compute), tuple((e.shape, e.dtype) for e in edges), tuple(hop_links),
+               schedule, m, tuple(sorted(choice.items())))
+        hit = self._simulated.get(key)
+        if hit is None:
+            model = PipelineModel(compute, edges, list(hop_links), schedule=schedule,
+                                  microbatches=m, timer=timer)
+            hit = self._simulated[key] = model.predict(choice).timeline
         return hit
 
     def slowest(self, pairs) -> Link:
@@ -319,7 +337,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     # pipeline hops
     enc_dec = [0.0] * pp
     codec_mem = [0] * pp
-    hop_fwd, hop_bwd, hop_links = [], [], []
+    hop_links: list[Link] = []
     priced_hops, priced_groups = links.priced(layout)
     for h in range(pp - 1):
         if priced_hops:
@@ -333,8 +351,6 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
         dtype = getattr(torch, facts.layers[last].out_dtype)
         fspec, bspec = layout.hop_codecs[h] if h < len(layout.hop_codecs) else ("none", "none")
         cf, cb = timer.cost(fspec, shape, dtype), timer.cost(bspec, shape, dtype)
-        hop_fwd.append(link.seconds(cf.wire_bytes))
-        hop_bwd.append(link.seconds(cb.wire_bytes))
         enc_dec[h] += cf.encode_s + cb.decode_s
         enc_dec[h + 1] += cf.decode_s + cb.encode_s
         for c, spec in ((cf, fspec), (cb, bspec)):
@@ -344,15 +360,28 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                 codec_mem[h + 1] += c.wire_bytes + residual
 
     per_mb = [fwd[s] + bwd[s] + 2 * tp_s[s] + enc_dec[s] for s in range(pp)]
-    hops = [max(a, b) for a, b in zip(hop_fwd, hop_bwd, strict=True)]
-    worst_stage = max(per_mb)
-    period = max([worst_stage] + hops)
-    pipe = (m - 1) * period + sum(per_mb) + sum(hop_fwd) + sum(hop_bwd)
-    # when stage s's last backward ends: the drain runs back through the stages before it
-    ends = []
-    for s in range(pp):
-        ends.append(pipe - sum(bwd[x] + tp_s[x] + (hop_bwd[x] if x < pp - 1 else 0.0)
-                               for x in range(s)))
+    compute_mb = [StageCompute(fwd[s] + tp_s[s], bwd[s] + tp_s[s], "flops") for s in range(pp)]
+    if pp > 1:
+        # torch's schedule, simulated rank by rank over each hop's own link
+        # (:class:`~ccfx.planner.pipeline_model.PipelineModel`, S10-B's per-hop links): the
+        # step, and when each stage's program ends (its gradients are ready then)
+        edges = []
+        for h in range(pp - 1):
+            last = stages[h][1] - 1
+            edges.append(EdgeTraffic(h, f"hop {h}", facts.cut_shape(last, samples),
+                                     getattr(torch, facts.layers[last].out_dtype),
+                                     ((h, h + 1),)))
+        choice = {h: tuple(layout.hop_codecs[h]) for h in range(min(len(layout.hop_codecs),
+                                                                    pp - 1))}
+        timeline = links.simulate(compute_mb, edges, hop_links, layout.schedule, m, timer,
+                                  choice)
+        pipe, ends = timeline.step_s, list(timeline.end_s)
+        # the same schedule with instant links and no codecs: compute and bubble only
+        alone = links.simulate(compute_mb, edges, [INSTANT] * (pp - 1), layout.schedule, m,
+                               timer, {}).step_s
+    else:
+        pipe = alone = m * per_mb[0]
+        ends = [pipe]
 
     # data parallel: buckets, sharded, or local steps
     buckets = syncs = 0.0
@@ -382,7 +411,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
             share = dp if link.shared else 1
             spec = layout.gradient_codecs[s] if s < len(layout.gradient_codecs) else "none"
             numel = max(1, st.param_numel // tp)
-            c = timer.cost(spec, (numel,), torch.float32)
+            c = timer.cost(spec, (numel,), getattr(torch, st.grad_dtype))
             n_buckets = max(1, math.ceil(c.raw_bytes / BUCKET_BYTES))
             if spec != "none":
                 residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
@@ -408,12 +437,15 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
 
     # the breakdown: the slowest stage's own work m times; the rest of the pipeline is bubble
     # or hops
+    # (the simulated step without links or codecs is compute, collectives and bubble; what
+    # the links and codecs add is theirs)
     s_star = max(range(pp), key=lambda s: per_mb[s])
     compute = m * (fwd[s_star] + bwd[s_star])
     collectives = m * 2 * tp_s[s_star]
-    codec = m * enc_dec[s_star]
-    hop_exposed = sum(hop_fwd) + sum(hop_bwd) + (m - 1) * max(0.0, period - worst_stage)
-    bubble = max(0.0, pipe - compute - collectives - codec - hop_exposed)
+    bubble = max(0.0, alone - compute - collectives)
+    added = max(0.0, pipe - alone)
+    codec = min(added, m * enc_dec[s_star])
+    hop_exposed = added - codec
 
     # memory
     memory, device_memory = [], []

@@ -150,10 +150,11 @@ def choose_codecs(facts: ModelFacts, layout: Layout, base: LayoutPrediction,
         if link is None or layout.sharded:
             grads.append("none")
             continue
-        numel = max(1, facts.stage(lo, hi).param_numel // layout.tp)
+        stage = facts.stage(lo, hi)
+        numel = max(1, stage.param_numel // layout.tp)
         costs = {}
         for spec in candidates("gradient", config):
-            c = timer.cost(spec, (numel,), torch.float32)
+            c = timer.cost(spec, (numel,), getattr(torch, stage.grad_dtype))
             costs[spec] = (2 * (layout.dp - 1) / layout.dp * c.wire_bytes * 8
                            / (link.gbps * 1e9) + c.encode_s + c.decode_s)
         grads.append(_pick(costs))

@@ -107,6 +107,13 @@ class StageFacts:
     max_out_bytes: int
     param_shapes: tuple[tuple[int, ...], ...] = ()
 
+    @property
+    def grad_dtype(self) -> str:
+        """The gradients' dtype (torch keeps them in the parameters'): 2-byte parameters are
+        taken as bfloat16, others as float32."""
+        return "bfloat16" if self.param_numel and self.param_bytes == 2 * self.param_numel \
+            else "float32"
+
 
 _ITEMSIZE = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
              "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
