@@ -49,6 +49,13 @@ per step for it). There, give every rank the same number of equal batches
 (``DataLoader(drop_last=True)``, ``DistributedSampler(..., drop_last=True)``), or stop every rank
 after the smallest rank's number of batches (``all_reduce(MIN)`` of ``len(loader)`` before
 training); a rank that recompiles for an uneven batch is named (README, "When things fail").
+
+Failures. A bucket exchange that fails (a peer died, hung past the process group's timeout, or
+ran another model) is a :class:`~ccfx.CollectiveError` naming this rank, the bucket, codec,
+collective and step, and the peer rank gloo's address points at (the hook publishes this
+process's host and pid at its first bucket, for :func:`ccfx.wire.agree.blame`); DDP hands it to
+``backward()``'s caller as it is. The time bound is the hook's process group's own timeout:
+the hook runs on DDP's group, which the user (or the framework) made.
 """
 
 import warnings
