@@ -268,6 +268,7 @@ class Elastic:
         pg = self.manager._pg
         comm = TorchftComm(pg)
         averaged: dict[int, list[torch.Tensor]] = {}
+        total = 0
         try:
             rows = self._meet(comm)
             self._check_fingerprints(rows, comm)
@@ -307,6 +308,7 @@ class Elastic:
         self.history.append({
             "step": outer.step, "torchft_step": self.manager.current_step(),
             "replicas": world, "committed": committed, "healed": self._healed,
+            "weight": total,  # the quorum's tokens (or inner steps) in this sync
             "fragments": [f.index for f in due if f.index in averaged],
             "seconds": time.monotonic() - started})
         return committed
