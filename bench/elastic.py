@@ -1,0 +1,268 @@
+"""Fault-tolerant local steps on torchft over a shaped link: goodput with replicas killed and
+restarted against a run without failures (issue #20).
+
+R replicas (default 4) of the tiny GPT, each ``ccfx.local_steps(model, opt,
+fault_tolerant=True, sync_every=H, outer_codec=...)`` with FedAvg's outer step (lr 1, no
+momentum: from a random init it beats DiLoCo's Nesterov, bench/README), AdamW inner steps as
+bench/local_steps.py, each replica its own shard of the corpus. Every replica is a process in
+one network namespace whose loopback is limited to ``--rate`` Mbit/s (bench/shaped.py); the
+torchft lighthouse runs in the driver inside the namespace (min_replicas 2, join_timeout_ms
+``--grace-ms``, heartbeat timeout 1 s). Every replica stops after the same committed sync
+(``--syncs`` torchft steps, the join's included); r0, never killed, ends the run (a replica
+restarted just before the end, with no sync left to join, is stopped).
+
+Runs (each in a fresh namespace):
+  free       no failures, outer codec ``--codec``
+  failures   the same, and every ``--kill-every`` inner steps one replica (r1, r2, ... in
+             turn; never r0, which evaluates) is SIGKILLed and started again at once; it joins
+             and heals from a live peer at the others' next sync
+  raw        no failures, outer codec none (bytes and loss against the codec)
+
+Reported per run: wall time from r0's first to last committed sync; useful replica-steps, the
+sum over committed syncs of the inner steps the quorum's replicas contributed (the ``weight``
+of r0's sync rows: a killed replica's steps since its last commit are lost, a joiner
+contributes 0); goodput = useful steps per second, and its ratio to ``free``; time from a
+restarted replica's process start (before importing torch) to its first committed sync; bytes
+the namespace's ``lo`` sent over the run and per committed sync (every replica's traffic, the
+recovery's HTTP transfer included) and ccfx's own count of payload against raw fp32 bytes;
+r0's held-out loss of the final global parameters (32 batches of the last 10 % of the corpus).
+
+    python -m bench.elastic                                   # 4 replicas, 10 Mbit/s
+    python -m bench.elastic --syncs 8 --kill-every 20 --replicas 3     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+
+GPT = {"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 32}  # bench/local_steps' "tiny"
+LR, BATCH = 6e-3, 8
+
+
+def replica(name: str, index: int, cfg: dict, stop_at, out) -> None:
+    """One replica: trains until its torchft step reaches ``stop_at.value``; puts
+    ("row", name, sync row) after each sync and ("done", name, summary) at the end (or
+    ("error", name, traceback))."""
+    started = time.time()
+    try:
+        _replica(name, index, cfg, stop_at, out, started)
+    except Exception:  # noqa: BLE001 (the driver reports it)
+        import traceback
+
+        out.put(("error", name, traceback.format_exc()))
+
+
+def _replica(name, index, cfg, stop_at, out, started) -> None:
+    import torch
+
+    import ccfx
+    from bench.local_steps import _data, _evaluate
+    from ccfx.models import GPTConfig, TinyGPT
+
+    torch.set_num_threads(1)
+    train, held_out, vocab = _data(GPT["block_size"], 0, index, BATCH)
+    torch.manual_seed(index)  # a joiner must take the others' parameters, not its own
+    model = TinyGPT(GPTConfig(vocab_size=vocab, **GPT))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    outer = ccfx.local_steps(
+        model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
+        min_replicas=2, quorum_timeout_s=300.0, max_retries=20, sync_every=cfg["h"],
+        outer_codec=cfg["codec"], outer_lr=1.0, outer_momentum=0.0, collective_timeout_s=60.0)
+    seen = 0
+    while True:
+        for row in outer.elastic.history[seen:]:
+            out.put(("row", name, {**row, "time": time.time(), "started": started}))
+        seen = len(outer.elastic.history)
+        if outer.elastic.manager.current_step() >= stop_at.value:
+            break
+        x, y = next(train)
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    summary = {"wire": outer.wire_bytes, "raw": outer.raw_bytes, "steps": outer.step}
+    if index == 0:
+        probe = TinyGPT(GPTConfig(vocab_size=vocab, **GPT))
+        probe.load_state_dict({n: g for n, g in outer.global_parameters().items()},
+                              strict=False)
+        summary["held_out"] = _evaluate(probe, held_out)
+    outer.close()
+    out.put(("done", name, summary))
+
+
+def _lo_tx() -> int:
+    with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def inside(cfg: dict) -> dict:
+    """One run, in the namespace: the lighthouse, the replicas, the kills; the summary."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2,
+                                  join_timeout_ms=cfg["grace_ms"], heartbeat_timeout_ms=1000)
+    port = lighthouse.address().rsplit(":", 1)[1]
+    cfg = {**cfg, "lighthouse": f"http://127.0.0.1:{port}"}
+    ctx = mp.get_context("spawn")
+    stop_at = ctx.Value("i", cfg["syncs"])
+    procs, queues = {}, {}
+    rows: dict[str, list[dict]] = {}
+    done: dict[str, dict] = {}
+
+    def start(name, index):
+        queues[name] = ctx.Queue()  # one per replica: a SIGKILL mid-write would block a shared one
+        procs[name] = ctx.Process(target=replica, args=(name, index, cfg, stop_at, queues[name]),
+                                  daemon=True)
+        procs[name].start()
+
+    def pump():
+        for q in list(queues.values()):
+            try:
+                while True:
+                    kind, name, data = q.get_nowait()
+                    if kind == "row":
+                        rows.setdefault(name, []).append(data)
+                    elif kind == "error":
+                        raise RuntimeError(f"replica {name} failed:\n{data}")
+                    else:
+                        done[name] = data
+            except queue.Empty:
+                pass
+
+    tx0 = _lo_tx()
+    t0 = time.time()
+    names = [f"r{i}" for i in range(cfg["replicas"])]
+    for i, name in enumerate(names):
+        start(name, i)
+    kills, victim = [], 1
+    next_kill = cfg["kill_every"] // cfg["h"] if cfg["kill_every"] else None
+    deadline = time.monotonic() + cfg["timeout_s"]
+    try:
+        # r0 (never killed) ends the run; a replica restarted near the end may have no sync
+        # left to join: it is given a few seconds, then stopped
+        r0_done_at = None
+        while not all(n in done for n in names):
+            if "r0" in done:
+                r0_done_at = r0_done_at or time.monotonic()
+                if time.monotonic() - r0_done_at > 10:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run did not finish in {cfg['timeout_s']} s; done {done}")
+            pump()
+            r0 = [r for r in rows.get("r0", []) if r["committed"]]
+            step = r0[-1]["torchft_step"] if r0 else 0
+            if next_kill is not None and step >= next_kill and step < cfg["syncs"] - 1:
+                name = names[victim]
+                os.kill(procs[name].pid, signal.SIGKILL)
+                procs[name].join(10)
+                queues.pop(name)
+                kills.append({"name": name, "at_sync": step, "rows_before": len(rows.get(name, []))})
+                start(name, victim)
+                victim = victim % (cfg["replicas"] - 1) + 1
+                next_kill += cfg["kill_every"] // cfg["h"]
+            time.sleep(0.05)
+        pump()
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+    tx = _lo_tx() - tx0
+    r0 = [r for r in rows["r0"] if r["committed"]]
+    wall = r0[-1]["time"] - r0[0]["time"]
+    useful = sum(r["weight"] for r in r0)
+    first_commit = []
+    for k in kills:
+        later = [r for r in rows.get(k["name"], [])[k["rows_before"]:] if r["committed"]]
+        if later:
+            first_commit.append(later[0]["time"] - later[0]["started"])
+    return {"run": cfg["run"], "codec": cfg["codec"], "replicas": cfg["replicas"],
+            "syncs": len(r0), "torchft_steps": [r["torchft_step"] for r in r0],
+            "uncommitted": sum(1 for r in rows["r0"] if not r["committed"]),
+            "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
+            "kills": len(kills), "first_commit_s": first_commit, "lo_bytes": tx,
+            "lo_bytes_per_sync": tx / max(len(r0), 1), "wire": done["r0"]["wire"],
+            "raw": done["r0"]["raw"], "held_out": done["r0"].get("held_out"),
+            "total_s": time.time() - t0}
+
+
+def run_one(cfg: dict, rate: float | None) -> dict:
+    """``inside(cfg)`` in a fresh namespace shaped to ``rate`` Mbit/s."""
+    from bench.shaped import shaped_namespace
+
+    with shaped_namespace(rate) as ns:
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.elastic", "--inside",
+               json.dumps(cfg)]
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                              timeout=cfg["timeout_s"] + 60, env={**os.environ, "RUST_LOG": "error"})
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"run {cfg['run']} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def table(rows: list[dict]) -> str:
+    free = next((r for r in rows if r["run"] == "free"), None)
+    raw = next((r for r in rows if r["run"] == "raw"), None)
+    out = [("| run | codec | kills | committed syncs (failed) | wall s | useful steps | goodput "
+            "(steps/s) | vs free | start → first commit s | lo MB / sync | vs raw | ccfx wire / "
+            "raw | held-out loss |"), "|" + " --- |" * 13]
+    for r in rows:
+        first = (f"{min(r['first_commit_s']):.1f}–{max(r['first_commit_s']):.1f}"
+                 if r["first_commit_s"] else "–")
+        vs_free = f"{r['goodput'] / free['goodput']:.0%}" if free else "–"
+        vs_raw = f"{raw['lo_bytes_per_sync'] / r['lo_bytes_per_sync']:.2f}x fewer" if raw else "–"
+        out.append(f"| {r['run']} | {r['codec']} | {r['kills']} | {r['syncs']} "
+                   f"({r['uncommitted']}) | {r['wall_s']:.1f} | {r['useful_steps']} | "
+                   f"{r['goodput']:.2f} | {vs_free} | {first} | "
+                   f"{r['lo_bytes_per_sync'] / 1e6:.2f} | {vs_raw} | "
+                   f"{r['wire'] / max(r['raw'], 1):.3f} | {r['held_out']:.3f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--inside", help=argparse.SUPPRESS)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--rate", type=float, default=10.0, help="Mbit/s (0: unshaped)")
+    p.add_argument("--h", type=int, default=10, help="sync_every")
+    p.add_argument("--syncs", type=int, default=40,
+                   help="torchft steps per run (the join included)")
+    p.add_argument("--kill-every", type=int, default=100, help="inner steps between kills")
+    p.add_argument("--codec", default="int8")
+    p.add_argument("--grace-ms", type=int, default=1000, help="lighthouse join_timeout_ms")
+    p.add_argument("--runs", nargs="+", default=["free", "failures", "raw"])
+    p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args(argv)
+    if a.inside:
+        print(json.dumps(inside(json.loads(a.inside))), flush=True)
+        return 0
+    rows = []
+    for run in a.runs:
+        cfg = {"run": run, "replicas": a.replicas, "h": a.h, "syncs": a.syncs,
+               "codec": "none" if run == "raw" else a.codec, "grace_ms": a.grace_ms,
+               "kill_every": a.kill_every if run == "failures" else 0, "timeout_s": a.timeout_s}
+        print(f"[elastic] {run} ...", flush=True)
+        rows.append(run_one(cfg, a.rate or None))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{a.replicas} replicas, tiny GPT, H={a.h}, {a.rate:g} Mbit/s, load "
+          f"{os.getloadavg()[0]:.1f}\n")
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
