@@ -212,8 +212,11 @@ class Links:
     def simulate(self, compute, edges, hop_links, schedule, m, timer, choice):
         """:meth:`PipelineModel.predict`'s timeline, memoised (local-step variants and the
         codec choice ask for the same pipeline again)."""
-        key = (tuple(compute), tuple((e.shape, e.dtype) for e in edges), tuple(hop_links),
-               schedule, m, tuple(sorted(choice.items())))
+        if not choice and all(x is INSTANT for x in hop_links):  # compute alone
+            key = (tuple(compute), schedule, m)
+        else:
+            key = (tuple(compute), tuple((e.shape, e.dtype) for e in edges), tuple(hop_links),
+                   schedule, m, tuple(sorted(choice.items())))
         hit = self._simulated.get(key)
         if hit is None:
             model = PipelineModel(compute, edges, list(hop_links), schedule=schedule,
@@ -252,6 +255,8 @@ class LayoutPrediction:
     #: how :mod:`ccfx.planner.links` describes each hop's and group's link (level, sharing)
     hop_text: tuple[str, ...] = ()
     dp_text: tuple[str, ...] = ()
+    #: what the pipeline was simulated with: (per-stage compute, the hops' edges, their links)
+    pipeline: tuple | None = field(default=None, repr=False)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -284,11 +289,13 @@ def default_timer(cluster: Cluster) -> CodecTimer:
 
 
 def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
-                   timer: CodecTimer | None = None, links: Links | None = None
-                   ) -> LayoutPrediction:
+                   timer: CodecTimer | None = None, links: Links | None = None,
+                   simulate: bool = True) -> LayoutPrediction:
     """The predicted step and per-device memory of ``layout`` for a model of ``facts`` on
     ``cluster``, with the layout's own codecs (the search chooses them; this prices them).
-    The traced batch is the whole step's (every replica's microbatches together)."""
+    The traced batch is the whole step's (every replica's microbatches together).
+    ``simulate=False``: links, compute and memory only, the pipeline's step left as its
+    slowest stage's work (what the search needs to choose codecs, without a simulation)."""
     if layout.world != cluster.world:
         raise ConfigError(f"layout {layout.describe()} has {layout.world} ranks but the cluster "
                           f"{cluster.world} devices: pp × dp × tp must equal the devices")
@@ -361,7 +368,11 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
 
     per_mb = [fwd[s] + bwd[s] + 2 * tp_s[s] + enc_dec[s] for s in range(pp)]
     compute_mb = [StageCompute(fwd[s] + tp_s[s], bwd[s] + tp_s[s], "flops") for s in range(pp)]
-    if pp > 1:
+    if pp > 1 and not simulate:
+        pipe = alone = m * max(per_mb)
+        ends = [pipe] * pp
+        edges = []
+    elif pp > 1:
         # torch's schedule, simulated rank by rank over each hop's own link
         # (:class:`~ccfx.planner.pipeline_model.PipelineModel`, S10-B's per-hop links): the
         # step, and when each stage's program ends (its gradients are ready then)
@@ -468,7 +479,8 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     return LayoutPrediction(layout, step, compute, codec, hop_exposed, buckets, collectives,
                             syncs, bubble, tuple(memory), tuple(device_memory),
                             tuple(hop_links), tuple(dp_links), tuple(tp_links), refused, notes,
-                            tuple(where_text[0]), tuple(where_text[1]))
+                            tuple(where_text[0]), tuple(where_text[1]),
+                            (compute_mb, edges, tuple(hop_links)) if pp > 1 else None)
 
 
 def _shard(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

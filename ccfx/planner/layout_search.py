@@ -15,7 +15,9 @@ What is enumerated (small on purpose: a 64-device cluster is a few hundred layou
   stage's time minimal);
 * codecs per hop and direction, and per stage's gradient exchange, each chosen on *its* link
   among the codecs ``auto`` admits (``candidates``: within the measured loss budget), only
-  where it saves ``auto_min_gain`` (10 %) of that transfer;
+  where it saves ``auto_min_gain`` (10 %) of that transfer; for the ``top`` leaders the hop
+  codecs are chosen again by ``auto``'s own descent on the simulated step
+  (:func:`refine_codecs`), and the leaders re-ranked;
 * local steps when exposed communication (hops and buckets) is over half the step of the best
   layout that syncs every step (a slow link dominates): the smallest H of 2 … 128 that brings the sync
   under a tenth of the step (their effect on the loss per step is not priced, so they never
@@ -32,6 +34,7 @@ from dataclasses import replace
 import torch
 
 from ..config import Config
+from .auto import choose_pipeline_codecs
 from .candidates import candidates
 from .cluster import Cluster
 from .codec_cost import CodecTimer
@@ -46,6 +49,7 @@ from .layout import (
 )
 from .layout_result import ParallelPlan
 from .model_facts import ModelFacts
+from .pipeline_model import PipelineModel
 
 MIN_GAIN = Config().auto_min_gain
 LOCAL_H = (2, 4, 8, 16, 32, 64, 128)
@@ -208,7 +212,8 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
                 for m in counts:
                     for sharded in ([False, True] if pp == 1 and dp > 1 else [False]):
                         layout = Layout(pp, dp, tp, m, schedule, sharded, order, bounds)
-                        base = predict_layout(facts, cluster, layout, timer=timer, links=links)
+                        base = predict_layout(facts, cluster, layout, timer=timer, links=links,
+                                              simulate=False)
                         layout = choose_codecs(facts, layout, base, timer, config)
                         pred = predict_layout(facts, cluster, layout, timer=timer,
                                               links=links)
@@ -237,10 +242,46 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
     def score(p: LayoutPrediction) -> float:
         return p.step_s * (steps_multiplier(p.layout) if target_steps else 1.0)
 
+    # the leaders' hop codecs chosen again by ``auto``'s own descent on the simulated step
+    fitting = sorted((p for p in priced if p.fits), key=score)
+    for p in fitting[:top]:
+        better = refine_codecs(facts, cluster, p, timer, links, config, bool(target_steps))
+        if better is not p:
+            priced[priced.index(p)] = better
     fitting = sorted((p for p in priced if p.fits), key=score)
     refused = sorted((p for p in priced if not p.fits), key=score)
     return ParallelPlan(fitting, refused, skipped, facts, cluster, top,
                         time.perf_counter() - t0, target_steps, notes)
+
+
+def refine_codecs(facts: ModelFacts, cluster: Cluster, pred: LayoutPrediction,
+                  timer: CodecTimer, links: Links, config: Config,
+                  to_target: bool = False) -> LayoutPrediction:
+    """``pred``'s layout with its hop codecs chosen by ``auto``'s coordinate descent
+    (:func:`ccfx.planner.auto.choose_pipeline_codecs`: the best uniform start, then hop by hop
+    and direction, on the simulated step, or on steps × step with ``to_target``); ``pred``
+    itself where that is not faster."""
+    if pred.pipeline is None or pred.layout.sync_every:
+        return pred
+    compute, edges, hop_links = pred.pipeline
+    lay = pred.layout
+    model = PipelineModel(compute, edges, list(hop_links), schedule=lay.schedule,
+                          microbatches=lay.microbatches, timer=timer)
+    roles = {"fwd": candidates("activation", config),
+             "bwd": candidates("activation_grad", config)}
+    multiplier = None
+    if to_target:
+        from .steps_model import DEFAULT, StepsModel
+
+        multiplier = StepsModel(DEFAULT, edges)
+    chosen = choose_pipeline_codecs(model, lambda e, d: roles[d], min_gain=MIN_GAIN,
+                                    steps_multiplier=multiplier).choice
+    hops = tuple(tuple(chosen.get(h, ("none", "none"))) for h in range(lay.pp - 1))
+    if hops == tuple(lay.hop_codecs):
+        return pred
+    again = predict_layout(facts, cluster, replace(lay, hop_codecs=hops), timer=timer,
+                           links=links)
+    return again if again.step_s < pred.step_s or to_target else pred
 
 
 def _local_steps(facts, cluster, pred: LayoutPrediction, timer, links) -> LayoutPrediction | None:
