@@ -417,3 +417,14 @@ def test_only_the_weak_hop_is_compressed():
     assert refined.layout.hop_codecs[0] == refined.layout.hop_codecs[2] == ("none", "none")
     assert refined.layout.hop_codecs[1] != ("none", "none")
     assert refined.step_s < 0.9 * base.step_s
+
+
+def test_default_codec_prices():
+    from ccfx.planner.layout import default_timer
+
+    described = default_timer(two_nodes())
+    assert described.throughput == 2e11  # every rate given: a modelled GPU kernel
+    here = default_timer(ccfx.Cluster.homogeneous(2, 1, 0.1, "1GiB"))  # "measure here"
+    assert here.throughput is not None and here.throughput > 0  # one int8 timing, scaled
+    assert here.cost("int8", (1024, 1024), torch.float32).wire_bytes == \
+        described.cost("int8", (1024, 1024), torch.float32).wire_bytes
