@@ -26,7 +26,8 @@ memory before the model was built (Linux VmHWM, reset before the step: parameter
 optimizer state, activations, codec buffers, and the allocator's slack), beside the exact bytes
 of parameters, gradients and AdamW state. Ratios are against the best layout of the same
 run. With the layout planner (``ccfx.plan_parallel``) present, its predicted step and memory
-stand beside each measured one.
+stand beside each measured one, and ``ccfx.plan_parallel``'s own choice on the harness's
+cluster is printed after the table (``--predict-only``: the planner's side alone, no ranks).
 
     python -m bench.layouts                               # 50 Mbit/s, codecs none
     python -m bench.layouts --codecs none int8 --steps 6
@@ -59,18 +60,68 @@ LAYOUTS = {
     "pp4-dp1": (4, 1, [0, 0, 1, 1]),
 }
 MODEL = {"block_size": 64, "n_layer": 6, "n_head": 6, "n_embd": 384}
+VOCAB = 96  # the bundled corpus's characters (CharTokenizer)
 INSIDE_GBPS = 34.0  # the loopback inside a node, measured by bench.shaped --selftest --two-nodes
 
 
-def cluster_dict(mbit: float, placement: list[int]) -> dict:
-    """The harness as a ccfx cluster description (2 nodes × 2 devices, the measured links), its
-    devices in rank order: rank r on a device of node ``placement[r]``."""
+def harness_cluster(mbit: float, flops: float | None = None):
+    """The harness as a ccfx cluster description: 2 nodes × 2 devices, the measured links;
+    ``flops`` each rank's compute rate (None: "measure here")."""
     import ccfx
 
-    whole = ccfx.Cluster.nodes(2, 2, intra=(INSIDE_GBPS, 0.05), inter=(mbit / 1000, 0.05),
-                               memory="24GiB")
+    return ccfx.Cluster.nodes(2, 2, intra=(INSIDE_GBPS, 0.05), inter=(mbit / 1000, 0.05),
+                              memory="24GiB", flops=flops)
+
+
+def devices_of(placement: list[int]) -> list[str]:
+    """Each rank's device name: rank r on the next free device of node ``placement[r]``."""
     free = {0: ["n0.d0", "n0.d1"], 1: ["n1.d0", "n1.d1"]}
-    return whole.select([free[n].pop(0) for n in placement]).to_dict()
+    return [free[n].pop(0) for n in placement]
+
+
+def cluster_dict(mbit: float, placement: list[int]) -> dict:
+    """The cluster the ranks plan ``auto`` on, its devices in rank order."""
+    return harness_cluster(mbit).select(devices_of(placement)).to_dict()
+
+
+def predictions(args) -> tuple[dict, str]:
+    """The layout planner's predicted step and per-rank memory of every (layout, codec) this
+    bench measures, and the layout ``ccfx.plan_parallel`` chooses, on the harness's cluster.
+    Each rank's rate: this machine's single-thread FLOP/s × its cores / 4 (four ranks of one
+    thread share the cores)."""
+    import os
+
+    import torch
+
+    from ccfx.backends.plan_parallel import model_facts, plan_parallel
+    from ccfx.models import GPTConfig, TinyGPT
+    from ccfx.planner.compute import machine_rate
+    from ccfx.planner.layout import predict_layout
+    from ccfx.planner.layout_search import make_layout
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rate = machine_rate(refresh=True)[0] * min(os.cpu_count() or 1, 4) / 4
+    torch.set_num_threads(threads)
+    cluster = harness_cluster(args.mbit, flops=rate)
+    model = TinyGPT(GPTConfig(vocab_size=VOCAB, **MODEL))
+    x = torch.zeros(args.batch, MODEL["block_size"], dtype=torch.long)
+    facts = model_facts(model, (x,))
+    out = {}
+    for name in args.layouts:
+        pp, dp, placement = LAYOUTS[name]
+        for codec in args.codecs:
+            if codec == "auto":
+                continue
+            layout = make_layout(facts, cluster, pp, dp, microbatches=args.microbatches,
+                                 devices=devices_of(placement), activation_codec=codec,
+                                 gradient_codec=codec if dp > 1 else "none")
+            p = predict_layout(facts, cluster, layout)
+            out[(name, codec)] = {"step_s": p.step_s, "breakdown": p.breakdown(),
+                                  "memory": [m.total for m in p.memory]}
+    best = plan_parallel(model, (x,), cluster, microbatches=[args.microbatches],
+                         tensor_parallel=False, local_steps=False)
+    return out, best.explain()
 
 
 def _log(rank: int, msg: str) -> None:
@@ -181,6 +232,25 @@ def run_layout(name: str, codec: str, args) -> dict:
                 r["params"] for r in res[:pp])}
 
 
+def _table(rows: list[dict]) -> str:
+    ok = [r for r in rows if "step_s" in r]
+    best = min((r["step_s"] for r in ok), default=None)
+    table = []
+    for r in rows:
+        if "step_s" not in r:
+            table.append([r["layout"], r["codec"], "failed", "", "", "", r["failed"][:60]])
+            continue
+        p = r.get("predicted")
+        table.append([r["layout"], r["codec"], f"{r['step_s']:.3f}", f"{r['step_s'] / best:.2f}",
+                      f"{p['step_s']:.3f} ({p['step_s'] / r['step_s'] - 1:+.0%})" if p else "",
+                      f"{r['loss']:.4f}",
+                      " ".join(f"{b / 2**20:.0f}" if isinstance(b, int) else "?"
+                               for b in r["peak_bytes"])
+                      + (" / " + " ".join(f"{m / 2**20:.0f}" for m in p["memory"]) if p else "")])
+    return common.table(table, ["layout", "codec", "step s", "vs best", "predicted (err)",
+                                "loss", "peak MiB per rank measured / predicted per stage"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--mbit", type=float, default=50.0, help="the link between the nodes")
@@ -192,10 +262,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--no-memory", action="store_true", help="skip the MemTracker step")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory step")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="print the planner's predictions without running the ranks")
     a = ap.parse_args(argv)
     exit_cleanly_on_sigterm()
     rows = []
+    if a.predict_only:
+        predicted, chosen = predictions(a)
+        for (name, codec), p in predicted.items():
+            print(f"{name:>18} {codec:>5}: {p['step_s']:.3f} s ({p['breakdown']}), memory per "
+                  f"stage MiB {[round(m / 2**20) for m in p['memory']]}")
+        print(chosen)
+        return 0
     for name in a.layouts:
         for codec in a.codecs:
             print(f"== {name} codec {codec}", flush=True)
@@ -205,16 +284,12 @@ def main(argv: list[str] | None = None) -> int:
                 reason = getattr(e, "reason", str(e).splitlines()[0])
                 rows.append({"layout": name, "codec": codec, "failed": reason})
             print(json.dumps(rows[-1]), flush=True)
-    ok = [r for r in rows if "step_s" in r]
-    best = min((r["step_s"] for r in ok), default=None)
-    table = [[r["layout"], r["codec"], f"{r['step_s']:.3f}", f"{r['step_s'] / best:.2f}",
-              f"{r['loss']:.4f}", " ".join(f"{b / 2**20:.0f}" if isinstance(b, int) else "?"
-                                            for b in r["peak_bytes"])]
-             if "step_s" in r else [r["layout"], r["codec"], "failed", "", "", r["failed"][:60]]
-             for r in rows]
-    print(common.table(table, ["layout", "codec", "step s", "vs best", "loss",
-                               "peak MiB per rank"]))
-    common.write_json(a.json, "layouts", {"mbit": a.mbit, "rows": rows})
+    predicted, chosen = predictions(a)
+    for r in rows:
+        r["predicted"] = predicted.get((r["layout"], r["codec"]))
+    print(_table(rows))
+    print("\nccfx.plan_parallel on the harness's cluster (pipeline x data parallel):\n" + chosen)
+    common.write_json(a.json, "layouts", {"mbit": a.mbit, "rows": rows, "plan": chosen})
     return 0
 
 
