@@ -428,3 +428,29 @@ def test_default_codec_prices():
     assert here.throughput is not None and here.throughput > 0  # one int8 timing, scaled
     assert here.cost("int8", (1024, 1024), torch.float32).wire_bytes == \
         described.cost("int8", (1024, 1024), torch.float32).wire_bytes
+
+
+def test_options_carry_per_hop_codecs():
+    """Different codecs per hop reach the compiled plan hop for hop (``codec_overrides`` by
+    stage), at the layout's split points."""
+    from dataclasses import replace
+
+    from ccfx.planner.layout_result import ParallelPlan
+    from ccfx.planner.layout_search import make_layout
+
+    model, (idx, _) = gpt(256, 64, n_layer=8)
+    facts = model_facts(model, (idx, idx))
+    cluster = two_nodes(inter_gbps=0.05)
+    hops = (("none", "none"), ("int8", "int4:ef"), ("none", "none"))
+    layout = replace(make_layout(facts, cluster, 4, 1, microbatches=8), hop_codecs=hops)
+    plan = ParallelPlan([predict_layout(facts, cluster, layout, timer=TIMER)], [], [], facts,
+                        cluster)
+    opts = plan.options(0)
+    assert opts["split_points"] == ("blocks.2", "blocks.4", "blocks.6")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ccfx", options={**opts, "lowering": "eager"})
+    compiled(idx[:8]).sum().backward()
+    edges = ccfx.plan_of(compiled).graphs[0].edges
+    assert [(tuple(map(tuple, e.hops)), e.codec, e.grad_codec) for e in edges] == [
+        (((0, 1),), "none", "none"), (((1, 2),), "int8", "int4:ef"),
+        (((2, 3),), "none", "none")]
