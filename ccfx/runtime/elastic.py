@@ -261,6 +261,7 @@ class Elastic:
         try:
             self.manager.start_quorum()
         except Exception as e:
+            self.shutdown()  # this replica stops here: its heartbeats must stop too
             raise self._no_quorum(e, f"the outer sync at inner step {outer.step}") from e
         if self._healed:  # the fragments the peers sync now, at the step we took from them
             due = [f for f in outer.fragments
