@@ -177,6 +177,41 @@ def test_lightning_module_with_compiled_stages(two):
             assert 0 < wire < raw / 3, compiled  # int8: a quarter of fp32, plus scales
 
 
+def _launched(tmp_path, argv: list[str], timeout_s: float = 240) -> list[dict]:
+    """Run a launcher command (``argv``) the way a user does, in ``tmp_path``; each of its 2
+    ranks writes ``result.rank<r>.json`` there: return them, rank 0 first."""
+    import subprocess
+
+    run = subprocess.run(argv, cwd=tmp_path, timeout=timeout_s, capture_output=True, text=True,
+                         check=False, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _counted_on_both(results: list[dict], steps: int) -> None:
+    """Each rank's hook ran every step (ccfx's codec: fewer bytes on the wire than raw), and
+    the ranks ended bit-equal."""
+    for r in results:
+        assert r["world"] == 2 and r["steps"] == r["hook_steps"] == steps, r
+        assert 0 < r["wire"] < r["raw"], r
+    assert results[0]["digest"] == results[1]["digest"], "the ranks' parameters differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["trainer", "accelerate"])
+def test_torchrun_launching_the_readme_recipe_registers_in_each_rank(tmp_path, route):
+    """``torchrun --nproc-per-node 2 train.py``, as the README launches the Trainer and
+    Accelerate routes (tests/integrations_torchrun_script.py): the one line registers ccfx's
+    codec in every rank. (~10 s each.)"""
+    _needs("transformers", "accelerate")
+    import sys
+
+    script = Path(__file__).with_name("integrations_torchrun_script.py")
+    _counted_on_both(_launched(tmp_path, [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(script), route, str(tmp_path / "result")]), steps=4)
+
+
 @pytest.mark.slow
 def test_lightning_launching_its_own_processes_registers_in_each_rank(tmp_path):
     """The README's Lightning section as a user runs it: one ``python train.py``, and Lightning
@@ -184,19 +219,11 @@ def test_lightning_launching_its_own_processes_registers_in_each_rank(tmp_path):
     builds its own callback, which counts that rank's buckets every step; the ranks end
     bit-equal. (~10 s.)"""
     _needs("pytorch_lightning")
-    import subprocess
     import sys
 
     script = Path(__file__).with_name("integrations_lightning_script.py")
-    out = tmp_path / "result"
-    run = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, timeout=240,
-                         capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ranks_ = [json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in (0, 1)]
-    for r in ranks_:
-        assert r["world"] == 2 and r["steps"] == r["hook_steps"] == 4, r
-        assert 0 < r["wire"] < r["raw"], r
-    assert ranks_[0]["digest"] == ranks_[1]["digest"], "the ranks' parameters differ"
+    _counted_on_both(_launched(tmp_path, [sys.executable, str(script),
+                                          str(tmp_path / "result")]), steps=4)
 
 
 # -- checkpoints: the hook's state saved and resumed through each framework ----------------------
