@@ -320,7 +320,8 @@ def _wait_batch_p2p(work) -> None:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         agree.gave_up("a pipeline transfer", first, peers)
         failed = agree.peer_failures(peers)
-        cause = "".join(f" Rank {r} gave up first: {why}." for r, why in failed.items())
+        cause = "".join(f" Rank {r} gave up first: {_unquoted(why).rstrip('.')}."
+                        for r, why in failed.items())
         who = "" if failed else agree.blame(e, peers)
         who = f" {who[0].upper()}{who[1:]}." if who else ""
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -331,6 +332,17 @@ def _wait_batch_p2p(work) -> None:
     if _IN_FLIGHT:
         _EARLIER[:] = (_EARLIER + _IN_FLIGHT)[-8:]
     _IN_FLIGHT.clear()
+
+
+def _unquoted(text: str) -> str:
+    """A peer's recorded reason as text (the record keeps a shortened one as a JSON string)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:  # shortened: cut inside the string ('"stage 0 ... smaller…')
+        return text[1:].replace('\\"', '"') if text.startswith('"') else text
+    return value if isinstance(value, str) else text
 
 
 def _install_wait() -> None:
