@@ -45,13 +45,31 @@ from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from ccfx.cost import FREE
 from ccfx.errors import CcfxError, ConfigError
 from ccfx.planner.cluster import Cluster
 from ccfx.planner.layout_result import ParallelPlan
 from ccfx.planner.layout_search import search
 from ccfx.planner.model_facts import LayerFacts, ModelFacts
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops each part of the forward runs (views and other free ops left out,
+    :data:`ccfx.cost.FREE`, and queries such as ``prim::device``): what a CPU spends per op beyond its FLOPs
+    (:func:`ccfx.planner.compute.machine_rate`'s second figure)."""
+
+    def __init__(self, current: list):
+        super().__init__()
+        self.current = current
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten" and func.overloadpacket.__name__ not in FREE:
+            self.counts[self.current[0]] = self.counts.get(self.current[0], 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, list[tuple[str, torch.nn.Module]]]:
@@ -140,6 +158,7 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
     outs: dict[str, torch.Tensor] = {}
     keep = []
     counter = FlopCounterMode(display=False)
+    ops = _OpCounter(current)
 
     def pack(t):
         base = t._base if t._base is not None else t
@@ -164,7 +183,8 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
         handles.append(block.register_forward_pre_hook(pre))
         handles.append(block.register_forward_hook(post))
     try:
-        with fake_mode, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fake_mode, counter, ops, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, {**params, **buffers}, fake_args, fake_kwargs)
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         raise ConfigError(
@@ -178,13 +198,12 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
     total = counter.get_total_flops()
 
     if not blocks:  # one layer: the whole model
-        out = None
         return ModelFacts((LayerFacts(
             "", float(total), sum(p.numel() for p in params.values()),
             sum(p.nbytes for p in params.values()), sum(sum(v.values()) for v in saved.values()),
             (batch,), str(first.dtype).replace("torch.", ""),
-            tuple(tuple(p.shape) for p in params.values())),), batch, _tp_plan(model),
-            "fake-tensor trace (no repeated blocks found: one layer)")
+            tuple(tuple(p.shape) for p in params.values()), sum(ops.counts.values())),),
+            batch, _tp_plan(model), "fake-tensor trace (no repeated blocks found: one layer)")
 
     # parameters outside the blocks: before the container (embeddings) or after (head); a tied
     # parameter used on both sides is held by both
@@ -208,20 +227,23 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
         extra = []
         fl = flops_at[name + ":end"] - flops_at[name + ":start"]
         sv = sum(saved.get(name, {}).values())
+        n_ops = ops.counts.get(name, 0)
         if i == 0:
             extra += list(pre_params.values())
             fl += flops_at[name + ":start"]
             sv += sum(saved.get("pre", {}).values())
+            n_ops += ops.counts.get("pre", 0)
         if i == len(blocks) - 1:
             extra += list(post_params.values())
             fl += total - flops_at[name + ":end"]
             sv += sum(saved.get("post", {}).values())
+            n_ops += ops.counts.get("post", 0)
         every = ps + extra
         out = outs[name]
         layers.append(LayerFacts(
             name, float(fl), sum(p.numel() for p in every),
             sum(p.numel() * p.element_size() for p in every), int(sv), tuple(out.shape),
-            str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every)))
+            str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every), n_ops))
     return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace")
 
 

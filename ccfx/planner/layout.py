@@ -13,7 +13,9 @@ the replicas' hops, a group's slowest pair, the bandwidth shared among the flows
 one node on the same level; with tensor parallelism, the slowest pair without contention):
 
 * **compute**: a stage's forward FLOPs per microbatch / ``tp`` at its slowest device's rate
-  (``Cluster.rate``), the backward twice that (the usual 2:1);
+  (``Cluster.rate``), the backward twice that (the usual 2:1); on devices measured here
+  ("measure here") plus a fixed time per op (the trace counts them), as
+  :func:`~ccfx.planner.compute.from_flops` prices CPU stages;
 * **tensor parallel**: Megatron's two all-reduces of a layer's output per layer forward and
   two backward, ``2 (tp-1)/tp`` of the tensor each, on the critical path;
 * **pipeline**: torch's GPipe / 1F1B program simulated rank by rank with each hop on its own
@@ -53,6 +55,7 @@ from ..errors import ConfigError
 from ..wire.link import Link
 from .cluster import Cluster
 from .codec_cost import CodecTimer
+from .compute import machine_rate
 from .links import data_parallel_link, hop_links, stage_group_links
 from .local_model import predict_local_steps
 from .memory_model import MEMORY_LIMIT, SCHEDULES, MemoryEstimate, in_flight, stage_memory
@@ -328,9 +331,12 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     for s, st in enumerate(sf):
         devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
         rate = min(cluster.rate(x) for x in devs)
+        # a device measured here also pays a fixed time per op (small models on CPUs spend
+        # it; :func:`ccfx.planner.compute.from_flops` adds the same term)
+        op_s = machine_rate()[1] if any(cluster.device(x).flops is None for x in devs) else 0.0
         f = st.flops * fraction / tp / rate
-        fwd.append(f)
-        bwd.append(2 * f)
+        fwd.append(f + st.ops * op_s)
+        bwd.append(2 * f + 2 * st.ops * op_s)
         if tp > 1:
             link = links.slowest((dev(s, d, a), dev(s, d, b)) for d in range(dp)
                                  for a in range(tp) for b in range(tp))

@@ -31,6 +31,7 @@ class LayerFacts:
     out_shape: tuple[int, ...]
     out_dtype: str = "float32"
     param_shapes: tuple[tuple[int, ...], ...] = ()
+    ops: int = 0  # aten ops of its forward (views left out), whatever the batch
 
     @property
     def out_bytes(self) -> int:
@@ -82,7 +83,8 @@ class ModelFacts:
         return StageFacts(
             lo, hi, sum(x.flops for x in part), sum(x.param_numel for x in part),
             sum(x.param_bytes for x in part), sum(x.saved_bytes for x in part),
-            max(x.out_bytes for x in part), tuple(s for x in part for s in x.param_shapes))
+            max(x.out_bytes for x in part), tuple(s for x in part for s in x.param_shapes),
+            sum(x.ops for x in part))
 
     def cut_shape(self, layer: int, samples: int) -> tuple[int, ...]:
         """The shape a cut after ``layer`` sends for ``samples`` samples (the batch dimension,
@@ -106,6 +108,7 @@ class StageFacts:
     saved_bytes: int
     max_out_bytes: int
     param_shapes: tuple[tuple[int, ...], ...] = ()
+    ops: int = 0
 
     @property
     def grad_dtype(self) -> str:
