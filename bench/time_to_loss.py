@@ -153,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-gain", type=float, default=0.10, help="auto_min_gain (0.10)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per stage")
     ap.add_argument("--table", metavar="PATH", help="write the steps-multiplier table here")
+    ap.add_argument("--reuse", metavar="JSON", help="take the loss runs a previous --json of "
+                    "the same settings holds (same variant, seed and codecs) instead of "
+                    "training them again: more seeds for the cost of the new ones")
     a = ap.parse_args(argv)
+    a.reused = _reusable(a.reuse)
     steps = a.steps or (200 if a.quick else 300)
     seeds = a.seeds or ([0, 1] if a.quick else [0, 1, 2])
     fixed_names = ["none", *(n for n in a.variants if n != "none")]
@@ -270,9 +274,29 @@ def _key(pm, choice) -> tuple:
     return tuple(choice.get(e.index, ("none", "none")) for e in pm.edges)
 
 
+def _reusable(path: str | None) -> dict:
+    """(variant, seed, options as JSON, steps, batch, lr) → a run of a previous --json."""
+    if path is None:
+        return {}
+    import json
+
+    with open(path) as f:
+        old = json.load(f)
+    return {(r["variant"], r["seed"], json.dumps(r.get("options"), sort_keys=True),
+             old["steps"], old["batch_size"], old["lr"]): r for r in old["runs"]}
+
+
 def _run(name, initial, data, seed, steps, a, opts) -> dict:
+    import json
+
+    key = (name, seed, json.dumps(opts, sort_keys=True), steps, a.batch_size, a.lr)
+    if key in a.reused:
+        r = dict(a.reused[key])
+        print(f"  seed {seed} {name}: reused ({a.reuse})", file=sys.stderr, flush=True)
+        return r
     r = convergence.run_one(name, initial, data, seed=seed, steps=steps,
                             batch_size=a.batch_size, lowering="eager", lr=a.lr, options=opts)
+    r["options"] = opts
     print(f"  seed {seed} {name}: final loss {r['final_loss']:.4f} ({r['wall_s']:.0f} s)",
           file=sys.stderr, flush=True)
     return r

@@ -282,3 +282,11 @@ def test_the_time_to_loss_bench_on_a_tiny_model(tmp_path, capsys):
         assert r["T_s"] == pytest.approx(r["steps_mean"] * r["step_s"]) and r["step_s"] > 0
     # the table it wrote is one steps_multipliers reads
     assert load(str(table)).of("activation", "int8") == result["table"]["activation"]["int8"]
+    # --reuse takes the runs of a previous --json instead of training them again
+    again = tmp_path / "again.json"
+    assert time_to_loss.main(["--model", "small", "--steps", "16", "--smooth", "4",
+                              "--seeds", "0", "--variants", "none", "int8", "--repeats", "1",
+                              "--reuse", str(out), "--json", str(again)]) == 0
+    assert "reused" in capsys.readouterr().err
+    first, second = (json.loads(p.read_text())["runs"] for p in (out, again))
+    assert [r["losses"] for r in second] == [r["losses"] for r in first]
