@@ -260,3 +260,26 @@ def failing_replica(k: int, lighthouse: str, fail_at: int, steps: int) -> dict:
     out = {"rows": rows, "history": list(outer.elastic.history)}
     outer.close()
     return out
+
+
+def codec_replica(k: int, lighthouse: str, codec: str, steps: int) -> dict:
+    """Replica ``k`` of an ``outer_codec=codec`` run: per committed sync the global
+    parameters' digest, and the history (which collectives ran)."""
+    import ccfx
+
+    model = mlp(k)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
+                             replica_id=f"c{k}", quorum_timeout_s=20.0,
+                             **{**OPTIONS, "outer_codec": codec})
+    digests = []
+    for i in range(steps):
+        loss_of(model, k, i).backward()
+        opt.step()
+        opt.zero_grad()
+        if outer.step % outer.sync_every == 0:
+            digests.append(ranks.digest(outer.global_parameters().values()))
+    out = {"digests": digests, "history": list(outer.elastic.history),
+           "wire": outer.wire_bytes, "raw": outer.raw_bytes}
+    outer.close()
+    return out

@@ -191,7 +191,9 @@ class Elastic:
         self.commits = 0
         self.history: list[dict] = []  # one row per sync: step, quorum, committed, ...
         self._healed = False
-        self._refused: str | None = None  # a healer's peer's fingerprint, when it differs
+        self._refused: str | None = None
+        self._reduces: dict = {}  # (part, quorum size) -> CompressedCollective (_reduce_for)
+        self.used: set[str] = set()  # the collectives the exchanges ran  # a healer's peer's fingerprint, when it differs
         timeout = timedelta(seconds=config.collective_timeout_s)
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         from torch.distributed import TCPStore
@@ -256,6 +258,7 @@ class Elastic:
         was committed."""
         outer = self.outer
         started = time.monotonic()
+        self.used = set()
         snapshot = {k: t.clone() for k, t in outer._codec_state().items()}
         self._healed, self._refused = False, None
         try:
@@ -311,6 +314,7 @@ class Elastic:
             "replicas": world, "committed": committed, "healed": self._healed,
             "weight": total,  # the quorum's tokens (or inner steps) in this sync
             "fragments": [f.index for f in due if f.index in averaged],
+            "collectives": sorted(self.used),
             "seconds": time.monotonic() - started})
         return committed
 
@@ -343,10 +347,42 @@ class Elastic:
             delta = [(g - p.detach().float()) * scale for g, p in zip(frag.global_, frag.local)]
         out: list[torch.Tensor | None] = [None] * len(delta)
         for part in frag.parts:
-            result = part.exchange.run([delta[i] for i in part.members], part.state, comm)
+            grads = [delta[i] for i in part.members]
+            reduce = self._reduce_for(part, comm.world)
+            if reduce is None:
+                result = part.exchange.run(grads, part.state, comm)
+                self.used.add(part.exchange.collective)
+            else:
+                layout = part.exchange.layout
+                result = layout.unflat(reduce.run(layout.flat(grads), {}, comm))
+                self.used.add("all_to_all+all_gather")
             for i, a in zip(part.members, result, strict=True):
                 out[i] = a.float()
         return out
+
+    def _reduce_for(self, part, world: int):
+        """For a stateless codec that would be all-gathered (int8, fp8, ...) on 3 or more
+        replicas, with ``outer_collective="auto"``: the encoded all-to-all + all-gather of
+        :mod:`ccfx.wire.collectives` (each chunk's owner sums in rank order and re-encodes once;
+        every replica decodes the same bytes), ``2 (W-1) / W`` of a payload per replica instead
+        of ``W - 1``. Built per quorum size (the chunks are 1/W of the part). None where it does
+        not apply: codec state (an error-feedback residual) is sized for one W, and the ring
+        (the fixed-group alternative) needs point to point on a group torchft rebuilds."""
+        if (world < 3 or part.state or part.exchange.collective != "all_gather"
+                or self.outer.config.outer_collective != "auto"):
+            return None
+        key = (id(part), world)
+        if key not in self._reduces:
+            from ..wire.collectives import CollectiveCall, CompressedCollective
+
+            call = CollectiveCall("all_reduce", (part.exchange.layout.numel,), torch.float32,
+                                  world, "avg")
+            try:
+                built = CompressedCollective(call, part.exchange.spec)
+            except ConfigError:
+                built = None
+            self._reduces[key] = None if built is None or built.state_layout() else built
+        return self._reduces[key]
 
     # -- failures -----------------------------------------------------------------------------
 
