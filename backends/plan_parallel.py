@@ -65,11 +65,23 @@ class _OpCounter(TorchDispatchMode):
         super().__init__()
         self.current = current
         self.counts: dict[str, int] = {}
+        #: (rows, inner, columns) of each 2-D matmul → its FLOPs summed over the forward
+        self.matmuls: dict[tuple[int, int, int], int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "aten" and func.overloadpacket.__name__ not in FREE:
+        name = func.overloadpacket.__name__
+        if func.namespace == "aten" and name not in FREE:
             self.counts[self.current[0]] = self.counts.get(self.current[0], 0) + 1
+            a, b = (args[1], args[2]) if name == "addmm" else args[:2] if name == "mm" \
+                else (None, None)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                key = (int(a.shape[0]), int(a.shape[1]), int(b.shape[1]))
+                self.matmuls[key] = self.matmuls.get(key, 0) + 2 * key[0] * key[1] * key[2]
         return func(*args, **(kwargs or {}))
+
+    def main_matmul(self) -> tuple[int, int, int] | None:
+        """The matmul shape that does the most FLOPs."""
+        return max(self.matmuls, key=self.matmuls.get) if self.matmuls else None
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, list[tuple[str, torch.nn.Module]]]:
@@ -203,7 +215,8 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
             sum(p.nbytes for p in params.values()), sum(sum(v.values()) for v in saved.values()),
             (batch,), str(first.dtype).replace("torch.", ""),
             tuple(tuple(p.shape) for p in params.values()), sum(ops.counts.values())),),
-            batch, _tp_plan(model), "fake-tensor trace (no repeated blocks found: one layer)")
+            batch, _tp_plan(model), "fake-tensor trace (no repeated blocks found: one layer)",
+            ops.main_matmul())
 
     # parameters outside the blocks: before the container (embeddings) or after (head); a tied
     # parameter used on both sides is held by both
@@ -244,7 +257,8 @@ def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
             name, float(fl), sum(p.numel() for p in every),
             sum(p.numel() * p.element_size() for p in every), int(sv), tuple(out.shape),
             str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every), n_ops))
-    return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace")
+    return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace",
+                      ops.main_matmul())
 
 
 def as_cluster(cluster) -> Cluster:

@@ -56,6 +56,9 @@ def test_facts_per_block():
     # ten; views left out); the first and last also run the embeddings and the head
     assert 5 <= facts.layers[1].ops <= 30
     assert facts.layers[0].ops > facts.layers[1].ops < facts.layers[3].ops
+    # the matmul doing the most FLOPs: the MLP's (1024 rows = 16 x 64 tokens, 256 <-> 1024)
+    rows, inner, cols = facts.matmul
+    assert rows == 16 * 64 and {inner, cols} == {256, 1024}
     # the user's model is untouched: real tensors, no hooks left
     assert model.tok_emb.weight.device.type == "cpu"
     assert not model.blocks[0]._forward_hooks and not model.blocks[0]._forward_pre_hooks

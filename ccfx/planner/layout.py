@@ -13,9 +13,10 @@ the replicas' hops, a group's slowest pair, the bandwidth shared among the flows
 one node on the same level; with tensor parallelism, the slowest pair without contention):
 
 * **compute**: a stage's forward FLOPs per microbatch / ``tp`` at its slowest device's rate
-  (``Cluster.rate``), the backward twice that (the usual 2:1); on devices measured here
-  ("measure here") plus a fixed time per op (the trace counts them), as
-  :func:`~ccfx.planner.compute.from_flops` prices CPU stages;
+  (``Cluster.rate``), the backward twice that (the usual 2:1); a device measured here
+  ("measure here") is timed on the model's own main matmul at the microbatch's rows (a CPU's
+  rate differs 3x between a 512³ matmul and a transformer's), plus a fixed time per op (the
+  trace counts them), as :func:`~ccfx.planner.compute.from_flops` prices CPU stages;
 * **tensor parallel**: Megatron's two all-reduces of a layer's output per layer forward and
   two backward, ``2 (tp-1)/tp`` of the tensor each, on the critical path;
 * **pipeline**: torch's GPipe / 1F1B program simulated rank by rank with each hop on its own
@@ -46,6 +47,7 @@ tensor-parallel collectives with compute.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -67,6 +69,8 @@ AXES = ("tp", "pp", "dp")
 BUCKET_BYTES = 25 * 2 ** 20
 #: a link that costs nothing: the pipeline without communication
 INSTANT = Link(1e12, 0.0)
+#: this machine's FLOP/s per matmul shape (rows, inner, columns), timed once per process
+_RATES: dict[tuple[int, int, int], float] = {}
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,26 @@ class Links:
             hit = self._priced[key] = (hops, groups)
         return hit
 
+    def rate_here(self, facts: ModelFacts, fraction: float) -> float:
+        """FLOP/s of this machine on the model's main matmul at a microbatch's rows
+        (``fraction`` of the traced batch; at most 16 Ki rows), timed once per shape; the
+        cluster's 512³ rate (:meth:`Cluster.rate`) without one."""
+        if facts.matmul is None:
+            return machine_rate()[0]
+        rows, inner, cols = facts.matmul
+        rows = max(1, min(1 << 14, round(rows * fraction)))
+        key = (rows, inner, cols)
+        if key not in _RATES:
+            a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+            a @ b  # warm-up
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - t0)
+            _RATES[key] = 2 * rows * inner * cols / max(best, 1e-9)
+        return _RATES[key]
+
     def simulate(self, compute, edges, hop_links, schedule, m, timer, choice):
         """:meth:`PipelineModel.predict`'s timeline, memoised (local-step variants and the
         codec choice ask for the same pipeline again)."""
@@ -330,10 +354,12 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     fwd, bwd, tp_s, tp_links = [], [], [], []
     for s, st in enumerate(sf):
         devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
-        rate = min(cluster.rate(x) for x in devs)
+        here = any(cluster.device(x).flops is None for x in devs)
+        rate = min(cluster.device(x).flops or links.rate_here(facts, fraction / tp)
+                   for x in devs)
         # a device measured here also pays a fixed time per op (small models on CPUs spend
         # it; :func:`ccfx.planner.compute.from_flops` adds the same term)
-        op_s = machine_rate()[1] if any(cluster.device(x).flops is None for x in devs) else 0.0
+        op_s = machine_rate()[1] if here else 0.0
         f = st.flops * fraction / tp / rate
         fwd.append(f + st.ops * op_s)
         bwd.append(2 * f + 2 * st.ops * op_s)

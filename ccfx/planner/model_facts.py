@@ -45,12 +45,16 @@ class LayerFacts:
 class ModelFacts:
     """The blocks in order, the traced ``batch`` (samples), whether the model declares a
     tensor-parallel plan (``tp_plan``: module pattern → style, as Hugging Face's
-    ``base_model_tp_plan``), and how the facts were obtained (``source``)."""
+    ``base_model_tp_plan``), how the facts were obtained (``source``) and its main matmul
+    shape (``matmul``)."""
 
     layers: tuple[LayerFacts, ...]
     batch: int
     tp_plan: tuple[tuple[str, str], ...] | None = None
     source: str = "fake-tensor trace"
+    #: (rows, inner, columns) at the traced batch of the matmul shape doing the most FLOPs:
+    #: where a device measured here is timed (a CPU's rate differs 3x between shapes)
+    matmul: tuple[int, int, int] | None = None
 
     def __post_init__(self):
         if not self.layers:
