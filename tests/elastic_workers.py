@@ -26,6 +26,9 @@ from . import ranks
 #: per replica, so recovery's handling of codec state is exercised).
 OPTIONS = {"sync_every": 2, "outer_codec": "int8:ef", "compress_min_numel": 0,
            "collective_timeout_s": 10.0}
+#: The kill-and-restart scenario streams two fragments (one syncs at inner steps 2, 6, ...,
+#: the other at 4, 8, ...): a replica that heals must sync the fragment its peers sync then.
+STREAMED = {**OPTIONS, "sync_every": 4, "fragments": 2}
 
 
 def mlp(seed: int) -> nn.Module:
@@ -108,7 +111,7 @@ class Replicas:
             self.may_fail.add(name)
         self.queues[name] = self.ctx.Queue()
         p = self.ctx.Process(target=replica, args=(
-            name, seed, self.lighthouse, options or OPTIONS, self.stop_at, self.queues[name],
+            name, seed, self.lighthouse, options or STREAMED, self.stop_at, self.queues[name],
             self.step_sleep_s), daemon=True)
         p.start()
         self.procs[name] = p

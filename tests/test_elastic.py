@@ -3,7 +3,7 @@ peer; nobody restarts from a checkpoint.
 
 One scenario group (the module fixture ``run``) starts a torchft lighthouse in this process and
 replicas as processes on 127.0.0.1 (tests/elastic_workers.py says why not tests/ranks.py):
-three train, one is SIGKILLed mid-training, the other two go on, the killed one is started
+three train (two streamed fragments, int8 with error feedback), one is SIGKILLed mid-training, the other two go on, the killed one is started
 again and recovers, then a replica with other options tries to join and is refused. The
 failures that need no peer (lighthouse unreachable, too few replicas) run in this process.
 Every wait is bounded."""
@@ -44,7 +44,7 @@ def run():
         reps.start("r2", seed=7)
         reps.wait_for("the restarted r2's first committed sync",
                       lambda: reps.committed("r2", after=out["killed_rows"]) >= 1)
-        reps.start("odd", seed=0, options={**w.OPTIONS, "outer_lr": 0.5},
+        reps.start("odd", seed=0, options={**w.STREAMED, "outer_lr": 0.5},
                    may_fail=True)
         reps.wait_for("the replica with other options to end", lambda: "odd" in reps.ends)
         reps.stop(("r0", "r1", "r2"))
@@ -71,9 +71,13 @@ def test_restarted_replica_heals_bit_identical_at_its_first_sync(run):
     rows = reps.syncs["r2"][run["killed_rows"]:]
     first = next((row, digest) for row, digest in rows if row["committed"])
     assert first[0]["healed"]  # it took the state from a live peer, not its own seed-7 model
+    # it joined the peers' sync of one streamed fragment, and synced that same fragment
+    assert len(first[0]["fragments"]) == 1, first[0]
     for name in ("r0", "r1"):
-        peer = {row["torchft_step"]: d for row, d in reps.syncs[name] if row["committed"]}
-        assert peer[first[0]["torchft_step"]] == first[1], name
+        peer = {row["torchft_step"]: (row, d) for row, d in reps.syncs[name] if row["committed"]}
+        row, digest = peer[first[0]["torchft_step"]]
+        assert digest == first[1], name
+        assert row["fragments"] == first[0]["fragments"] and row["replicas"] == 3, row
 
 
 @pytest.mark.slow
