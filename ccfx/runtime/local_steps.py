@@ -44,6 +44,11 @@ was made for rides with it: the outer options, the number of replicas and this r
 among them (its parameters and residuals are its own: a checkpoint loaded on another replica or
 world size is a :class:`~ccfx.ConfigError`; one saved before ccfx recorded them loads without
 that check), the fragments' parameter names and shapes.
+
+Fault tolerant (``fault_tolerant=True``, with ``lighthouse``, ``replica_id``, ``min_replicas``,
+``quorum_timeout_s``, ``max_retries``): each sync is a step of a torchft ``Manager`` among the
+replicas alive now, and a replica that joins late recovers from a live peer; see
+:mod:`ccfx.runtime.elastic`. ``outer.add_tokens(n)`` weights the average by tokens.
 """
 
 from __future__ import annotations
@@ -449,6 +454,9 @@ def local_steps(target, optimizer, group=None, *, compiled_config: Config | None
     from .elastic import split_options
 
     options, elastic = split_options(options)
+    if elastic is not None and isinstance(target, (list, tuple)):
+        raise ConfigError("fault_tolerant=True takes a model, one process per replica: a "
+                          "replica of several ranks (pipeline stages) is not supported")
     config, ledger, named = _target(target, compiled_config, compiled_ledger)
     if group is None and isinstance(target, (list, tuple)):
         sync = getattr(target[0], "grad_sync", None)
