@@ -193,9 +193,9 @@ class Elastic:
         self.commits = 0
         self.history: list[dict] = []  # one row per sync: step, quorum, committed, ...
         self._healed = False
-        self._refused: str | None = None
+        self._refused: str | None = None  # a healer's peer's fingerprint, when it differs
         self._reduces: dict = {}  # (part, quorum size) -> CompressedCollective (_reduce_for)
-        self.used: set[str] = set()  # the collectives the exchanges ran  # a healer's peer's fingerprint, when it differs
+        self.used: set[str] = set()  # the collectives the exchanges ran
         timeout = timedelta(seconds=config.collective_timeout_s)
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         from torch.distributed import TCPStore
@@ -261,13 +261,14 @@ class Elastic:
         outer = self.outer
         started = time.monotonic()
         self.used = set()
-        snapshot = {k: t.clone() for k, t in outer._codec_state().items()}
         self._healed, self._refused = False, None
         try:
             self.manager.start_quorum()
         except Exception as e:
             self.shutdown()  # this replica stops here: its heartbeats must stop too
             raise self._no_quorum(e, f"the outer sync at inner step {outer.step}") from e
+        # what an uncommitted sync puts back (taken after a heal: the healed state stays)
+        snapshot = {k: t.clone() for k, t in outer._codec_state().items()}
         if self._healed:  # the fragments the peers sync now, at the step we took from them
             due = [f for f in outer.fragments
                    if outer.step > 0 and outer.step % outer.sync_every == f.offset]
