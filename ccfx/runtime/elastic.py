@@ -26,10 +26,12 @@ Each replica (one process; its own torchft replica group of size 1) owns a torch
    bit. Tokens are what a replica reports
    with ``outer.add_tokens(n)``; a replica that never reports counts its inner steps. A replica
    that has just healed contributes zero tokens (its pseudo-gradient is zero).
-4. ``should_commit()``: only if every member got through (no error reported, at least
-   ``min_replicas`` of them) does the outer optimizer step; otherwise the codec state is put
-   back as it was, the pseudo-gradient keeps growing to the next sync, and nobody's global
-   parameters move. ``max_retries`` consecutive uncommitted syncs raise
+4. ``should_commit()``: only if this replica got through (no error reported, at least
+   ``min_replicas`` in the quorum) does the outer optimizer step; otherwise the codec state is
+   put back as it was, the pseudo-gradient keeps growing to the next sync, and its global
+   parameters do not move. torchft decides per replica: a peer dying inside an exchange fails
+   it for every member, and a replica that misses a commit its peers made is a step behind and
+   heals at the next quorum. ``max_retries`` consecutive uncommitted syncs raise
    :class:`~ccfx.CollectiveError`.
 
 Joining is a sync at :func:`~ccfx.local_steps` time with nothing to send: a replica started
