@@ -286,3 +286,26 @@ def codec_replica(k: int, lighthouse: str, codec: str, steps: int) -> dict:
            "wire": outer.wire_bytes, "raw": outer.raw_bytes}
     outer.close()
     return out
+
+
+def straggler_replica(k: int, lighthouse: str, delay_s: float, stop_at: int,
+                      step_s: float = 0.6) -> list[dict]:
+    """Replica ``k``, sync every 2 steps, a step every ``step_s``, trains until its torchft
+    step reaches ``stop_at``; it sleeps ``delay_s`` more before its step 2 (the first sync
+    after the join): a straggler. Its sync rows."""
+    import ccfx
+
+    model = mlp(k)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
+                             replica_id=f"s{k}", quorum_timeout_s=20.0, **OPTIONS)
+    i = 0
+    while outer.elastic.manager.current_step() < stop_at and i < 50:
+        loss_of(model, k, i).backward()
+        time.sleep(step_s + (delay_s if i == 1 else 0.0))
+        opt.step()
+        opt.zero_grad()
+        i += 1
+    rows = list(outer.elastic.history)
+    outer.close()
+    return rows
