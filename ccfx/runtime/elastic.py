@@ -40,6 +40,11 @@ from its result. Stragglers: the lighthouse's ``join_timeout_ms`` is the grace w
 waits that long for replicas that are alive but not yet at the sync); a straggler that misses
 it joins the next quorum and heals there, its local steps since its last sync discarded.
 
+Addresses: each replica serves a TCP store (the quorum's process group meets in one of them)
+and its manager at ``MASTER_ADDR`` (default 127.0.0.1, replicas on one machine); across
+machines set it to an address the other replicas reach (torchft's checkpoint transport
+advertises ``socket.gethostname()``, which must resolve there too).
+
 Not supported here (each a :class:`~ccfx.ConfigError` or documented): ``fragment_delay`` > 0
 (an exchange in flight across a quorum change), ``outer_collective="ring"`` (point to point on
 a group that changes under it), a replica spanning several ranks (PP × DP stages).
