@@ -238,6 +238,30 @@ def test_time_to_loss_refuses_a_faster_step_that_needs_too_many_more_steps():
     assert _choose(model, 1.05).choice[0] == ("int8", "int8")
 
 
+def test_the_reasons_say_the_figures_are_times_to_the_loss():
+    decided = _choose(_constructed_model(), 2.5)
+    assert all("steps multiplier x the predicted step" in d.reason for d in decided.decisions)
+    assert all("steps multiplier" not in d.reason
+               for d in _choose(_constructed_model(), None).decisions)
+
+
+def test_a_codec_every_hop_needs_together_survives_the_edge_by_edge_descent():
+    """8 stages, 7 equal hops on a slow link: int8 everywhere makes the step ~4x faster, but
+    one hop alone saves less than min_gain; the descent keeps it hop by hop (it used to fall
+    back to none one hop at a time)."""
+    edges = [EdgeTraffic(i, f"x{i}", (256, 1024), torch.float32, ((i, i + 1),))
+             for i in range(7)]
+    model = PipelineModel([StageCompute(0.01, 0.02)] * 8, edges, Link(0.01, 0.0),
+                          schedule="GPipe", microbatches=1, timer=_Timer())
+    everywhere = {i: ("int8", "int8") for i in range(7)}
+    none_s = model.predict({}).step_s
+    assert model.predict(everywhere).step_s < none_s / 3
+    one = model.predict({0: ("int8", "int8")}).step_s
+    assert one > none_s * (1 - 0.2)  # a hop alone: under min_gain
+    decided = choose_pipeline_codecs(model, lambda e, d: ["none", "int8"], min_gain=0.2)
+    assert decided.choice == everywhere
+
+
 def test_compiling_with_time_to_loss_follows_the_table():
     """The compile-time path (plan_edges): the same model and link, int8 chosen under the step
     objective and refused when the table says it needs 5x the steps."""

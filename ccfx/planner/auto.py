@@ -97,8 +97,11 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
             if table is None:
                 continue
             spec = choice[e.index][0 if d == "fwd" else 1]
-            decisions.append(Decision(f"edge {e.index} {DIRECTIONS[d]}", spec, table,
-                                      _reason(model, base, e, d, spec, table, min_gain)))
+            reason = _reason(model, base, e, d, spec, table, min_gain)
+            if steps_multiplier is not None:
+                reason += (" [time to loss: each figure is the steps multiplier x the "
+                           "predicted step]")
+            decisions.append(Decision(f"edge {e.index} {DIRECTIONS[d]}", spec, table, reason))
     return PipelineDecisions(choice, decisions, base, model.predict(choice))
 
 
