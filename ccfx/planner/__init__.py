@@ -19,6 +19,13 @@ Pieces, one per module:
   codecs → the predicted step (a collective's: its exposed time on the link plus its codec's);
 * ``candidates``: the error budget (codecs whose measured effect on the loss is within it);
 * ``auto``: the search, and a ``Decision`` per edge, direction and bucket that says why;
+* ``cluster`` (+ ``cluster_files``, ``cluster_probe``): devices and the links between them;
+  ``links``: which link each hop, data-parallel group and collective crosses under a
+  placement, and how flows leaving one node share it;
+* ``steps_model``: steps multipliers per codec and role, for ``objective="time_to_loss"``;
+* ``model_facts`` / ``memory_model`` / ``layout`` / ``layout_search`` / ``layout_result``: the
+  layout planner (``ccfx.plan_parallel``): a model's per-block facts, peak memory per stage,
+  a layout's predicted step, the search over pp × dp (× tp) and placements, the explanation;
 * ``plan_edges`` / ``plan_buckets`` / ``plan_stages`` / ``plan_collectives``: what the backend
   calls at compile time (a partitioned graph → its edges' codecs; a backward's buckets →
   theirs; PP × DP stages → theirs; a forward, backward or inference graph's collectives →
