@@ -34,6 +34,7 @@ r0's held-out loss of the final global parameters (32 batches of the last 10 % o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import time
 
+RUNS = ("free", "failures", "raw", "tf_free", "tf_failures", "ckpt")
 GPT = {"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 32}  # bench/local_steps' "tiny"
 LR, BATCH = 6e-3, 8
 
@@ -53,7 +55,12 @@ def replica(name: str, index: int, cfg: dict, stop_at, out) -> None:
     ("error", name, traceback))."""
     started = time.time()
     try:
-        _replica(name, index, cfg, stop_at, out, started)
+        if cfg.get("impl") == "torchft":
+            from bench.elastic_baselines import tf_replica
+
+            tf_replica(name, index, cfg, stop_at, out, started)
+        else:
+            _replica(name, index, cfg, stop_at, out, started)
     except Exception:  # noqa: BLE001 (the driver reports it)
         import traceback
 
@@ -67,15 +74,20 @@ def _replica(name, index, cfg, stop_at, out, started) -> None:
     from bench.local_steps import _data, _evaluate
     from ccfx.models import GPTConfig, TinyGPT
 
+    phases = {"started": started, "imported": time.time()}
     torch.set_num_threads(1)
     train, held_out, vocab = _data(GPT["block_size"], 0, index, BATCH)
+    phases["data"] = time.time()
     torch.manual_seed(index)  # a joiner must take the others' parameters, not its own
     model = TinyGPT(GPTConfig(vocab_size=vocab, **GPT))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    phases["model"] = time.time()
     outer = ccfx.local_steps(
         model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
         min_replicas=2, quorum_timeout_s=300.0, max_retries=20, sync_every=cfg["h"],
         outer_codec=cfg["codec"], outer_lr=1.0, outer_momentum=0.0, collective_timeout_s=60.0)
+    phases["joined"] = time.time()  # local_steps returns after the join's sync (the heal)
+    out.put(("phases", name, phases))
     seen = 0
     while True:
         for row in outer.elastic.history[seen:]:
@@ -109,13 +121,16 @@ def inside(cfg: dict) -> dict:
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2,
-                                  join_timeout_ms=cfg["grace_ms"], heartbeat_timeout_ms=1000)
+                                  join_timeout_ms=cfg["grace_ms"],
+                                  heartbeat_timeout_ms=cfg.get("heartbeat_ms", 1000),
+                                  quorum_tick_ms=cfg.get("tick_ms"))
     port = lighthouse.address().rsplit(":", 1)[1]
     cfg = {**cfg, "lighthouse": f"http://127.0.0.1:{port}"}
     ctx = mp.get_context("spawn")
     stop_at = ctx.Value("i", cfg["syncs"])
     procs, queues = {}, {}
     rows: dict[str, list[dict]] = {}
+    phases: dict[str, list[dict]] = {}
     done: dict[str, dict] = {}
 
     def start(name, index):
@@ -131,6 +146,8 @@ def inside(cfg: dict) -> dict:
                     kind, name, data = q.get_nowait()
                     if kind == "row":
                         rows.setdefault(name, []).append(data)
+                    elif kind == "phases":
+                        phases.setdefault(name, []).append(data)
                     elif kind == "error":
                         raise RuntimeError(f"replica {name} failed:\n{data}")
                     else:
@@ -149,7 +166,7 @@ def inside(cfg: dict) -> dict:
     try:
         # r0 (never killed) ends the run; a replica restarted near the end may have no sync
         # left to join: it is given a few seconds, then stopped
-        r0_done_at = None
+        r0_done_at = kill_at = None
         while not all(n in done for n in names):
             if "r0" in done:
                 r0_done_at = r0_done_at or time.monotonic()
@@ -161,11 +178,17 @@ def inside(cfg: dict) -> dict:
             r0 = [r for r in rows.get("r0", []) if r["committed"]]
             step = r0[-1]["torchft_step"] if r0 else 0
             if next_kill is not None and step >= next_kill and step < cfg["syncs"] - 1:
+                kill_at = kill_at or time.time() + _phase_delay(r0, cfg)
+            if kill_at and time.time() >= kill_at:
+                kill_at = None
                 name = names[victim]
+                killed_at = time.time()
                 os.kill(procs[name].pid, signal.SIGKILL)
                 procs[name].join(10)
                 queues.pop(name)
-                kills.append({"name": name, "at_sync": step, "rows_before": len(rows.get(name, []))})
+                kills.append({"name": name, "at_sync": step, "time": killed_at,
+                              "rows_before": len(rows.get(name, [])),
+                              "phases_before": len(phases.get(name, []))})
                 start(name, victim)
                 victim = victim % (cfg["replicas"] - 1) + 1
                 next_kill += cfg["kill_every"] // cfg["h"]
@@ -179,20 +202,58 @@ def inside(cfg: dict) -> dict:
     tx = _lo_tx() - tx0
     r0 = [r for r in rows["r0"] if r["committed"]]
     wall = r0[-1]["time"] - r0[0]["time"]
-    useful = sum(r["weight"] for r in r0)
-    first_commit = []
+    if cfg.get("impl") == "torchft":  # rows per replica, each its own contribution
+        lo, hi = r0[0]["torchft_step"], r0[-1]["torchft_step"]
+        useful = sum(r["weight"] for rs in rows.values() for r in rs
+                     if r["committed"] and lo <= r["torchft_step"] <= hi)
+    else:  # r0's rows hold the quorum's total
+        useful = sum(r["weight"] for r in r0)
+    first_commit, splits = [], []
     for k in kills:
         later = [r for r in rows.get(k["name"], [])[k["rows_before"]:] if r["committed"]]
         if later:
             first_commit.append(later[0]["time"] - later[0]["started"])
+            splits.append(_split(k, later[0], phases.get(k["name"], []), rows))
     return {"run": cfg["run"], "codec": cfg["codec"], "replicas": cfg["replicas"],
             "syncs": len(r0), "torchft_steps": [r["torchft_step"] for r in r0],
             "uncommitted": sum(1 for r in rows["r0"] if not r["committed"]),
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
-            "kills": len(kills), "first_commit_s": first_commit, "lo_bytes": tx,
+            "kills": len(kills), "first_commit_s": first_commit, "splits": splits,
+            "r0_sync_s": [round(r.get("seconds", 0.0), 3) for r in rows["r0"]],
+            "lo_bytes": tx,
             "lo_bytes_per_sync": tx / max(len(r0), 1), "wire": done["r0"]["wire"],
             "raw": done["r0"]["raw"], "held_out": done["r0"].get("held_out"),
             "total_s": time.time() - t0}
+
+
+def _phase_delay(r0_rows: list[dict], cfg: dict) -> float:
+    """Seconds from r0's commit to the kill: ``kill_phase`` of the median time between r0's
+    committed syncs (0.5: mid-interval, where a failure lands on average; 0: right after a
+    commit, which loses no inner steps and flatters the elastic runs)."""
+    times = [r["time"] for r in r0_rows[-9:]]
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return cfg.get("kill_phase", 0.5) * (gaps[len(gaps) // 2] if gaps else 0.5)
+
+
+def _split(kill: dict, first: dict, phases: list[dict], rows: dict) -> dict:
+    """Where one kill's time goes (seconds): the victim's restart phases, from the SIGKILL to
+    its first committed sync, and the steps it lost since its last commit (its last committed
+    row's inner step against its step count when killed, from the time since that row)."""
+    mine = phases[kill["phases_before"]] if len(phases) > kill["phases_before"] else {}
+    before = [r for r in rows.get(kill["name"], [])[:kill["rows_before"]] if r["committed"]]
+    out = {"since_commit_s": kill["time"] - before[-1]["time"] if before else None}
+    if mine:
+        marks = [("spawn", kill["time"]), ("imports", mine["started"]),
+                 ("data", mine["imported"]), ("model", mine["data"])]
+        end = mine.get("joined", mine.get("manager"))
+        marks += [("join", mine["model"]), ("to_commit", end)]
+        stamps = [t for _, t in marks] + [first["time"]]
+        out.update({name: round(b - a, 3) for (name, a), b in zip(marks, stamps[1:])})
+        join_row = rows[kill["name"]][kill["rows_before"]]
+        if "joined" in mine:  # ccfx: the join is a sync; before it, torchft's manager starts
+            out["join_sync"] = round(join_row["seconds"], 3)
+    out["total"] = round(first["time"] - kill["time"], 3)
+    return out
 
 
 def run_one(cfg: dict, rate: float | None) -> dict:
@@ -211,21 +272,28 @@ def run_one(cfg: dict, rate: float | None) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    free = next((r for r in rows if r["run"] == "free"), None)
-    raw = next((r for r in rows if r["run"] == "raw"), None)
+    """Goodput against the failure-free run of the same implementation (torchft's DiLoCo
+    against ``tf_free``; ccfx's runs and the checkpoint restart against ``free``); bytes per
+    sync against ``raw`` and against torchft's DiLoCo without failures."""
+    by = {r["run"]: r for r in rows}
     out = [("| run | codec | kills | committed syncs (failed) | wall s | useful steps | goodput "
-            "(steps/s) | vs free | start → first commit s | lo MB / sync | vs raw | ccfx wire / "
-            "raw | held-out loss |"), "|" + " --- |" * 13]
+            "(steps/s) | vs free | kill → first commit s | lo MB / sync | vs raw | vs torchft "
+            "| ccfx wire / raw | held-out loss |"), "|" + " --- |" * 14]
     for r in rows:
         first = (f"{min(r['first_commit_s']):.1f}–{max(r['first_commit_s']):.1f}"
                  if r["first_commit_s"] else "–")
+        free = by.get("tf_free" if r["run"].startswith("tf_") else "free")
         vs_free = f"{r['goodput'] / free['goodput']:.0%}" if free else "–"
-        vs_raw = f"{raw['lo_bytes_per_sync'] / r['lo_bytes_per_sync']:.2f}x fewer" if raw else "–"
+        ratios = []
+        for ref in ("raw", "tf_free"):
+            ratios.append(f"{by[ref]['lo_bytes_per_sync'] / r['lo_bytes_per_sync']:.2f}x"
+                          if ref in by else "–")
+        wire = f"{r['wire'] / max(r['raw'], 1):.3f}" if r.get("wire") is not None else "–"
         out.append(f"| {r['run']} | {r['codec']} | {r['kills']} | {r['syncs']} "
                    f"({r['uncommitted']}) | {r['wall_s']:.1f} | {r['useful_steps']} | "
                    f"{r['goodput']:.2f} | {vs_free} | {first} | "
-                   f"{r['lo_bytes_per_sync'] / 1e6:.2f} | {vs_raw} | "
-                   f"{r['wire'] / max(r['raw'], 1):.3f} | {r['held_out']:.3f} |")
+                   f"{r['lo_bytes_per_sync'] / 1e6:.2f} | {ratios[0]} | {ratios[1]} | "
+                   f"{wire} | {r['held_out']:.3f} |")
     return "\n".join(out)
 
 
@@ -240,23 +308,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-every", type=int, default=100, help="inner steps between kills")
     p.add_argument("--codec", default="int8")
     p.add_argument("--grace-ms", type=int, default=1000, help="lighthouse join_timeout_ms")
-    p.add_argument("--runs", nargs="+", default=["free", "failures", "raw"])
+    p.add_argument("--runs", nargs="+", default=["free", "failures", "raw"],
+                   help=f"any of {', '.join(RUNS)}")
+    p.add_argument("--tf-outer", choices=["fedavg", "nesterov"], default="fedavg",
+                   help="torchft DiLoCo's outer SGD: ccfx's (lr 1, no momentum) or DiLoCo's")
+    p.add_argument("--heartbeat-ms", type=int, default=1000,
+                   help="lighthouse heartbeat_timeout_ms: how soon a dead replica is dropped")
+    p.add_argument("--tick-ms", type=int, default=None,
+                   help="lighthouse quorum_tick_ms (default: torchft's)")
+    p.add_argument("--kill-phase", type=float, default=0.5,
+                   help="where in the sync interval a kill lands (0: right after a commit)")
+    p.add_argument("--ckpt-every", type=int, default=1, help="syncs between checkpoints (ckpt)")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     if a.inside:
-        print(json.dumps(inside(json.loads(a.inside))), flush=True)
+        cfg = json.loads(a.inside)
+        if cfg["run"] == "ckpt":
+            from bench.elastic_baselines import inside_ckpt
+
+            print(json.dumps(inside_ckpt(cfg)), flush=True)
+        else:
+            print(json.dumps(inside(cfg)), flush=True)
         return 0
     rows = []
     for run in a.runs:
+        if run not in RUNS:
+            p.error(f"unknown run {run!r}: choose from {', '.join(RUNS)}")
+        tf = run.startswith("tf_")
         cfg = {"run": run, "replicas": a.replicas, "h": a.h, "syncs": a.syncs,
-               "codec": "none" if run == "raw" else a.codec, "grace_ms": a.grace_ms,
-               "kill_every": a.kill_every if run == "failures" else 0, "timeout_s": a.timeout_s}
+               "codec": "none" if run == "raw" or tf else a.codec, "grace_ms": a.grace_ms,
+               "kill_every": a.kill_every if run in ("failures", "tf_failures", "ckpt") else 0,
+               "timeout_s": a.timeout_s, "impl": "torchft" if tf else "ccfx",
+               "tf_outer": a.tf_outer, "ckpt_every": a.ckpt_every, "kill_phase": a.kill_phase,
+               "heartbeat_ms": a.heartbeat_ms, "tick_ms": a.tick_ms}
         print(f"[elastic] {run} ...", flush=True)
         rows.append(run_one(cfg, a.rate or None))
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{a.replicas} replicas, tiny GPT, H={a.h}, {a.rate:g} Mbit/s, load "
-          f"{os.getloadavg()[0]:.1f}\n")
+    print(f"\n{a.replicas} replicas, tiny GPT, H={a.h}, {a.rate:g} Mbit/s, kill every "
+          f"{a.kill_every} at phase {a.kill_phase:g}, lighthouse heartbeat {a.heartbeat_ms} ms "
+          f"tick {a.tick_ms or 'default'}, load {os.getloadavg()[0]:.1f}\n")
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
