@@ -135,19 +135,39 @@ def _tp_plan(model: torch.nn.Module):
     return tuple(sorted((str(k), str(v)) for k, v in dict(plan).items()))
 
 
-def model_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
+def model_facts(model: torch.nn.Module, example_inputs, *, measure: bool = False) -> ModelFacts:
     """Per block: forward FLOPs, parameters, saved activation bytes and the tensor handed on,
-    at ``example_inputs``' batch, from one forward on fake tensors (the module docstring)."""
+    at ``example_inputs``' batch, from one forward on fake tensors (the module docstring).
+    ``measure``: also time the real model here (:func:`ccfx.planner.compute.measure_model`:
+    a small CPU model with real inputs; skipped, ``facts.measured`` None, where it cannot
+    be), so "measure here" devices are priced from its own seconds, not a matmul's rate."""
+    facts = _traced_facts(model, example_inputs)
+    if not measure:
+        return facts
+    from dataclasses import replace
+
+    from ccfx.planner.compute import measure_model
+
+    args, kwargs = _split_inputs(example_inputs)
+    measured = measure_model(model, args, kwargs, flops=facts.flops,
+                             ops=sum(x.ops for x in facts.layers),
+                             param_numel=facts.param_numel, batch=facts.batch)
+    return replace(facts, measured=measured) if measured is not None else facts
+
+
+def _split_inputs(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    return tuple(example_inputs), {}
+
+
+def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"plan_parallel: the model is a {type(model).__name__}: give the "
                           "torch.nn.Module (not a compiled wrapper or a function)")
-    kwargs = {}
-    if isinstance(example_inputs, Mapping):
-        args, kwargs = (), dict(example_inputs)
-    elif isinstance(example_inputs, torch.Tensor):
-        args = (example_inputs,)
-    else:
-        args = tuple(example_inputs)
+    args, kwargs = _split_inputs(example_inputs)
     first = _first_tensor((args, kwargs))
     if first is None or first.dim() == 0:
         raise ConfigError("plan_parallel: the example inputs hold no batched tensor: give the "
@@ -274,15 +294,22 @@ def as_cluster(cluster) -> Cluster:
 
 def plan_parallel(model, example_inputs, cluster, *, target: int | None = None, top: int = 5,
                   microbatches=None, schedule: str = "1F1B", tensor_parallel: bool | None = None,
-                  local_steps: bool | None = None, timer=None) -> ParallelPlan:
+                  local_steps: bool | None = None, timer=None,
+                  measure: bool | None = None) -> ParallelPlan:
     """The fastest pipeline × data (× tensor) layout of ``model`` on ``cluster`` that fits in
     memory, its runners-up and the refused ones (:class:`ccfx.planner.layout_result.
     ParallelPlan`). ``example_inputs``: the whole step's batch. ``target``: the steps the
     run needs (the explanation then gives the time to it). ``top``: layouts the explanation
     lists. ``microbatches``, ``schedule``, ``tensor_parallel``, ``local_steps``: narrow the search
-    (:func:`ccfx.planner.layout_search.search`); ``timer``: a ``CodecTimer`` for codec prices."""
-    facts = model if isinstance(model, ModelFacts) else model_facts(model, example_inputs)
-    return search(facts, as_cluster(cluster), top=top, timer=timer, microbatches=microbatches,
+    (:func:`ccfx.planner.layout_search.search`); ``timer``: a ``CodecTimer`` for codec prices.
+    ``measure``: time the model on this machine (:func:`model_facts`); None: where a device
+    is "measure here" (its flops not given)."""
+    cluster = as_cluster(cluster)
+    if measure is None:
+        measure = any(d.flops is None for d in cluster.devices)
+    facts = model if isinstance(model, ModelFacts) else model_facts(model, example_inputs,
+                                                                    measure=measure)
+    return search(facts, cluster, top=top, timer=timer, microbatches=microbatches,
                   schedule=schedule, tensor_parallel=tensor_parallel, target_steps=target,
                   local_steps=local_steps)
 

@@ -22,8 +22,9 @@ each with codecs ``none`` and, with ``--codecs``, others (``int8`` on every hop 
 Per layout: the steady step (the slowest rank's, median over ``--steps`` timed steps after
 ``--warmup``), the loss at the last step (same data in every layout: a sanity check, not a
 result), and per rank the peak resident memory during one step above the rank's resident
-memory before the model was built (Linux VmHWM, reset before the step: parameters, gradients,
-optimizer state, activations, codec buffers, and the allocator's slack), beside the exact bytes
+memory once its stages were built, the rest of the model dropped and the heap trimmed, plus
+its stage's parameters (Linux VmHWM, reset before the step: parameters, gradients, optimizer
+state, activations, codec buffers, and the allocator's slack), beside the exact bytes
 of parameters, gradients and AdamW state. Ratios are against the best layout of the same
 run. With the layout planner (``ccfx.plan_parallel``) present, its predicted step and memory
 stand beside each measured one, and ``ccfx.plan_parallel``'s own choice on the harness's
@@ -62,6 +63,8 @@ LAYOUTS = {
 MODEL = {"block_size": 64, "n_layer": 6, "n_head": 6, "n_embd": 384}
 VOCAB = 96  # the bundled corpus's characters (CharTokenizer)
 INSIDE_GBPS = 34.0  # the loopback inside a node, measured by bench.shaped --selftest --two-nodes
+#: what TCP gets through the tbf-limited pair: 48.1 Mbit/s measured at ``--mbit 50``
+ACROSS_EFFICIENCY = 48.1 / 50
 
 
 def harness_cluster(mbit: float, flops: float | None = None):
@@ -69,7 +72,8 @@ def harness_cluster(mbit: float, flops: float | None = None):
     ``flops`` each rank's compute rate (None: "measure here")."""
     import ccfx
 
-    return ccfx.Cluster.nodes(2, 2, intra=(INSIDE_GBPS, 0.05), inter=(mbit / 1000, 0.05),
+    return ccfx.Cluster.nodes(2, 2, intra=(INSIDE_GBPS, 0.05),
+                              inter=(mbit * ACROSS_EFFICIENCY / 1000, 0.05),
                               memory="24GiB", flops=flops)
 
 
@@ -95,18 +99,34 @@ def predictions(args) -> tuple[dict, str]:
 
     from ccfx.backends.plan_parallel import model_facts, plan_parallel
     from ccfx.models import GPTConfig, TinyGPT
+    from ccfx.planner.codec_cost import CodecTimer
     from ccfx.planner.compute import machine_rate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        rate = machine_rate(refresh=True)[0] * min(os.cpu_count() or 1, 4) / 4
+        cluster = harness_cluster(args.mbit, flops=rate)
+        model = TinyGPT(GPTConfig(vocab_size=VOCAB, **MODEL))
+        x = torch.randint(0, VOCAB, (args.batch, MODEL["block_size"]))
+        # the model timed here on one thread (forward, backward, AdamW), each rank's devices
+        # then running it at half that speed (rate above): ccfx.planner.compute.measure_model
+        facts = model_facts(model, (x,), measure=True)
+        if facts.measured is None:
+            raise SystemExit("bench.layouts: the model could not be timed here")
+        timer = CodecTimer()  # codecs timed on one thread too, at the real sizes
+        out = _predict(args, facts, cluster, timer)
+        best = plan_parallel(facts, (x,), cluster, microbatches=[args.microbatches],
+                             tensor_parallel=False, local_steps=False, timer=timer)
+    finally:
+        torch.set_num_threads(threads)
+    return out, best.explain()
+
+
+def _predict(args, facts, cluster, timer) -> dict:
     from ccfx.planner.layout import predict_layout
     from ccfx.planner.layout_search import make_layout
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    rate = machine_rate(refresh=True)[0] * min(os.cpu_count() or 1, 4) / 4
-    torch.set_num_threads(threads)
-    cluster = harness_cluster(args.mbit, flops=rate)
-    model = TinyGPT(GPTConfig(vocab_size=VOCAB, **MODEL))
-    x = torch.zeros(args.batch, MODEL["block_size"], dtype=torch.long)
-    facts = model_facts(model, (x,))
     out = {}
     for name in args.layouts:
         pp, dp, placement = LAYOUTS[name]
@@ -116,12 +136,10 @@ def predictions(args) -> tuple[dict, str]:
             layout = make_layout(facts, cluster, pp, dp, microbatches=args.microbatches,
                                  devices=devices_of(placement), activation_codec=codec,
                                  gradient_codec=codec if dp > 1 else "none")
-            p = predict_layout(facts, cluster, layout)
+            p = predict_layout(facts, cluster, layout, timer=timer)
             out[(name, codec)] = {"step_s": p.step_s, "breakdown": p.breakdown(),
                                   "memory": [m.total for m in p.memory]}
-    best = plan_parallel(model, (x,), cluster, microbatches=[args.microbatches],
-                         tensor_parallel=False, local_steps=False)
-    return out, best.explain()
+    return out
 
 
 def _log(rank: int, msg: str) -> None:
@@ -140,7 +158,6 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
     import ccfx
     from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, batches, load_corpus
 
-    base_kib = _rss_kib("VmRSS")
     mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     text = load_corpus()
@@ -158,6 +175,15 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
     stages = ccfx.build_stages(compiled, pp_rank, "cpu", mesh.get_group("pp"),
                                dp_group=mesh.get_group("dp") if dp > 1 else None)
     del compiled, model
+    # the baseline of the memory figure: this rank's resident bytes now, the other stages'
+    # weights and the compile's transients freed and handed back to the OS, less its own
+    # stage's parameters (they are part of what the planner predicts)
+    import gc
+
+    gc.collect()
+    _malloc_trim()
+    own = sum(p.numel() * p.element_size() for s in stages for p in s.submod.parameters())
+    base_kib = _rss_kib("VmRSS") - own // 1024
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
@@ -198,15 +224,30 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
             + state}
 
 
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): freed heap pages back to the OS, so RSS counts live memory."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def _peak_memory(step, base_kib: int) -> int | str:
-    """This rank's peak resident bytes during one step above its resident bytes before the
-    model existed (Linux: VmHWM, reset through /proc/self/clear_refs), or why it could not say.
-    MemTracker would count tensors alone, but its dispatch mode hung the pipeline's step here."""
+    """This rank's peak resident bytes during one step above ``base_kib`` (Linux: VmHWM,
+    reset through /proc/self/clear_refs), or why it could not say. The base is taken after
+    ``build_stages`` with the whole model dropped and the heap trimmed, less the stage's own
+    parameters: the figure is the stage's parameters, gradients, optimizer state,
+    activations, codec buffers and communication buffers, plus the allocator's slack, and no
+    longer the whole model built on every rank nor the compile's leftovers (which made it
+    about twice the planner's figure). MemTracker would count tensors alone, but its
+    dispatch mode hung the pipeline's step here."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

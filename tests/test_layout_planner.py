@@ -461,3 +461,58 @@ def test_options_carry_per_hop_codecs():
     assert [(tuple(map(tuple, e.hops)), e.codec, e.grad_codec) for e in edges] == [
         (((0, 1),), "none", "none"), (((1, 2),), "int8", "int4:ef"),
         (((2, 3),), "none", "none")]
+
+
+def test_a_model_timed_here_prices_its_stages_from_its_own_seconds(tmp_path, monkeypatch):
+    """``model_facts(measure=True)`` times the real model (forward, backward, AdamW) and the
+    planner prices stages from it: a described device at half this machine's 512³ rate takes
+    exactly twice as long (four one-thread ranks on two cores), the optimizer step is in the
+    step, and the timings are cached (the same figures again, not timed twice)."""
+    from dataclasses import replace
+
+    from ccfx.planner import compute
+    from ccfx.planner.layout_search import make_layout
+
+    monkeypatch.setenv("CCFX_CACHE_DIR", str(tmp_path))
+    model, (idx, _) = gpt(128, 16, n_layer=2)
+    facts = model_facts(model, (idx,), measure=True)
+    m = facts.measured
+    assert m is not None and m.fwd_per_flop > 0 and m.bwd_per_flop > 0
+    assert m.opt_per_param > 0 and m.fwd_per_op >= 0 and m.bwd_per_op >= 0
+    assert list((tmp_path).glob("model_times-*.json"))
+    monkeypatch.setattr(compute, "_median_s", lambda *a, **k: pytest.fail("timed again"))
+    assert model_facts(model, (idx,), measure=True).measured == m
+    assert model_facts(model, (idx,)).measured is None  # not asked: the trace alone
+
+    here = ccfx.Cluster.nodes(2, 1, intra=(100, 0.01), inter=(100, 0.01), memory="16GiB")
+    half = ccfx.Cluster.nodes(2, 1, intra=(100, 0.01), inter=(100, 0.01), memory="16GiB",
+                              flops=m.flops_here / 2)
+    layout = make_layout(facts, here, 1, 2, microbatches=2)
+    a = predict_layout(facts, here, layout, timer=TIMER)
+    b = predict_layout(facts, half, layout, timer=TIMER)
+    assert b.compute_s == pytest.approx(2 * a.compute_s)
+    assert b.optimizer_s == pytest.approx(2 * a.optimizer_s)
+    assert a.optimizer_s == pytest.approx(facts.param_numel * m.opt_per_param)
+    assert "optimizer" in a.breakdown()
+    # without the measurement the same layout has no optimizer term
+    assert predict_layout(replace(facts, measured=None), here, layout,
+                          timer=TIMER).optimizer_s == 0.0
+
+
+def test_gather_codecs_are_priced_as_the_all_gather_they_run():
+    """int8 gradients are averaged by an all-gather (ccfx's default gradient_collective): at
+    4 replicas each rank receives 3 payloads and decodes all 4, where an all-reduce moves 1.5
+    payloads' worth."""
+    from ccfx.planner.layout_search import make_layout
+
+    model, (idx, _) = gpt(128, 16, n_layer=2)
+    facts = model_facts(model, (idx,))
+    cluster = ccfx.Cluster.nodes(4, 1, intra=(100, 0.01), inter=(0.05, 0.0), memory="16GiB",
+                                 flops=1e15)
+    numel = facts.param_numel
+    int8 = TIMER.cost("int8", (numel,), torch.float32)
+    for spec, moved, decodes in (("int8", 3 * int8.wire_bytes, 4), ("none", 1.5 * 4 * numel, 0)):
+        layout = make_layout(facts, cluster, 1, 4, microbatches=1, gradient_codec=spec)
+        p = predict_layout(facts, cluster, layout, timer=TIMER)
+        codec_s = int8.encode_s + decodes * int8.decode_s if decodes else 0.0
+        assert p.buckets_s == pytest.approx(moved * 8 / 0.05e9 + codec_s, rel=1e-3)

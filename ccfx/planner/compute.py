@@ -17,6 +17,7 @@ Two sources, both measured on this machine:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -131,3 +132,101 @@ def time_optimizer(stage_params: Sequence[Sequence[torch.nn.Parameter]], make_op
         out.append(_median_s(opt.step, params[0].device if params else torch.device("cpu"),
                              repeats) if params else 0.0)
     return out
+
+
+#: the longest a :func:`measure_model` forward may take, estimated from FLOPs, before the
+#: planner gives up timing the model (a large model is priced from FLOPs instead)
+MEASURE_LIMIT_S = 0.5
+
+
+def measure_model(model: torch.nn.Module, args: Sequence, kwargs: dict, *, flops: float,
+                  ops: int, param_numel: int, batch: int, repeats: int = 3,
+                  cache: bool = True):
+    """The model timed forward and backward on this machine at two slices of its example
+    batch (``batch // 16`` and ``batch // 4`` samples: a pipeline's and a replica's
+    microbatches lie between), fitted as per-FLOP and per-op seconds
+    (:class:`~ccfx.planner.model_facts.MeasuredCompute`), plus an AdamW step per parameter.
+    ``flops`` and ``ops``: the traced forward's totals at ``batch``. None where the model
+    cannot be timed here (meta or non-CPU tensors, a forward estimated above
+    :data:`MEASURE_LIMIT_S`, no differentiable output). Cached per machine, model shape and
+    batch beside the codec timings (delete the file to time again)."""
+    from .model_facts import MeasuredCompute
+
+    params = list(model.parameters())
+    tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    if not params or any(t.device.type != "cpu" for t in params + tensors):
+        return None
+    rate, _ = machine_rate()
+    small, large = max(1, batch // 16), max(2, batch // 4)
+    if large > batch or flops * large / batch / rate > MEASURE_LIMIT_S:
+        return None
+    key = "|".join([type(model).__name__, str(batch), str(torch.get_num_threads()),
+                    ";".join("x".join(map(str, p.shape)) for p in params),
+                    ";".join("x".join(map(str, t.shape)) for t in tensors)])
+    path = cache_path().with_name(cache_path().name.replace("codec_times", "model_times"))
+    table = _read_json(path) if cache else {}
+    if key in table:
+        return MeasuredCompute(**table[key])
+
+    def sliced(value, n):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            return value[:n]
+        return value
+
+    fwd, bwd = {}, {}
+    for n in (small, large):
+        a = [sliced(v, n) for v in args]
+        k = {name: sliced(v, n) for name, v in kwargs.items()}
+        f_times, b_times = [], []
+        for i in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            out = model(*a, **k)
+            t1 = time.perf_counter()
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not outs:
+                return None
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            t2 = time.perf_counter()
+            if i:
+                f_times.append(t1 - t0)
+                b_times.append(t2 - t1)
+        fwd[n], bwd[n] = min(f_times), min(b_times)
+    model.zero_grad(set_to_none=True)
+
+    def fit(times):
+        """(per FLOP, per op) through the two points; a negative intercept (noise) → 0."""
+        f_small, f_large = flops * small / batch, flops * large / batch
+        slope = (times[large] - times[small]) / (f_large - f_small)
+        per_op = (times[small] - slope * f_small) / max(ops, 1)
+        if slope <= 0 or per_op < 0:
+            return times[large] / f_large, 0.0
+        return slope, per_op
+
+    numel = min(param_numel, 1 << 22)
+    p = torch.zeros(numel, requires_grad=True)
+    p.grad = torch.randn(numel)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    opt.step()  # the first step allocates the state
+    opt_s = _median_s(opt.step, torch.device("cpu"), repeats=5)
+    (fpf, fpo), (bpf, bpo) = fit(fwd), fit(bwd)
+    out = MeasuredCompute(fpf, fpo, bpf, bpo, opt_s / numel, rate, torch.get_num_threads())
+    if cache:
+        table[key] = out.__dict__
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+            tmp.replace(path)
+        except OSError:
+            pass
+    return out
+
+
+def _read_json(path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

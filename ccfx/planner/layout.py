@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .. import codecs
 from ..config import Config
 from ..errors import ConfigError
 from ..wire.link import Link
@@ -284,6 +285,8 @@ class LayoutPrediction:
     dp_text: tuple[str, ...] = ()
     #: what the pipeline was simulated with: (per-stage compute, the hops' edges, their links)
     pipeline: tuple | None = field(default=None, repr=False)
+    #: the optimizer step after the schedule and the exchange (a model measured here only)
+    optimizer_s: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -300,18 +303,23 @@ class LayoutPrediction:
         parts = [f"compute {ms(self.compute_s)}"]
         for name, value in (("codecs", self.codec_s), ("hops", self.hops_s),
                             ("buckets", self.buckets_s), ("collectives", self.collectives_s),
-                            ("syncs", self.syncs_s), ("bubble", self.bubble_s)):
+                            ("syncs", self.syncs_s), ("bubble", self.bubble_s),
+                            ("optimizer", self.optimizer_s)):
             if value > 5e-7:
                 parts.append(f"{name} {ms(value)}")
         return " + ".join(parts)
 
 
-def default_timer(cluster: Cluster) -> CodecTimer:
+def default_timer(cluster: Cluster, facts: ModelFacts | None = None) -> CodecTimer:
     """Codec prices, bytes always exact: where a device's rate is "measure here" (the planner
     runs where the model will), encode and decode at the rate this machine's int8 codec runs on
     a 4 Mi-element tensor (measured once, then cached with the codec timings: timing every
     codec at a 1 B model's sizes would allocate them); else a modelled 200 GB/s each (an
-    elementwise kernel on a data-centre GPU, memory-bound)."""
+    elementwise kernel on a data-centre GPU, memory-bound). A model timed here
+    (``facts.measured``: small, on this CPU) has its codecs timed here too, at their real
+    sizes (a 4 Mi-element int8 rate was 10x fast for a (8, 64, 384) activation)."""
+    if facts is not None and facts.measured is not None:
+        return CodecTimer()
     if any(d.flops is None for d in cluster.devices):
         c = CodecTimer().cost("int8", (1 << 22,), torch.float32)
         return CodecTimer(throughput=c.raw_bytes / max(c.encode_s, c.decode_s, 1e-9))
@@ -336,7 +344,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     if facts.batch % split:
         raise ConfigError(f"layout {layout.describe()}: the batch of {facts.batch} does not "
                           f"split into dp × microbatches = {split} equal parts")
-    timer = timer or default_timer(cluster)
+    timer = timer or default_timer(cluster, facts)
     links = links or Links(cluster)
     pp, dp, tp, m = layout.pp, layout.dp, layout.tp, layout.microbatches
     where = layout.placement(cluster)
@@ -351,18 +359,30 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     notes: list[str] = []
 
     # compute and tensor parallel, per stage and microbatch
-    fwd, bwd, tp_s, tp_links = [], [], [], []
+    fwd, bwd, tp_s, tp_links, opt_s, scales = [], [], [], [], [], []
     for s, st in enumerate(sf):
         devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
-        here = any(cluster.device(x).flops is None for x in devs)
-        rate = min(cluster.device(x).flops or links.rate_here(facts, fraction / tp)
-                   for x in devs)
-        # a device measured here also pays a fixed time per op (small models on CPUs spend
-        # it; :func:`ccfx.planner.compute.from_flops` adds the same term)
-        op_s = machine_rate()[1] if here else 0.0
-        f = st.flops * fraction / tp / rate
-        fwd.append(f + st.ops * op_s)
-        bwd.append(2 * f + 2 * st.ops * op_s)
+        meas = facts.measured
+        if meas is not None:
+            # the model's own seconds on this machine, scaled to the slowest device
+            scale = max(meas.scale(cluster.device(x).flops) for x in devs)
+            scales.append(scale)
+            work = st.flops * fraction / tp
+            fwd.append(scale * (work * meas.fwd_per_flop + st.ops * meas.fwd_per_op))
+            bwd.append(scale * (work * meas.bwd_per_flop + st.ops * meas.bwd_per_op))
+            opt_s.append(scale * st.param_numel / tp * meas.opt_per_param)
+        else:
+            here = any(cluster.device(x).flops is None for x in devs)
+            rate = min(cluster.device(x).flops or links.rate_here(facts, fraction / tp)
+                       for x in devs)
+            # a device measured here also pays a fixed time per op (small models on CPUs
+            # spend it; :func:`ccfx.planner.compute.from_flops` adds the same term)
+            op_s = machine_rate()[1] if here else 0.0
+            f = st.flops * fraction / tp / rate
+            fwd.append(f + st.ops * op_s)
+            bwd.append(2 * f + 2 * st.ops * op_s)
+            opt_s.append(0.0)
+            scales.append(1.0)
         if tp > 1:
             link = links.slowest((dev(s, d, a), dev(s, d, b)) for d in range(dp)
                                  for a in range(tp) for b in range(tp))
@@ -393,8 +413,8 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
         dtype = getattr(torch, facts.layers[last].out_dtype)
         fspec, bspec = layout.hop_codecs[h] if h < len(layout.hop_codecs) else ("none", "none")
         cf, cb = timer.cost(fspec, shape, dtype), timer.cost(bspec, shape, dtype)
-        enc_dec[h] += cf.encode_s + cb.decode_s
-        enc_dec[h + 1] += cf.decode_s + cb.encode_s
+        enc_dec[h] += scales[h] * (cf.encode_s + cb.decode_s)
+        enc_dec[h + 1] += scales[h + 1] * (cf.decode_s + cb.encode_s)
         for c, spec in ((cf, fspec), (cb, bspec)):
             if spec != "none":  # a payload each side, and an error-feedback residual
                 residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
@@ -431,6 +451,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
 
     # data parallel: buckets, sharded, or local steps
     buckets = syncs = 0.0
+    synced = list(ends) if pp > 1 else [pipe]  # when each stage's gradients are averaged
     dp_links: list[Link | None] = []
     for s, st in enumerate(sf):
         if dp == 1:
@@ -451,7 +472,6 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
         notes.append(f"local steps: the replicas sync every {layout.sync_every} steps "
                      f"({layout.outer_codec}); their effect on the loss per step is not priced")
     elif dp > 1:
-        done = pipe
         for s, st in enumerate(sf):
             link = dp_links[s]
             share = dp if link.shared else 1
@@ -469,17 +489,33 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                 buckets += max(0.0, gather - m * fwd[s]) + max(0.0, gather + scatter
                                                                - m * bwd[s])
                 continue
-            wire = 2 * (dp - 1) / dp * c.wire_bytes * share * 8 / (link.gbps * 1e9)
-            t_sync = n_buckets * link.latency_ms * 1e-3 + wire + c.encode_s + c.decode_s
+            if codecs.prototype(spec).reduction == "sum" or spec == "none":
+                # an all-reduce: 2 (W-1)/W of the payload per rank, one decode
+                wire = 2 * (dp - 1) / dp * c.wire_bytes * share * 8 / (link.gbps * 1e9)
+                decodes = 1
+            else:
+                # ccfx's default gradient_collective, the all-gather: W-1 payloads in per
+                # rank, and every rank decodes all W (its own too: the same sum everywhere);
+                # pp1-dp4 int8 was predicted at half its bytes before
+                wire = (dp - 1) * c.wire_bytes * share * 8 / (link.gbps * 1e9)
+                decodes = dp
+            t_sync = (n_buckets * link.latency_ms * 1e-3 + wire
+                      + scales[s] * (c.encode_s + decodes * c.decode_s))
             if pp == 1:
                 backward = m * (bwd[s] + tp_s[s])
                 hidden = backward * (n_buckets - 1) / n_buckets
                 buckets = max(buckets, max(t_sync / n_buckets, t_sync - hidden))
             else:
-                done = max(done, ends[s] + t_sync)
+                synced[s] = ends[s] + t_sync
         if pp > 1:
-            buckets = done - pipe
-    step = pipe + buckets + syncs
+            buckets = max(synced) - pipe
+    # the optimizer step (a model measured here only): each stage's after its own schedule
+    # and exchange; without a pipeline after the exchange
+    if pp > 1:
+        optimizer = max(0.0, max(e + o for e, o in zip(synced, opt_s)) - pipe - buckets)
+    else:
+        optimizer = opt_s[0]
+    step = pipe + buckets + syncs + optimizer
 
     # the breakdown: the slowest stage's own work m times; the rest of the pipeline is bubble
     # or hops
@@ -515,7 +551,8 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                             syncs, bubble, tuple(memory), tuple(device_memory),
                             tuple(hop_links), tuple(dp_links), tuple(tp_links), refused, notes,
                             tuple(where_text[0]), tuple(where_text[1]),
-                            (compute_mb, edges, tuple(hop_links)) if pp > 1 else None)
+                            (compute_mb, edges, tuple(hop_links)) if pp > 1 else None,
+                            optimizer)
 
 
 def _shard(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

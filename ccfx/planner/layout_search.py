@@ -176,7 +176,7 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
     over half of the best every-step layout's step: their loss per step is not priced),
     True (always) or False (never)."""
     t0 = time.perf_counter()
-    timer = timer or default_timer(cluster)
+    timer = timer or default_timer(cluster, facts)
     config = config or Config()
     links = Links(cluster)
     world = cluster.world

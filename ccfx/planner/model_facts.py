@@ -55,6 +55,8 @@ class ModelFacts:
     #: (rows, inner, columns) at the traced batch of the matmul shape doing the most FLOPs:
     #: where a device measured here is timed (a CPU's rate differs 3x between shapes)
     matmul: tuple[int, int, int] | None = None
+    #: the model itself timed on this machine (:class:`MeasuredCompute`), or None
+    measured: MeasuredCompute | None = None
 
     def __post_init__(self):
         if not self.layers:
@@ -97,6 +99,30 @@ class ModelFacts:
         if shape and shape[0] == self.batch:
             return (samples, *shape[1:])
         return shape
+
+
+@dataclass(frozen=True)
+class MeasuredCompute:
+    """The model's forward and backward timed on this machine at two batch sizes and fitted
+    as ``seconds = per_flop · FLOPs + per_op · ops`` (the slope: a transformer's real rate,
+    attention, norms and eager lowering included, 1.7x below a 512³ matmul's on this VM; the
+    intercept: the per-op overhead a small microbatch pays), and an AdamW step's seconds per
+    parameter (the optimizer runs after every step). ``flops_here``: this machine's 512³
+    matmul rate at the same thread count, so a device described by its FLOP/s runs the
+    measured seconds scaled by ``flops_here / flops`` (a rank given half a core: twice as
+    long). Measured by :func:`ccfx.planner.compute.measure_model`."""
+
+    fwd_per_flop: float
+    fwd_per_op: float
+    bwd_per_flop: float
+    bwd_per_op: float
+    opt_per_param: float
+    flops_here: float
+    threads: int = 1
+
+    def scale(self, flops: float | None) -> float:
+        """How much longer a device of ``flops`` FLOP/s takes than this machine (None: 1)."""
+        return 1.0 if flops is None else self.flops_here / flops
 
 
 @dataclass(frozen=True)
