@@ -75,11 +75,12 @@ def _replica(name, index, cfg, stop_at, out, started) -> None:
     from ccfx.models import GPTConfig, TinyGPT
 
     phases = {"started": started, "imported": time.time()}
+    gpt = cfg.get("gpt", GPT)
     torch.set_num_threads(1)
-    train, held_out, vocab = _data(GPT["block_size"], 0, index, BATCH)
+    train, held_out, vocab = _data(gpt["block_size"], 0, index, BATCH)
     phases["data"] = time.time()
     torch.manual_seed(index)  # a joiner must take the others' parameters, not its own
-    model = TinyGPT(GPTConfig(vocab_size=vocab, **GPT))
+    model = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     phases["model"] = time.time()
     outer = ccfx.local_steps(
@@ -103,7 +104,7 @@ def _replica(name, index, cfg, stop_at, out, started) -> None:
         opt.step()
     summary = {"wire": outer.wire_bytes, "raw": outer.raw_bytes, "steps": outer.step}
     if index == 0:
-        probe = TinyGPT(GPTConfig(vocab_size=vocab, **GPT))
+        probe = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
         probe.load_state_dict({n: g for n, g in outer.global_parameters().items()},
                               strict=False)
         summary["held_out"] = _evaluate(probe, held_out)
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"any of {', '.join(RUNS)}")
     p.add_argument("--tf-outer", choices=["fedavg", "nesterov"], default="fedavg",
                    help="torchft DiLoCo's outer SGD: ccfx's (lr 1, no momentum) or DiLoCo's")
+    p.add_argument("--model", choices=["tiny", "demo", "10m"], default="tiny",
+                   help="bench/local_steps' GPT shapes (tiny 0.11 M, demo 3.2 M, 10m 10.7 M)")
     p.add_argument("--heartbeat-ms", type=int, default=1000,
                    help="lighthouse heartbeat_timeout_ms: how soon a dead replica is dropped")
     p.add_argument("--tick-ms", type=int, default=None,
@@ -331,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(json.dumps(inside(cfg)), flush=True)
         return 0
+    from bench.local_steps import MODELS
+
     rows = []
     for run in a.runs:
         if run not in RUNS:
@@ -341,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
                "kill_every": a.kill_every if run in ("failures", "tf_failures", "ckpt") else 0,
                "timeout_s": a.timeout_s, "impl": "torchft" if tf else "ccfx",
                "tf_outer": a.tf_outer, "ckpt_every": a.ckpt_every, "kill_phase": a.kill_phase,
-               "heartbeat_ms": a.heartbeat_ms, "tick_ms": a.tick_ms}
+               "heartbeat_ms": a.heartbeat_ms, "tick_ms": a.tick_ms,
+               "gpt": MODELS[a.model]["gpt"]}
         print(f"[elastic] {run} ...", flush=True)
         rows.append(run_one(cfg, a.rate or None))
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{a.replicas} replicas, tiny GPT, H={a.h}, {a.rate:g} Mbit/s, kill every "
+    print(f"\n{a.replicas} replicas, {a.model} GPT, H={a.h}, {a.rate:g} Mbit/s, kill every "
           f"{a.kill_every} at phase {a.kill_phase:g}, lighthouse heartbeat {a.heartbeat_ms} ms "
           f"tick {a.tick_ms or 'default'}, load {os.getloadavg()[0]:.1f}\n")
     print(table(rows))

@@ -45,11 +45,12 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float) -
     from ccfx.models import GPTConfig, TinyGPT
 
     phases = {"started": started, "imported": time.time()}
+    gpt = cfg.get("gpt", GPT)
     torch.set_num_threads(1)
-    train, held_out, vocab = _data(GPT["block_size"], 0, index, BATCH)
+    train, held_out, vocab = _data(gpt["block_size"], 0, index, BATCH)
     phases["data"] = time.time()
     torch.manual_seed(index)
-    model = TinyGPT(GPTConfig(vocab_size=vocab, **GPT))
+    model = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     if cfg.get("tf_outer") == "nesterov":
         outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
@@ -133,14 +134,15 @@ def _ckpt_replica(name, index, cfg, port, resume, out, started) -> None:
     from bench.local_steps import _data, _evaluate
     from ccfx.models import GPTConfig, TinyGPT
 
+    gpt = cfg.get("gpt", GPT)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
                             world_size=cfg["replicas"], timeout=timedelta(seconds=60))
     # a restart draws other batches than the first run (its data position is not saved)
-    _, held_out, vocab = _data(GPT["block_size"], 0, index, BATCH)
-    train = _data(GPT["block_size"], 0, index + 97 * (resume or 0), BATCH)[0]
+    _, held_out, vocab = _data(gpt["block_size"], 0, index, BATCH)
+    train = _data(gpt["block_size"], 0, index + 97 * (resume or 0), BATCH)[0]
     torch.manual_seed(index)
-    model = TinyGPT(GPTConfig(vocab_size=vocab, **GPT))
+    model = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     outer = ccfx.local_steps(model, opt, sync_every=cfg["h"], outer_codec=cfg["codec"],
                              outer_lr=1.0, outer_momentum=0.0, collective_timeout_s=60.0)
@@ -171,7 +173,7 @@ def _ckpt_replica(name, index, cfg, port, resume, out, started) -> None:
                     os.remove(old)
     summary = {"wire": outer.wire_bytes, "raw": outer.raw_bytes, "steps": outer.step}
     if index == 0:
-        probe = TinyGPT(GPTConfig(vocab_size=vocab, **GPT))
+        probe = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
         probe.load_state_dict(dict(outer.global_parameters()), strict=False)
         summary["held_out"] = _evaluate(probe, held_out)
     outer.close()
