@@ -221,6 +221,9 @@ def inside(cfg: dict) -> dict:
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
             "kills": len(kills), "first_commit_s": first_commit, "splits": splits,
             "r0_sync_s": [round(r.get("seconds", 0.0), 3) for r in rows["r0"]],
+            "r0_quorum": [r["replicas"] for r in rows["r0"]],
+            "r0_quorum_s": [round(r.get("quorum_s", 0.0), 3) for r in rows["r0"]],
+            "heals": {n: sum(1 for r in rs if r.get("healed")) for n, rs in sorted(rows.items())},
             "lo_bytes": tx,
             "lo_bytes_per_sync": tx / max(len(r0), 1), "wire": done["r0"]["wire"],
             "raw": done["r0"]["raw"], "held_out": done["r0"].get("held_out"),
@@ -253,6 +256,7 @@ def _split(kill: dict, first: dict, phases: list[dict], rows: dict) -> dict:
         join_row = rows[kill["name"]][kill["rows_before"]]
         if "joined" in mine:  # ccfx: the join is a sync; before it, torchft's manager starts
             out["join_sync"] = round(join_row["seconds"], 3)
+            out["join_quorum"] = round(join_row.get("quorum_s", 0.0), 3)
     out["total"] = round(first["time"] - kill["time"], 3)
     return out
 

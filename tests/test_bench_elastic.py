@@ -17,13 +17,14 @@ def test_kill_lands_at_the_phase_of_the_median_sync_interval():
 def test_split_of_one_kill_adds_up_to_kill_to_first_commit():
     kill = {"name": "r1", "time": 100.0, "rows_before": 2, "phases_before": 1}
     rows = {"r1": [{"committed": True, "time": 98.0}, {"committed": True, "time": 99.6},
-                   {"committed": True, "time": 104.0, "seconds": 1.25}]}
+                   {"committed": True, "time": 104.0, "seconds": 1.25, "quorum_s": 1.0}]}
     phases = [{}, {"started": 100.2, "imported": 102.0, "data": 102.1, "model": 102.2,
                    "joined": 104.0}]
     split = elastic._split(kill, rows["r1"][2], phases, rows)
     assert split["since_commit_s"] == pytest.approx(0.4)
     assert split["spawn"] == pytest.approx(0.2) and split["imports"] == pytest.approx(1.8)
     assert split["join"] == pytest.approx(1.8) and split["join_sync"] == 1.25
+    assert split["join_quorum"] == 1.0
     parts = ("spawn", "imports", "data", "model", "join", "to_commit")
     assert sum(split[p] for p in parts) == pytest.approx(split["total"]) == pytest.approx(4.0)
 

@@ -274,6 +274,7 @@ class Elastic:
         except Exception as e:
             self.shutdown()  # this replica stops here: its heartbeats must stop too
             raise self._no_quorum(e, f"the outer sync at inner step {outer.step}") from e
+        quorum_s = time.monotonic() - started  # the quorum, the group's rebuild, a heal
         # what an uncommitted sync puts back (taken after a heal: the healed state stays)
         snapshot = {k: t.clone() for k, t in outer._codec_state().items()}
         if self._healed:  # the fragments the peers sync now, at the step we took from them
@@ -325,7 +326,7 @@ class Elastic:
             "weight": total,  # the quorum's tokens (or inner steps) in this sync
             "fragments": [f.index for f in due if f.index in averaged],
             "collectives": sorted(self.used),
-            "seconds": time.monotonic() - started})
+            "seconds": time.monotonic() - started, "quorum_s": quorum_s})
         return committed
 
     def _meet(self, comm: TorchftComm) -> list[tuple[int, int, int]]:
