@@ -91,29 +91,30 @@ def cluster_dict(mbit: float, placement: list[int]) -> dict:
 def predictions(args) -> tuple[dict, str]:
     """The layout planner's predicted step and per-rank memory of every (layout, codec) this
     bench measures, and the layout ``ccfx.plan_parallel`` chooses, on the harness's cluster.
-    Each rank's rate: this machine's single-thread FLOP/s × its cores / 4 (four ranks of one
-    thread share the cores)."""
+    The model is timed here on one thread; the four ranks share this machine's cores."""
     import os
+    from dataclasses import replace
 
     import torch
 
     from ccfx.backends.plan_parallel import model_facts, plan_parallel
     from ccfx.models import GPTConfig, TinyGPT
     from ccfx.planner.codec_cost import CodecTimer
-    from ccfx.planner.compute import machine_rate
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
     try:
-        rate = machine_rate(refresh=True)[0] * min(os.cpu_count() or 1, 4) / 4
-        cluster = harness_cluster(args.mbit, flops=rate)
+        cluster = harness_cluster(args.mbit)  # every device "measure here"
         model = TinyGPT(GPTConfig(vocab_size=VOCAB, **MODEL))
         x = torch.randint(0, VOCAB, (args.batch, MODEL["block_size"]))
-        # the model timed here on one thread (forward, backward, AdamW), each rank's devices
-        # then running it at half that speed (rate above): ccfx.planner.compute.measure_model
+        # the model timed here on one thread (forward, backward, AdamW:
+        # ccfx.planner.compute.measure_model), the four ranks sharing this machine's cores
+        # (ccfx.planner.compute.contention: a pipeline's warm-up and drain leave cores free)
         facts = model_facts(model, (x,), measure=True)
         if facts.measured is None:
             raise SystemExit("bench.layouts: the model could not be timed here")
+        facts = replace(facts, measured=replace(facts.measured,
+                                                cores=min(os.cpu_count() or 1, 4)))
         timer = CodecTimer()  # codecs timed on one thread too, at the real sizes
         out = _predict(args, facts, cluster, timer)
         best = plan_parallel(facts, (x,), cluster, microbatches=[args.microbatches],

@@ -516,3 +516,31 @@ def test_gather_codecs_are_priced_as_the_all_gather_they_run():
         p = predict_layout(facts, cluster, layout, timer=TIMER)
         codec_s = int8.encode_s + decodes * int8.decode_s if decodes else 0.0
         assert p.buckets_s == pytest.approx(moved * 8 / 0.05e9 + codec_s, rel=1e-3)
+
+
+def test_ranks_sharing_cores_stretch_compute_by_how_many_run_at_once():
+    """Four one-thread ranks on two cores (bench.layouts' harness): replicas all compute at
+    once (2x), a pipeline's warm-up and drain leave cores free (4 stages × 4 microbatches:
+    1.44x); a core each, or fewer ranks than cores: no stretch. predict_layout applies it to
+    the measured compute."""
+    from dataclasses import replace
+
+    from ccfx.planner.compute import contention
+    from ccfx.planner.layout_search import make_layout
+    from ccfx.planner.model_facts import MeasuredCompute
+
+    assert contention(2, 1, 4, 4) == 2.0
+    assert contention(2, 4, 1, 4) == pytest.approx(23 / 16)
+    assert contention(2, 2, 2, 4) == pytest.approx(28 / 16)
+    assert contention(None, 4, 1, 4) == contention(4, 4, 1, 4) == contention(2, 2, 1, 8) == 1.0
+
+    model, (idx, _) = gpt(128, 16, n_layer=2)
+    measured = MeasuredCompute(1e-11, 1e-5, 2e-11, 2e-5, 1e-9, 1e11)
+    facts = replace(model_facts(model, (idx,)), measured=measured)
+    cluster = ccfx.Cluster.nodes(2, 2, intra=(100, 0.01), inter=(100, 0.01), memory="16GiB")
+    layout = make_layout(facts, cluster, 1, 4, microbatches=2)
+    alone = predict_layout(facts, cluster, layout, timer=TIMER)
+    shared = predict_layout(replace(facts, measured=replace(measured, cores=2)), cluster,
+                            layout, timer=TIMER)
+    assert shared.compute_s == pytest.approx(2 * alone.compute_s)
+    assert shared.optimizer_s == pytest.approx(2 * alone.optimizer_s)

@@ -58,7 +58,7 @@ from ..errors import ConfigError
 from ..wire.link import Link
 from .cluster import Cluster
 from .codec_cost import CodecTimer
-from .compute import machine_rate
+from .compute import contention, machine_rate
 from .links import data_parallel_link, hop_links, stage_group_links
 from .local_model import predict_local_steps
 from .memory_model import MEMORY_LIMIT, SCHEDULES, MemoryEstimate, in_flight, stage_memory
@@ -396,6 +396,19 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
             tp_s.append(0.0)
             tp_links.append(None)
 
+    # ranks sharing this machine's cores (a harness): their compute stretched by how many
+    # run at once (:func:`~ccfx.planner.compute.contention`); the optimizer and the
+    # buckets' codecs run on every replica of a stage at once
+    meas = facts.measured
+    cores = meas.cores if meas is not None else None
+    stretch = contention(cores, pp, dp * tp, m)
+    together = max(1.0, dp * tp / cores) if cores else 1.0
+    fwd = [x * stretch for x in fwd]
+    bwd = [x * stretch for x in bwd]
+    opt_s = [x * together for x in opt_s]
+    scales = [x * stretch for x in scales]
+    sync_scales = [x / stretch * together for x in scales]
+
     # pipeline hops
     enc_dec = [0.0] * pp
     codec_mem = [0] * pp
@@ -500,7 +513,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                 wire = (dp - 1) * c.wire_bytes * share * 8 / (link.gbps * 1e9)
                 decodes = dp
             t_sync = (n_buckets * link.latency_ms * 1e-3 + wire
-                      + scales[s] * (c.encode_s + decodes * c.decode_s))
+                      + sync_scales[s] * (c.encode_s + decodes * c.decode_s))
             if pp == 1:
                 backward = m * (bwd[s] + tp_s[s])
                 hidden = backward * (n_buckets - 1) / n_buckets

@@ -110,7 +110,8 @@ class MeasuredCompute:
     parameter (the optimizer runs after every step). ``flops_here``: this machine's 512³
     matmul rate at the same thread count, so a device described by its FLOP/s runs the
     measured seconds scaled by ``flops_here / flops`` (a rank given half a core: twice as
-    long). Measured by :func:`ccfx.planner.compute.measure_model`."""
+    long). Measured by :func:`ccfx.planner.compute.measure_model`. With ``cores`` the ranks
+    share that many cores: :func:`ccfx.planner.compute.contention` stretches their compute."""
 
     fwd_per_flop: float
     fwd_per_op: float
@@ -119,6 +120,9 @@ class MeasuredCompute:
     opt_per_param: float
     flops_here: float
     threads: int = 1
+    #: the cores this machine's ranks share, where the cluster's devices are processes on it
+    #: (a test harness: 4 one-thread ranks on 2 cores); None: a core (or more) each
+    cores: int | None = None
 
     def scale(self, flops: float | None) -> float:
         """How much longer a device of ``flops`` FLOP/s takes than this machine (None: 1)."""
