@@ -134,9 +134,11 @@ def _predict(args, facts, cluster, timer) -> dict:
         for codec in args.codecs:
             if codec == "auto":
                 continue
+            fwd, bwd, grads = split_codec(codec, args)
             layout = make_layout(facts, cluster, pp, dp, microbatches=args.microbatches,
-                                 devices=devices_of(placement), activation_codec=codec,
-                                 gradient_codec=codec if dp > 1 else "none")
+                                 devices=devices_of(placement), activation_codec=fwd,
+                                 activation_grad_codec=bwd,
+                                 gradient_codec=grads if dp > 1 else "none")
             p = predict_layout(facts, cluster, layout, timer=timer)
             out[(name, codec)] = {"step_s": p.step_s, "breakdown": p.breakdown(),
                                   "memory": [m.total for m in p.memory]}
@@ -147,9 +149,20 @@ def _log(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", flush=True)
 
 
+def split_codec(codec: str, args=None) -> tuple[str, str, str]:
+    """A row's codecs ``fwd[/bwd[/gradients]]`` (e.g. ``int8/int4:ef/none``, what
+    ``ccfx.plan_parallel`` chose): the hops' forward and backward and the gradient buckets'
+    (default: ``--gradient-codec``, else the forward's)."""
+    parts = codec.split("/")
+    fwd = parts[0]
+    bwd = parts[1] if len(parts) > 1 else fwd
+    grads = parts[2] if len(parts) > 2 else getattr(args, "gradient_codec", None) or fwd
+    return fwd, bwd, grads
+
+
 def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: int,
                microbatches: int, steps: int, warmup: int, cluster: dict, memory: bool = True,
-               seed: int = 0) -> dict:
+               seed: int = 0, gradient_codec: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -166,8 +179,11 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
     torch.manual_seed(seed)
     model = TinyGPT(GPTConfig(vocab_size=tok.vocab_size, **MODEL))
     stream = batches(tok.encode(text), batch // dp, MODEL["block_size"], 1000 * seed + dp_rank)
-    options = {"stages": pp, "activation_codec": codec, "activation_grad_codec": codec,
-               "gradient_codec": codec if dp > 1 else "none", "lowering": "eager"}
+    fwd_codec, bwd_codec, grads = split_codec(codec, argparse.Namespace(
+        gradient_codec=gradient_codec))
+    options = {"stages": pp, "activation_codec": fwd_codec, "activation_grad_codec": bwd_codec,
+               "gradient_codec": grads if dp > 1 else "none",
+               "lowering": "eager"}
     if codec == "auto":
         options.update(cluster=cluster, microbatches=microbatches, pipeline_schedule="1F1B")
     compiled = torch.compile(model, backend="ccfx", fullgraph=True, options=options)
@@ -264,6 +280,7 @@ def run_layout(name: str, codec: str, args) -> dict:
         netns, env = nodes.launch(placement)
         res = run_ranks("bench.layouts", "train_rank", 4,
                         {"pp": pp, "dp": dp, "codec": codec, "batch": args.batch,
+                         "gradient_codec": args.gradient_codec,
                          "microbatches": args.microbatches, "steps": args.steps,
                          "warmup": args.warmup, "cluster": cluster_dict(args.mbit, placement),
                          "memory": not args.no_memory},
@@ -298,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbit", type=float, default=50.0, help="the link between the nodes")
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--codecs", nargs="+", default=["none"])
+    ap.add_argument("--gradient-codec", default=None,
+                    help="the gradient buckets' codec (default: each row's codec)")
     ap.add_argument("--batch", type=int, default=32, help="samples per step, all replicas")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)

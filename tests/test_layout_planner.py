@@ -544,3 +544,16 @@ def test_ranks_sharing_cores_stretch_compute_by_how_many_run_at_once():
                             layout, timer=TIMER)
     assert shared.compute_s == pytest.approx(2 * alone.compute_s)
     assert shared.optimizer_s == pytest.approx(2 * alone.optimizer_s)
+
+
+def test_bench_rows_name_each_codec():
+    """bench.layouts' rows: ``fwd[/bwd[/gradients]]``, so the planner's own choice (int8
+    forward, int4:ef backward, uncompressed buckets) can be measured beside the fixed ones."""
+    import argparse
+
+    from bench.layouts import split_codec
+
+    assert split_codec("int8") == ("int8", "int8", "int8")
+    assert split_codec("int8/int4:ef/none") == ("int8", "int4:ef", "none")
+    assert split_codec("int8/int4:ef", argparse.Namespace(gradient_codec="bf16")) == (
+        "int8", "int4:ef", "bf16")
