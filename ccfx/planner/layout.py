@@ -492,9 +492,15 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
             numel = max(1, st.param_numel // tp)
             c = timer.cost(spec, (numel,), getattr(torch, st.grad_dtype))
             n_buckets = max(1, math.ceil(c.raw_bytes / BUCKET_BYTES))
+            gather = spec != "none" and codecs.prototype(spec).reduction != "sum"
             if spec != "none":
                 residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
-                codec_mem[s] += 2 * min(c.wire_bytes, BUCKET_BYTES) + residual
+                raw = min(c.raw_bytes, BUCKET_BYTES)
+                payload = raw * c.wire_bytes // max(c.raw_bytes, 1)
+                # an all-gather's bucket at its peak: every replica's payload, and three
+                # fp32 copies of the bucket (a decoded payload, the running sum, the next
+                # sum: ccfx.wire.exchange.GatherExchange); a sum's two payloads
+                codec_mem[s] += (dp * payload + 3 * raw if gather else 2 * payload) + residual
             if layout.sharded:
                 gather = link.seconds(0) * n_buckets + (dp - 1) / dp * st.param_bytes / tp \
                     * share * 8 / (link.gbps * 1e9)
@@ -502,7 +508,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                 buckets += max(0.0, gather - m * fwd[s]) + max(0.0, gather + scatter
                                                                - m * bwd[s])
                 continue
-            if codecs.prototype(spec).reduction == "sum" or spec == "none":
+            if not gather:
                 # an all-reduce: 2 (W-1)/W of the payload per rank, one decode
                 wire = 2 * (dp - 1) / dp * c.wire_bytes * share * 8 / (link.gbps * 1e9)
                 decodes = 1
