@@ -523,8 +523,8 @@ def test_gather_codecs_are_priced_as_the_all_gather_they_run():
 
 def test_ranks_sharing_cores_stretch_compute_by_how_many_run_at_once():
     """Four one-thread ranks on two cores (bench.layouts' harness): replicas all compute at
-    once (2x), a pipeline's warm-up and drain leave cores free (4 stages × 4 microbatches:
-    1.44x); a core each, or fewer ranks than cores: no stretch. predict_layout applies it to
+    once (2x), a pipeline's warm-up and drain and its light stages leave cores free (4 equal
+    stages × 4 microbatches: 1.44x); a core each, or fewer ranks than cores: no stretch. predict_layout applies it to
     the measured compute."""
     from dataclasses import replace
 
@@ -535,6 +535,8 @@ def test_ranks_sharing_cores_stretch_compute_by_how_many_run_at_once():
     assert contention(2, 1, 4, 4) == 2.0
     assert contention(2, 4, 1, 4) == pytest.approx(23 / 16)
     assert contention(2, 2, 2, 4) == pytest.approx(28 / 16)
+    # light stages (1, 2, 2, 1 blocks) are busy part of each slot: fewer ranks compete
+    assert contention(2, [1.0, 2.0, 2.0, 1.0], 1, 4) == pytest.approx(14.75 / 12)
     assert contention(None, 4, 1, 4) == contention(4, 4, 1, 4) == contention(2, 2, 1, 8) == 1.0
 
     model, (idx, _) = gpt(128, 16, n_layer=2)

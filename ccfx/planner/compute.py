@@ -232,17 +232,24 @@ def _read_json(path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def contention(cores: int | None, pp: int, replicas: int, microbatches: int) -> float:
-    """How much longer compute takes when ``pp × replicas`` one-thread ranks share ``cores``
-    cores (None: 1, a core each): a pipeline's ``m + pp - 1`` slots (GPipe's diamond: slot
-    ``j`` has ``min(j + 1, pp, m, m + pp - 1 - j)`` stages busy per replica): each rank's
-    work in a slot stretched by ``busy / cores`` where more ranks than cores run, weighted by
-    the work done in it. A pipeline's warm-up and drain leave cores free for the busy ranks:
-    four ranks on two cores run a 4-stage pipeline of 4 microbatches 1.44x slower, two
-    2-stage pipelines 1.75x, four replicas 2x (bench.layouts, quiet: 4-stage int8 step 0.78 s
-    measured, 0.83 predicted; a flat 2x predicted 1.10 s)."""
+def contention(cores: int | None, stage_work: int | Sequence[float], replicas: int,
+               microbatches: int) -> float:
+    """How much longer compute takes when a pipeline's ranks (``replicas`` of each stage)
+    share ``cores`` one-thread cores (None: 1, a core each). ``stage_work``: each stage's
+    seconds per microbatch (or the number of equal stages). The schedule's ``m + pp - 1``
+    slots (stage ``s`` busy in slots ``s … s + m - 1``); a stage lighter than the slowest is
+    busy that fraction of a slot; each rank's work in a slot is stretched by ``busy / cores``
+    where more ranks than cores run, weighted by the work done in it. A pipeline's warm-up and
+    drain and its light stages leave cores free for the busy ranks: four ranks on two cores
+    run four replicas 2x slower, two 2-stage pipelines 1.75x, a 4-stage pipeline of equal
+    stages and 4 microbatches 1.44x, of stages weighing 1, 2, 2, 1 (6 blocks) 1.23x
+    (bench.layouts, quiet: that pipeline's int8 step 0.78 s measured, 1.10 s predicted with a
+    flat 2x)."""
     if not cores:
         return 1.0
-    slots = microbatches + pp - 1
-    busy = [replicas * min(j + 1, pp, microbatches, slots - j) for j in range(slots)]
+    work = [1.0] * stage_work if isinstance(stage_work, int) else list(stage_work)
+    pp, m = len(work), microbatches
+    top = max(work) or 1.0
+    busy = [replicas * sum(w / top for s, w in enumerate(work) if s <= j < s + m)
+            for j in range(m + pp - 1)]
     return sum(n * max(1.0, n / cores) for n in busy) / sum(busy)

@@ -401,7 +401,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     # buckets' codecs run on every replica of a stage at once
     meas = facts.measured
     cores = meas.cores if meas is not None else None
-    stretch = contention(cores, pp, dp * tp, m)
+    stretch = contention(cores, [f + b for f, b in zip(fwd, bwd)], dp * tp, m)
     together = max(1.0, dp * tp / cores) if cores else 1.0
     fwd = [x * stretch for x in fwd]
     bwd = [x * stretch for x in bwd]
