@@ -12,11 +12,15 @@ cross, as :mod:`ccfx.planner.links` prices them for the ``placement`` option: th
 the replicas' hops, a group's slowest pair, the bandwidth shared among the flows that leave
 one node on the same level; with tensor parallelism, the slowest pair without contention):
 
-* **compute**: a stage's forward FLOPs per microbatch / ``tp`` at its slowest device's rate
-  (``Cluster.rate``), the backward twice that (the usual 2:1); a device measured here
-  ("measure here") is timed on the model's own main matmul at the microbatch's rows (a CPU's
-  rate differs 3x between a 512³ matmul and a transformer's), plus a fixed time per op (the
-  trace counts them), as :func:`~ccfx.planner.compute.from_flops` prices CPU stages;
+* **compute**: with the model timed here (``facts.measured``,
+  :func:`~ccfx.planner.compute.measure_model`: forward and backward per FLOP and per op, an
+  AdamW step per parameter), a stage's own seconds at the microbatch, scaled to a described
+  device by its rate against this machine's, and stretched where ranks share this machine's
+  cores (:func:`~ccfx.planner.compute.contention`); else a stage's forward FLOPs per
+  microbatch / ``tp`` at its slowest device's rate (``Cluster.rate``), the backward twice that
+  (the usual 2:1), a device measured here timed on the model's own main matmul at the
+  microbatch's rows, plus a fixed time per op (the trace counts them), as
+  :func:`~ccfx.planner.compute.from_flops` prices CPU stages;
 * **tensor parallel**: Megatron's two all-reduces of a layer's output per layer forward and
   two backward, ``2 (tp-1)/tp`` of the tensor each, on the critical path;
 * **pipeline**: torch's GPipe / 1F1B program simulated rank by rank with each hop on its own
@@ -30,7 +34,8 @@ one node on the same level; with tensor parallelism, the slowest pair without co
   (25 MiB each, one latency each); under PP × DP ccfx averages each stage's gradients after
   the step (``ccfx.sync_grads``), so stage ``s`` starts when its program ends in the
   simulation: a late stage's exchange hides behind the drain (Optimus-CC's selective stage
-  compression). All-reduce ``2 (dp-1)/dp`` of the payload;
+  compression). All-reduce ``2 (dp-1)/dp`` of the payload; a gather codec (int8 …) the
+  all-gather ccfx runs for it, ``dp-1`` payloads in per rank and ``dp`` decodes;
 * **sharded data parallel** (``ccfx.shard``, no pipeline): the weights all-gathered in the
   forward and again in the backward, the gradients reduce-scattered, each hidden behind the
   compute of its pass where it fits;
@@ -40,8 +45,11 @@ one node on the same level; with tensor parallelism, the slowest pair without co
 * **codecs**: payload bytes exact (``CodecTimer``), encode and decode at the timer's rate on
   the sending and receiving stage.
 
-Not modelled: NIC contention under tensor parallelism, the optimizer step, overlap of
-tensor-parallel collectives with compute.
+* **optimizer**: an AdamW step per stage after its exchange (a model timed here only).
+
+Not modelled: NIC contention under tensor parallelism, the optimizer step of a model not timed
+here, overlap of tensor-parallel collectives with compute, the cores a rank blocked on a slow
+link frees for the others.
 """
 
 from __future__ import annotations
