@@ -270,13 +270,9 @@ def _failed(state: CommHookState, bucket: dist.GradBucket, live: _BucketState,
     DDP passes it on as the ``RuntimeError`` of ``backward()``, with this text."""
     from ..wire import agree
 
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     what = (f"the DDP comm hook's exchange of bucket {bucket.index()} ({state.spec} via "
             f"{live.exchange.collective}, step {state.steps})")
-    ranks = agree.world_ranks(state.process_group)
-    agree.gave_up(what, first, ranks)
-    who = agree.blame(e, ranks)
-    who = f" {who[0].upper()}{who[1:]}." if who else ""
+    first, who = agree.failed(what, e, agree.world_ranks(state.process_group))
     rank, world = dist.get_rank(), dist.get_world_size(state.process_group)
     return CollectiveError(
         f"rank {rank} of {world}: {what} failed: {first}.{who} A peer rank died, hung past the "

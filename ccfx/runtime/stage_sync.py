@@ -128,14 +128,10 @@ class StageGradSync:
         its stages, the bucket and the replica rank gloo's address points at."""
         from ..wire import agree
 
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         stages = ", ".join(str(st.stage_index) for st in self.stages)
         what = (f"the data-parallel exchange of stage {stages}'s bucket {index} "
                 f"({exchange.spec} via {exchange.collective}) over the replicas")
-        ranks = agree.world_ranks(self.dp_group)
-        agree.gave_up(what, first, ranks)
-        who = agree.blame(e, ranks)
-        who = f" {who[0].upper()}{who[1:]}." if who else ""
+        first, who = agree.failed(what, e, agree.world_ranks(self.dp_group))
         return CollectiveError(
             f"rank {dist.get_rank()} (replica {dist.get_rank(self.dp_group)} of "
             f"{dist.get_world_size(self.dp_group)}): ccfx.sync_grads: {what} failed: {first}."

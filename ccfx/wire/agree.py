@@ -595,6 +595,16 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def failed(what: str, error: BaseException, ranks: Sequence[int]) -> tuple[str, str]:
+    """For a collective ``what`` over ``ranks`` that failed with ``error``: record that this
+    rank gave up on it (:func:`gave_up`), and return the error's first line and a sentence
+    naming the peer it points at (``" Rank 2 (…) has exited."``, or ``""``: :func:`blame`)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    gave_up(what, first, ranks)
+    who = blame(error, ranks)
+    return first, (f" {who[0].upper()}{who[1:]}." if who else "")
+
+
 def blame(error: BaseException | str, ranks: Sequence[int] | None = None,
           settle_s: float = 1.0) -> str:
     """A sentence naming the peer ranks a collective failure points at (see the module
