@@ -278,7 +278,9 @@ def inside_ckpt(cfg: dict) -> dict:
         after = r0[k["rows_before"]:]
         if after:
             restart.append(after[0]["time"] - k["time"])
-    lost = sum(per_sync * (k["at_sync"] - (k["resume"] or 0)) for k in kills)
+    # the syncs since the checkpoint, and the part of an interval the kill landed in
+    lost = sum(per_sync * (k["at_sync"] - (k["resume"] or 0) + cfg.get("kill_phase", 0.5))
+               for k in kills)
     return {"run": cfg["run"], "codec": cfg["codec"], "replicas": cfg["replicas"],
             "syncs": r0[-1]["syncs"], "torchft_steps": [], "uncommitted": 0,
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
