@@ -516,9 +516,10 @@ def test_gather_codecs_are_priced_as_the_all_gather_they_run():
         p = predict_layout(facts, cluster, layout, timer=TIMER)
         codec_s = int8.encode_s + decodes * int8.decode_s if decodes else 0.0
         assert p.buckets_s == pytest.approx(moved * 8 / 0.05e9 + codec_s, rel=1e-3)
-        # its memory: every replica's payload and three fp32 copies of the bucket
+        # its memory: every replica's payload and three fp32 copies of the bucket; an
+        # all-reduce's flattened bucket and the copy it reduces
         assert p.memory[0].codec == (4 * int8.wire_bytes + 3 * int8.raw_bytes
-                                     if spec == "int8" else 0)
+                                     if spec == "int8" else 2 * int8.raw_bytes)
 
 
 def test_ranks_sharing_cores_stretch_compute_by_how_many_run_at_once():

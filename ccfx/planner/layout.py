@@ -501,14 +501,19 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
             c = timer.cost(spec, (numel,), getattr(torch, st.grad_dtype))
             n_buckets = max(1, math.ceil(c.raw_bytes / BUCKET_BYTES))
             gather = spec != "none" and codecs.prototype(spec).reduction != "sum"
-            if spec != "none":
-                residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
-                raw = min(c.raw_bytes, BUCKET_BYTES)
-                payload = raw * c.wire_bytes // max(c.raw_bytes, 1)
-                # an all-gather's bucket at its peak: every replica's payload, and three
-                # fp32 copies of the bucket (a decoded payload, the running sum, the next
-                # sum: ccfx.wire.exchange.GatherExchange); a sum's two payloads
-                codec_mem[s] += (dp * payload + 3 * raw if gather else 2 * payload) + residual
+            residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
+            raw = min(c.raw_bytes, BUCKET_BYTES)
+            payload = raw * c.wire_bytes // max(c.raw_bytes, 1)
+            if not layout.sharded:
+                # a bucket's exchange at its peak (ccfx.wire.exchange): an all-gather holds
+                # every replica's payload and three fp32 copies of the bucket (a decoded
+                # payload, the running sum, the next sum); an all-reduce the flattened
+                # bucket and the copy it reduces (none: 2 copies), a codec's payloads too
+                codec_mem[s] += (dp * payload + 3 * raw if gather
+                                 else 2 * raw + (2 * payload if spec != "none" else 0)
+                                 ) + residual
+            elif spec != "none":
+                codec_mem[s] += 2 * payload + residual
             if layout.sharded:
                 gather = link.seconds(0) * n_buckets + (dp - 1) / dp * st.param_bytes / tp \
                     * share * 8 / (link.gbps * 1e9)
