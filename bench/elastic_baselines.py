@@ -245,7 +245,8 @@ def inside_ckpt(cfg: dict) -> dict:
             pump()
             r0 = rows.get("r0", [])
             syncs = r0[-1]["syncs"] if r0 else 0
-            if syncs >= next_kill and syncs < cfg["syncs"] - 1 and kill_at is None:
+            if (every and syncs >= next_kill and syncs < cfg["syncs"] - 1
+                    and kill_at is None):
                 kill_at = time.time() + _phase_delay(r0, cfg)
             if kill_at and time.time() >= kill_at:
                 kill_at = None
