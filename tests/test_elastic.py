@@ -153,6 +153,52 @@ def test_fault_tolerance_options_are_checked():
     outer.close()
 
 
+class _UnsetGroupManager:
+    """torchft's manager after a quorum whose process-group rebuild failed: torchft reported
+    the error and left the group unset (``size()`` asserts), so this sync cannot commit."""
+
+    class _Group:
+        def size(self):
+            raise AssertionError("process group not initialized")
+
+    _pg = _Group()
+    _replica_id = "r0"
+
+    def __init__(self):
+        self.errors = []
+
+    def start_quorum(self):
+        pass
+
+    def report_error(self, e):
+        self.errors.append(e)
+
+    def should_commit(self):
+        return not self.errors
+
+    def current_step(self):
+        return 3
+
+
+def test_sync_after_a_failed_group_rebuild_is_uncommitted_not_a_crash():
+    from ccfx.runtime.elastic import Elastic
+
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = ccfx.local_steps(model, opt, sync_every=2)
+    before = {k: v.clone() for k, v in outer.global_parameters().items()}
+    elastic = Elastic.__new__(Elastic)  # its state, without torchft's manager and lighthouse
+    elastic.outer, elastic.manager = outer, _UnsetGroupManager()
+    elastic.tokens, elastic.counts_tokens, elastic.since, elastic.commits = 0, False, 0, 0
+    elastic.history, elastic._reduces = [], {}
+    assert elastic.sync(list(outer.fragments)) is False
+    assert len(elastic.manager.errors) == 1 and elastic.commits == 0
+    row = elastic.history[-1]
+    assert not row["committed"] and row["replicas"] == 0 and row["fragments"] == []
+    assert all(torch.equal(before[k], v) for k, v in outer.global_parameters().items())
+    outer.close()
+
+
 @pytest.fixture
 def lighthouse2():
     from torchft.coordination import LighthouseServer

@@ -280,11 +280,13 @@ class Elastic:
         if self._healed:  # the fragments the peers sync now, at the step we took from them
             due = [f for f in outer.fragments
                    if outer.step > 0 and outer.step % outer.sync_every == f.offset]
-        pg = self.manager._pg
-        comm = TorchftComm(pg)
+        comm = None
         averaged: dict[int, list[torch.Tensor]] = {}
         total = 0
         try:
+            # inside the try: when the group's rebuild failed in the quorum (torchft reports it
+            # and leaves the group unset), this sync is uncommitted like any failed exchange
+            comm = TorchftComm(self.manager._pg)
             rows = self._meet(comm)
             self._check_fingerprints(rows, comm)
             total = sum(r[0] for r in rows)
@@ -306,7 +308,7 @@ class Elastic:
                 f"a row were not committed (the last at inner step {outer.step}): replicas "
                 "keep dying or fewer than min_replicas="
                 f"{self.opts.min_replicas} are alive") from e
-        world = comm.world
+        world = comm.world if comm is not None else 0
         if committed:
             for frag in due:
                 if frag.index in averaged:
