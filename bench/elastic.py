@@ -17,6 +17,14 @@ Runs (each in a fresh namespace):
              turn; never r0, which evaluates) is SIGKILLed and started again at once; it joins
              and heals from a live peer at the others' next sync
   raw        no failures, outer codec none (bytes and loss against the codec)
+  tf_free, tf_failures   torchft's own DiLoCo, uncompressed (bench/elastic_baselines.py)
+  ckpt       the checkpoint-restart floor: on a kill every replica restarts from the last
+             checkpoint (bench/elastic_baselines.py)
+
+A kill lands ``--kill-phase`` of the way into r0's sync interval after the kill is due (0.5:
+where a failure lands on average). Each kill's time is split (``splits``: the victim's inner
+steps since its last commit, its spawn, imports, data, model, torchft's manager, the join's
+quorum and sync) and r0's sync rows say what the survivors waited (``r0_quorum_s``).
 
 Reported per run: wall time from r0's first to last committed sync; useful replica-steps, the
 sum over committed syncs of the inner steps the quorum's replicas contributed (the ``weight``
