@@ -289,23 +289,36 @@ def codec_replica(k: int, lighthouse: str, codec: str, steps: int) -> dict:
 
 
 def straggler_replica(k: int, lighthouse: str, delay_s: float, stop_at: int,
-                      step_s: float = 0.6) -> list[dict]:
+                      step_s: float = 0.6, start=None, finished=None) -> list[dict]:
     """Replica ``k``, sync every 2 steps, a step every ``step_s``, trains until its torchft
     step reaches ``stop_at``; it sleeps ``delay_s`` more before its step 2 (the first sync
-    after the join): a straggler. Its sync rows."""
+    after the join): a straggler. ``start``: a barrier the replicas pass together before they
+    join (a replica built late on a loaded machine would otherwise miss the join quorum and
+    shift every later sync). ``finished``: an event the first replica to reach ``stop_at`` sets;
+    a replica one sync behind then finds no quorum at its last sync, the run's end rather than
+    a failure. Its sync rows."""
     import ccfx
 
     model = mlp(k)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if start is not None:
+        start.wait(timeout=30)
     outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
-                             replica_id=f"s{k}", quorum_timeout_s=20.0, **OPTIONS)
+                             replica_id=f"s{k}", quorum_timeout_s=8.0, **OPTIONS)
     i = 0
     while outer.elastic.manager.current_step() < stop_at and i < 50:
         loss_of(model, k, i).backward()
         time.sleep(step_s + (delay_s if i == 1 else 0.0))
-        opt.step()
+        try:
+            opt.step()
+        except ccfx.CollectiveError:
+            if finished is None or not finished.is_set():
+                raise
+            return list(outer.elastic.history)  # its peers stopped: the run is over
         opt.zero_grad()
         i += 1
+    if finished is not None:
+        finished.set()
     rows = list(outer.elastic.history)
     outer.close()
     return rows

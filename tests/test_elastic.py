@@ -287,23 +287,31 @@ def test_stateless_codec_on_three_replicas_reduces_by_all_to_all_bit_identically
 def test_grace_window_for_a_straggler_is_the_lighthouse_join_timeout(grace_ms, waited):
     """3 replicas, min_replicas 2; replica 2 reaches the first sync after the join 1.5 s late.
     Within the lighthouse's join_timeout_ms the quorum waits for it (all three sync); past it
-    the other two sync without it, and the straggler heals at their next sync (a step every
-    0.6 s: it arrives there with them)."""
+    the other two sync without it, and the straggler heals at a later sync and commits. The
+    replicas train to torchft step 5, so the straggler meets its peers again whatever the
+    machine's load did to the timing (a CI run at step 3 left it alone: its peers had
+    stopped)."""
+    import threading
+
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=grace_ms,
                                   quorum_tick_ms=20, heartbeat_timeout_ms=3000)
+    start, finished = threading.Barrier(3), threading.Event()
     try:
         rows = w.in_threads([lambda k=k: w.straggler_replica(
-            k, lighthouse.address(), 1.5 if k == 2 else 0.0, 3) for k in range(3)],
-            timeout_s=60)
+            k, lighthouse.address(), 1.5 if k == 2 else 0.0, 5, start=start, finished=finished)
+            for k in range(3)], timeout_s=90)
     finally:
         lighthouse.shutdown()
-    first = {k: next(r for r in rows[k] if r["step"] == 2) for k in (0, 1)}
+    synced = {k: [r for r in rows[k][1:] if r["committed"]] for k in (0, 1)}  # after the join
+    assert all(synced.values()), rows
     if waited:
-        assert all(f["replicas"] == 3 and f["committed"] for f in first.values()), first
+        assert all(r["replicas"] == 3 for k in (0, 1) for r in synced[k]), synced
         assert not any(r["healed"] for r in rows[2][1:]), rows[2]
     else:
-        assert all(f["replicas"] == 2 and f["committed"] for f in first.values()), first
-        late = [r for r in rows[2][1:] if r["healed"]]  # after the join (which may heal too)
-        assert late and late[0]["replicas"] == 3 and late[0]["step"] == 4, rows[2]
+        assert all(any(r["replicas"] == 2 for r in synced[k]) for k in (0, 1)), synced
+        # it heals at a later sync (after the join, which may heal too) and commits there: with
+        # a 300 ms window a peer slowed by the machine's load may miss that quorum as well
+        late = [r for r in rows[2][1:] if r["healed"]]
+        assert late and late[0]["replicas"] >= 2 and late[0]["committed"], rows[2]
