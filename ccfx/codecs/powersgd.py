@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy
 import torch
 
 from .base import Codec, Context, Encoded, numel_of
@@ -128,6 +127,8 @@ class PowerSGD(Codec):
         if len(shape) < 2 or all(isinstance(d, int) for d in shape):
             return super().wire_bytes(shape, dtype)
         # Symbolic: which branch applies depends on the sizes.
+        import sympy
+
         rows, cols = sympy.sympify(shape[0]), sympy.sympify(numel_of(shape[1:]))
         r = sympy.Min(self.rank, rows, cols)
         low = (rows + cols) * r * dtype.itemsize
