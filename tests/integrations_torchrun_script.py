@@ -85,6 +85,14 @@ def main(route: str, out: str) -> None:
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"world": int(os.environ["WORLD_SIZE"]), "steps": steps,
                    "hook_steps": state.steps, "raw": raw, "wire": wire, "digest": digest}, f)
+    # Leave together and tear the group down before the interpreter exits: a rank whose peer
+    # was gone while its gloo threads still ran aborted at exit ("terminate called without an
+    # active exception", SIGABRT) in one CI run.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
