@@ -57,6 +57,19 @@ GPT = {"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 32}  # bench/local
 LR, BATCH = 6e-3, 8
 
 
+def drain(queues: dict, take) -> None:
+    """Every message the replicas have put on their queues so far, to ``take(kind, name,
+    data)``; a replica's ``"error"`` message raises here with its traceback."""
+    for q in list(queues.values()):
+        try:
+            while True:
+                kind, name, data = q.get_nowait()
+                if kind == "error":
+                    raise RuntimeError(f"replica {name} failed:\n{data}")
+                take(kind, name, data)
+        except queue.Empty:
+            pass
+
 def replica(name: str, index: int, cfg: dict, stop_at, out) -> None:
     """One replica: trains until its torchft step reaches ``stop_at.value``; puts
     ("row", name, sync row) after each sync and ("done", name, summary) at the end (or
@@ -148,21 +161,16 @@ def inside(cfg: dict) -> dict:
                                   daemon=True)
         procs[name].start()
 
+    def take(kind, name, data):
+        if kind == "row":
+            rows.setdefault(name, []).append(data)
+        elif kind == "phases":
+            phases.setdefault(name, []).append(data)
+        else:
+            done[name] = data
+
     def pump():
-        for q in list(queues.values()):
-            try:
-                while True:
-                    kind, name, data = q.get_nowait()
-                    if kind == "row":
-                        rows.setdefault(name, []).append(data)
-                    elif kind == "phases":
-                        phases.setdefault(name, []).append(data)
-                    elif kind == "error":
-                        raise RuntimeError(f"replica {name} failed:\n{data}")
-                    else:
-                        done[name] = data
-            except queue.Empty:
-                pass
+        drain(queues, take)
 
     tx0 = _lo_tx()
     t0 = time.time()

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import signal
 import socket
 import tempfile
 import time
 from datetime import timedelta
 
-from bench.elastic import BATCH, GPT, LR
+from bench.elastic import BATCH, GPT, LR, drain
 
 
 def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float) -> None:
@@ -212,24 +211,17 @@ def inside_ckpt(cfg: dict) -> dict:
                                    args=(n, i, cfg, port, resume, queues[n]), daemon=True)
             procs[n].start()
 
+    def take(kind, who, data):
+        if kind == "row":
+            rows.setdefault(who, []).append(data)
+        elif kind == "ready":
+            if who == "r0":
+                ready.append(data)
+        elif kind != "saved":
+            done[who] = data
+
     def pump():
-        for n, q in list(queues.items()):
-            try:
-                while True:
-                    kind, who, data = q.get_nowait()
-                    if kind == "row":
-                        rows.setdefault(who, []).append(data)
-                    elif kind == "saved":
-                        pass
-                    elif kind == "ready":
-                        if who == "r0":
-                            ready.append(data)
-                    elif kind == "error":
-                        raise RuntimeError(f"replica {who} failed:\n{data}")
-                    else:
-                        done[who] = data
-            except queue.Empty:
-                pass
+        drain(queues, take)
 
     tx0 = _lo_tx()
     t0 = time.time()
