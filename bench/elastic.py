@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-phase", type=float, default=0.5,
                    help="where in the sync interval a kill lands (0: right after a commit)")
     p.add_argument("--ckpt-every", type=int, default=1, help="syncs between checkpoints (ckpt)")
+    p.add_argument("--tf-timeout-s", type=float, default=60,
+                   help="torchft DiLoCo's manager timeout (collectives, the checkpoint lock)")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
@@ -367,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                "timeout_s": a.timeout_s, "impl": "torchft" if tf else "ccfx",
                "tf_outer": a.tf_outer, "ckpt_every": a.ckpt_every, "kill_phase": a.kill_phase,
                "heartbeat_ms": a.heartbeat_ms, "tick_ms": a.tick_ms,
+               "tf_timeout_s": a.tf_timeout_s,
                "gpt": MODELS[a.model]["gpt"]}
         print(f"[elastic] {run} ...", flush=True)
         rows.append(run_one(cfg, a.rate or None))

@@ -66,7 +66,9 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float) -
     def save():
         return {"model": model.state_dict(), "inner": opt.state_dict()}
 
-    timeout = timedelta(seconds=60)
+    # torchft's collective and checkpoint-lock timeout: a heal of the 10 M model (its weights
+    # and AdamW's state) to 3 replicas over 10 Mbit/s takes longer than 60 s
+    timeout = timedelta(seconds=cfg.get("tf_timeout_s", 60))
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=save,
