@@ -10,7 +10,9 @@ the forward, then whichever ends last: the backward with the codecs' work, or th
 collective. Bytes per rank: an all-reduce moves ``2 (W-1)/W`` times its payload (ring), an
 all-gather ``W-1`` times, PowerSGD's two all-reduces their P and Q, ccfx's re-encoding ring
 (``gradient_collective="ring"``) ``2 (W-1)/W`` of the payload in ``2 (W-1)`` sequential hops,
-each paying the link's latency; on a shared medium every rank's bytes cross the one link.
+each paying the link's latency; on a shared medium every rank's bytes cross the one link. A
+2-rank all-gather on gloo's TCP also waits for its two directions to take turns
+(:func:`ccfx.wire.link.pair_gather_wait_s`, measured).
 
 ``gradient_collective="auto"`` (and ``outer_collective``) is resolved by the wire layer's one
 rule, :func:`ccfx.wire.link.choose_collective`: ring or all-gather for one non-summable
@@ -23,14 +25,14 @@ import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..plan import Decision
 from ..wire.comm import LocalComm
 from ..wire.exchange import BucketLayout, exchange_for
-from ..wire.link import Link, resolve_collective
+from ..wire.link import Link, pair_gather_wait_s, resolve_collective
 from ..wire.ring import ring_wire_bytes
 from .codec_cost import CodecTimer
 
@@ -49,6 +51,10 @@ class BucketCost:
     link_bytes: float  # per rank
     wire_bytes: int  # the payload one rank contributes (the plan's wire/step)
     hops: int = 1  # sequential messages, each paying the link's latency
+    #: seconds the link adds beyond its bytes (a 2-rank all-gather's turns on gloo's TCP:
+    #: :func:`ccfx.wire.link.pair_gather_wait_s`)
+    wait_s: float = 0.0
+    collective: str = "all_reduce"  # what the exchange runs
 
 
 @dataclass
@@ -65,10 +71,11 @@ class DataParallelModel:
 
     def __init__(self, forward_s: float, backward_s: float, buckets: Sequence[BucketTraffic],
                  world: int, link: Link, timer: CodecTimer | None = None,
-                 collective: str = "all_gather"):
+                 collective: str = "all_gather", flows: int = 1):
+        """``link`` as priced (its bandwidth divided among ``flows`` groups that share it)."""
         self.forward_s, self.backward_s = forward_s, backward_s
         self.buckets = list(buckets)
-        self.world, self.link = world, link
+        self.world, self.link, self.flows = world, link, flows
         self.timer = timer or CodecTimer()
         self.collective = collective
         self._costs: dict[tuple[int, str], BucketCost] = {}
@@ -79,7 +86,11 @@ class DataParallelModel:
             numel = sum(math.prod(s) for s in b.shapes)
             collective = resolve_collective(self.collective, spec, numel, b.dtype, self.world,
                                             self.link)
-            self._costs[key] = _bucket_cost(b, spec, self.world, self.timer, collective)
+            cost = _bucket_cost(b, spec, self.world, self.timer, collective)
+            if cost.collective == "all_gather":
+                cost = replace(cost, wait_s=pair_gather_wait_s(self.link, cost.wire_bytes,
+                                                               self.world, self.flows))
+            self._costs[key] = cost
         return self._costs[key]
 
     def predict(self, choice: Mapping[int, str]) -> DataParallelPrediction:
@@ -93,7 +104,7 @@ class DataParallelModel:
             codec_done = ready + c.codec_s
             start = max(codec_done, link_free)
             link_free = (start + self.link.seconds(c.link_bytes * share)
-                         + (c.hops - 1) * self.link.latency_ms * 1e-3)
+                         + (c.hops - 1) * self.link.latency_ms * 1e-3 + c.wait_s)
         backward_end = self.forward_s + self.backward_s + work
         end = max(backward_end, link_free, codec_done)
         return DataParallelPrediction(end, backward_end, link_free)
@@ -113,7 +124,7 @@ def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer,
     else:  # all_reduce, powersgd: ring all-reduces
         per_rank = 2 * (world - 1) / world * payload
     if spec == "none":
-        return BucketCost(0.0, per_rank, payload)
+        return BucketCost(0.0, per_rank, payload, collective=ex.collective)
     def measure() -> dict:
         grads = [torch.randn(s, dtype=b.dtype) for s in b.shapes]
         state = ex.init_state()
@@ -139,7 +150,8 @@ def _bucket_cost(b: BucketTraffic, spec: str, world: int, timer: CodecTimer,
     # and decodes 2W-1 (its reduce-scatter receipts, its own mean, the all-gather's), (W-1)/W
     # of a payload more.
     extra = (world - 1) if ex.collective == "all_gather" else (world - 1) / world
-    return BucketCost(hit["local_s"] + extra * hit["decode_s"], per_rank, payload, hops)
+    return BucketCost(hit["local_s"] + extra * hit["decode_s"], per_rank, payload, hops,
+                      collective=ex.collective)
 
 
 def choose_bucket_codecs(model: DataParallelModel, pool: Mapping[int, Sequence[str]], *,

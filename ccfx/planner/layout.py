@@ -63,7 +63,7 @@ import torch
 from .. import codecs
 from ..config import Config
 from ..errors import ConfigError
-from ..wire.link import Link
+from ..wire.link import Link, pair_gather_wait_s
 from .cluster import Cluster
 from .codec_cost import CodecTimer
 from .compute import contention, machine_rate
@@ -295,6 +295,8 @@ class LayoutPrediction:
     pipeline: tuple | None = field(default=None, repr=False)
     #: the optimizer step after the schedule and the exchange (a model measured here only)
     optimizer_s: float = 0.0
+    #: per stage, how many data-parallel groups share its group's link (1: none)
+    dp_flows: tuple[int, ...] = ()
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -521,16 +523,13 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                 buckets += max(0.0, gather - m * fwd[s]) + max(0.0, gather + scatter
                                                                - m * bwd[s])
                 continue
-            if not gather:
-                # an all-reduce: 2 (W-1)/W of the payload per rank, one decode
-                wire = 2 * (dp - 1) / dp * c.wire_bytes * share * 8 / (link.gbps * 1e9)
-                decodes = 1
-            else:
-                # ccfx's default gradient_collective, the all-gather: W-1 payloads in per
-                # rank, and every rank decodes all W (its own too: the same sum everywhere);
-                # pp1-dp4 int8 was predicted at half its bytes before
-                wire = (dp - 1) * c.wire_bytes * share * 8 / (link.gbps * 1e9)
-                decodes = dp
+            flows = priced_groups[s].flows if s < len(priced_groups) and \
+                priced_groups[s] is not None else 1
+            wire = exchange_wire_s(spec, c.wire_bytes, dp, link, flows)
+            # an all-reduce decodes once; ccfx's default gradient_collective for a gather
+            # codec, the all-gather, decodes all W payloads (its own too: the same sum
+            # everywhere)
+            decodes = dp if gather else 1
             t_sync = (n_buckets * link.latency_ms * 1e-3 + wire
                       + sync_scales[s] * (c.encode_s + decodes * c.decode_s))
             if pp == 1:
@@ -584,7 +583,25 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                             tuple(hop_links), tuple(dp_links), tuple(tp_links), refused, notes,
                             tuple(where_text[0]), tuple(where_text[1]),
                             (compute_mb, edges, tuple(hop_links)) if pp > 1 else None,
-                            optimizer)
+                            optimizer, tuple(p.flows if p is not None else 1
+                                             for p in priced_groups))
+
+
+def exchange_wire_s(spec: str, wire_bytes: float, dp: int, link: Link, flows: int = 1) -> float:
+    """Seconds on ``link`` (as priced: its bandwidth divided among ``flows``) of averaging a
+    stage's gradients of ``wire_bytes`` payload over ``dp`` replicas, latency apart: an
+    all-reduce (``none`` and the summable codecs) ``2 (W-1)/W`` of the payload per rank; a
+    gather codec (int8 …) ccfx's default all-gather, ``W-1`` payloads in per rank (pp1-dp4
+    int8 was predicted at half its bytes before), and with two replicas on gloo's TCP the
+    turns its two directions take (:func:`ccfx.wire.link.pair_gather_wait_s`: pp2-dp2 int8
+    with the replicas across the slow link was predicted 27 % short without them)."""
+    share = dp if link.shared else 1
+    gather = spec != "none" and codecs.prototype(spec).reduction != "sum"
+    per_rank = (dp - 1) * wire_bytes if gather else 2 * (dp - 1) / dp * wire_bytes
+    seconds = per_rank * share * 8 / (link.gbps * 1e9)
+    if gather:
+        seconds += pair_gather_wait_s(link, wire_bytes, dp, flows)
+    return seconds
 
 
 def _shard(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

@@ -44,6 +44,7 @@ from .layout import (
     LayoutPrediction,
     Links,
     default_timer,
+    exchange_wire_s,
     predict_layout,
     steps_multiplier,
 )
@@ -156,11 +157,12 @@ def choose_codecs(facts: ModelFacts, layout: Layout, base: LayoutPrediction,
             continue
         stage = facts.stage(lo, hi)
         numel = max(1, stage.param_numel // layout.tp)
+        flows = base.dp_flows[s] if s < len(base.dp_flows) else 1
         costs = {}
         for spec in candidates("gradient", config):
             c = timer.cost(spec, (numel,), getattr(torch, stage.grad_dtype))
-            costs[spec] = (2 * (layout.dp - 1) / layout.dp * c.wire_bytes * 8
-                           / (link.gbps * 1e9) + c.encode_s + c.decode_s)
+            costs[spec] = (exchange_wire_s(spec, c.wire_bytes, layout.dp, link, flows)
+                           + c.encode_s + c.decode_s)
         grads.append(_pick(costs))
     return replace(layout, hop_codecs=tuple(hops), gradient_codecs=tuple(grads))
 

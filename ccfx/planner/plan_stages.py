@@ -33,9 +33,11 @@ from .plan_edges import link_of
 
 
 def stage_sync_seconds(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, spec: str,
-                       dp: int, link: Link) -> float:
-    """Seconds to average one stage's gradients (one bucket) over ``dp`` replicas."""
-    model = DataParallelModel(0.0, 0.0, [BucketTraffic(0, tuple(shapes), dtype, 0.0)], dp, link)
+                       dp: int, link: Link, flows: int = 1) -> float:
+    """Seconds to average one stage's gradients (one bucket) over ``dp`` replicas (``link``
+    as priced: its bandwidth divided among ``flows`` groups)."""
+    model = DataParallelModel(0.0, 0.0, [BucketTraffic(0, tuple(shapes), dtype, 0.0)], dp, link,
+                              flows=flows)
     return model.predict({0: spec}).step_s
 
 
@@ -102,7 +104,8 @@ def plan_stage_codecs(plan, config: Config, dp: int,
     end = model.predict(choice).timeline.end_s
     specs = candidates("gradient", config)
     sync = [{spec: stage_sync_seconds(shapes, torch.float32, spec, dp,
-                                      groups[s].link if groups else links) if shapes else 0.0
+                                      groups[s].link if groups else links,
+                                      groups[s].flows if groups else 1) if shapes else 0.0
              for spec in specs} for s, shapes in enumerate(stage_shapes)]
     chosen, decisions = choose_stage_codecs(end, sync, min_gain=config.auto_min_gain)
     if groups is not None:

@@ -6,6 +6,8 @@ pair). :func:`choose_collective` is ``gradient_collective="auto"`` and ``outer_c
 Every place that resolves a collective calls :func:`resolve_collective` (the compiled
 data-parallel backward, the pipeline's data-parallel gradients, local steps, the DDP comm
 hook, and the planner's data-parallel and local-steps models), so they all agree.
+:func:`pair_gather_wait_s` is what a 2-rank all-gather loses on gloo's TCP (the planner
+prices it; measured, below).
 """
 
 from __future__ import annotations
@@ -36,6 +38,32 @@ class Link:
 
     def seconds(self, nbytes: float) -> float:
         return self.latency_ms * 1e-3 + nbytes * 8 / (self.gbps * 1e9)
+
+
+#: A 2-rank all-gather on gloo's TCP transport ("buffered"): both directions of the exchange
+#: travel on the pair's one connection, and the message that tells a sender its peer has
+#: posted the receive goes on that same connection, behind whatever payload is already in it:
+#: the two directions partly take turns instead of running at once. Measured on
+#: ``bench.shaped.two_nodes`` (48.1 Mbit/s across, 5.4 MB uint8 payloads, gloo
+#: ``all_gather_into_tensor``): one pair alone 1.0-1.9x one direction's time, mean 1.50x
+#: (24 trials); two pairs sharing the link 1.06-1.55x their shared time, mean 1.33x (22
+#: trials: the other pair fills the idle direction). Both are about 0.5-0.65 of one payload
+#: at the link's whole rate on top of the bandwidth's time; the same payload in 8 chunks issued
+#: at once 1.08-1.12x, a 4-rank ring (send and receive on different pairs) 1.04-1.08x, an
+#: all-reduce of the same bytes 1.02-1.07x (gloo chunks it). ccfx's int8 buckets of
+#: ``bench.layouts``' pp2-dp2 "replicas across" were predicted 27 % short without it.
+PAIR_GATHER_WAIT = 0.6
+
+
+def pair_gather_wait_s(link: Link, payload_bytes: float, world: int, flows: int = 1) -> float:
+    """Seconds a ``world``-rank all-gather of ``payload_bytes`` per rank loses to its two
+    directions taking turns (:data:`PAIR_GATHER_WAIT`): only ``world == 2`` on a per-pair link
+    of the buffered transport (gloo's TCP); a shared medium already carries every byte in
+    turn, and NCCL's blocking transport was not measured. ``link``: as priced, its bandwidth
+    divided among ``flows`` flows; the wait is at the link's whole rate."""
+    if world != 2 or link.shared or link.rendezvous or payload_bytes <= 0:
+        return 0.0
+    return PAIR_GATHER_WAIT * payload_bytes * 8 / (link.gbps * max(flows, 1) * 1e9)
 
 
 def configured_link(config) -> Link | None:
