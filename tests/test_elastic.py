@@ -259,15 +259,16 @@ def test_failed_sync_is_committed_nowhere_and_changes_nothing(lighthouse2):
 def test_stateless_codec_on_three_replicas_reduces_by_all_to_all_bit_identically():
     """int8 (no codec state) on 3 replicas: the outer average runs as the encoded all-to-all +
     all-gather (2 (W-1) / W of a payload per replica, not W - 1), and the global parameters
-    are bit-identical on the three after every sync; int8:ef (a residual sized for one W)
-    stays on the all-gather."""
+    are bit-identical on the three after every sync; so does int8:ef (its residual kept per
+    element: tests/test_elastic_stateful.py)."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=200,
                                   quorum_tick_ms=20, heartbeat_timeout_ms=1000)
     try:
         # the vectors (biases) travel raw, all-reduced, in a part of their own
-        for codec, collective in (("int8", "all_to_all+all_gather"), ("int8:ef", "all_gather")):
+        for codec, collective in (("int8", "all_to_all+all_gather"),
+                                  ("int8:ef", "all_to_all+all_gather")):
             runs = w.in_threads([lambda k=k, c=codec: w.codec_replica(k, lighthouse.address(), c, 4)
                                  for k in range(3)], timeout_s=90)
             for r in runs:

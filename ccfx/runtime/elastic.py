@@ -65,6 +65,7 @@ from urllib.parse import urlparse
 import torch
 
 from ..errors import CollectiveError, ConfigError
+from ..wire.collectives import element_state_layout
 
 log = logging.getLogger("ccfx")
 
@@ -120,6 +121,7 @@ class TorchftComm:
     def __init__(self, pg):
         self.pg = pg
         self.world = pg.size()
+        self.rank = pg.parent.rank()  # this replica's place in the quorum (its chunk)
 
     def all_reduce(self, t):
         from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
@@ -221,6 +223,7 @@ class Elastic:
                 max_retries=opts.max_retries)
         except Exception as e:
             raise self._no_quorum(e, "starting torchft's manager") from e
+        self._keep_state_per_element()  # before the join: a heal sends it
         self.sync([])  # join: heal from a live peer if the others are ahead
 
     # -- tokens -------------------------------------------------------------------------------
@@ -367,35 +370,85 @@ class Elastic:
                 self.used.add(part.exchange.collective)
             else:
                 layout = part.exchange.layout
-                result = layout.unflat(reduce.run(layout.flat(grads), {}, comm))
+                state = reduce.state_from_elements(part.state, comm.rank) if part.state else {}
+                result = layout.unflat(reduce.run(layout.flat(grads), state, comm))
+                if part.state:
+                    self._dropped(part, reduce.state_to_elements(state, part.state, comm.rank),
+                                  comm)
                 self.used.add("all_to_all+all_gather")
             for i, a in zip(part.members, result, strict=True):
                 out[i] = a.float()
         return out
 
     def _reduce_for(self, part, world: int):
-        """For a stateless codec that would be all-gathered (int8, fp8, ...) on 3 or more
-        replicas, with ``outer_collective="auto"``: the encoded all-to-all + all-gather of
-        :mod:`ccfx.wire.collectives` (each chunk's owner sums in rank order and re-encodes once;
-        every replica decodes the same bytes), ``2 (W-1) / W`` of a payload per replica instead
-        of ``W - 1``. Built per quorum size (the chunks are 1/W of the part). None where it does
-        not apply: codec state (an error-feedback residual) is sized for one W, and the ring
-        (the fixed-group alternative) needs point to point on a group torchft rebuilds."""
-        if (world < 3 or part.state or part.exchange.collective != "all_gather"
+        """On 3 or more replicas, with ``outer_collective="auto"``, a part that would be
+        all-gathered (int8, fp8, int4:ef, ...) is averaged by the encoded all-to-all + all-gather
+        of :mod:`ccfx.wire.collectives` instead (each chunk's owner sums in rank order and
+        re-encodes once; every replica decodes the same bytes): ``2 (W-1)`` chunk payloads
+        (about ``2 (W-1) / W`` of a payload) per replica instead of ``W - 1`` payloads. Built
+        per quorum size (the chunks are 1/W of the part).
+
+        Codec state: a stateless codec has none. An error-feedback codec (int8:ef) keeps its
+        state per element of the part (:func:`ccfx.wire.collectives.element_state_layout`,
+        made at start by :meth:`_keep_state_per_element`), the same whatever the quorum, and
+        each sync lays it out for the quorum it runs in: ``residual`` (what this replica has
+        not sent yet of its own pseudo-gradient, element by element: the all-gather form on 2
+        replicas keeps and uses the same one, so the forms alternate with nothing lost) and
+        ``residual_owner`` (what this replica's re-encode of the reduced chunk it owns lost,
+        fed back into that chunk at the next sync). At a quorum change a replica's chunk moves:
+        the owner residual it holds outside its new chunk is dropped (the log says how many
+        elements; :attr:`residual_dropped` counts them), the part inside it kept; a heal
+        zeroes both (they are this replica's own). None where it does not apply: 2 replicas
+        (the all-gather sends the same one payload), a codec with other state (a stochastic
+        codec's step), and the ring (needs point to point on a group torchft rebuilds)."""
+        if (world < 3 or part.exchange.collective != "all_gather"
                 or self.outer.config.outer_collective != "auto"):
+            return None
+        layout = part.exchange.layout
+        per_element = element_state_layout(part.exchange.spec, layout.numel)
+        if part.state and (per_element is None or sorted(part.state) != sorted(per_element)):
             return None
         key = (id(part), world)
         if key not in self._reduces:
             from ..wire.collectives import CollectiveCall, CompressedCollective
 
-            call = CollectiveCall("all_reduce", (part.exchange.layout.numel,), torch.float32,
-                                  world, "avg")
+            call = CollectiveCall("all_reduce", (layout.numel,), torch.float32, world, "avg")
             try:
-                built = CompressedCollective(call, part.exchange.spec)
+                built = CompressedCollective(call, part.exchange.spec,
+                                             owner_feedback=bool(part.state))
             except ConfigError:
                 built = None
-            self._reduces[key] = None if built is None or built.state_layout() else built
+            if built is not None and not part.state and built.state_layout():
+                built = None  # state the all-gather form does not have (a codec's step)
+            self._reduces[key] = built
         return self._reduces[key]
+
+    def _keep_state_per_element(self) -> None:
+        """Give each part whose codec keeps its state per element (error feedback:
+        :func:`~ccfx.wire.collectives.element_state_layout`) the owner residual of the
+        all-to-all form beside the residual it has, before anything snapshots, sends or saves
+        the codec state (so an uncommitted sync puts it back, a heal zeroes it and a
+        checkpoint holds it, under ``...part<p>.residual_owner``)."""
+        self.residual_dropped = 0
+        if self.outer.config.outer_collective != "auto":
+            return
+        for frag in self.outer.fragments:
+            for part in frag.parts:
+                layout = part.exchange.layout
+                per_element = element_state_layout(part.exchange.spec, layout.numel)
+                if (part.exchange.collective == "all_gather" and per_element is not None
+                        and sorted(part.state) == ["residual"]):
+                    shape, dtype = per_element["residual_owner"]
+                    part.state["residual_owner"] = part.state["residual"].new_zeros(
+                        shape, dtype=dtype)
+
+    def _dropped(self, part, count: int, comm) -> None:
+        if count:
+            self.residual_dropped = getattr(self, "residual_dropped", 0) + count
+            log.info("ccfx: outer sync at inner step %d: the quorum is %d replicas, this one "
+                     "owns chunk %d of %s: dropped the owner error-feedback residual of %d "
+                     "elements it no longer owns", self.outer.step, comm.world, comm.rank,
+                     part.exchange.spec, count)
 
     # -- failures -----------------------------------------------------------------------------
 

@@ -277,6 +277,33 @@ def _state_per_element(codec: Codec, row: int, dtype: torch.dtype) -> bool:
     return one != two
 
 
+def element_state_layout(spec: str, numel: int,
+                         dtype: torch.dtype = torch.float32) -> dict | None:
+    """Name → (shape, dtype) of the state an all-reduce of ``numel`` elements through ``spec``
+    keeps *per element of its input*, the same whatever the group's size; None where the
+    codec's state cannot be kept so (no error feedback, or an inner codec with state of its
+    own, a stochastic codec's step).
+
+    Why: the encoded reduce-scatter + all-gather lays its state out by the group's size (a
+    residual per chunk, one chunk per rank, and the owner's residual of one chunk), and a
+    fault-tolerant sync's group changes at every quorum change. Kept per element instead:
+
+    * ``residual``: this rank's error feedback of what it encoded from its own input, element
+      by element, whatever chunk the element falls in (the all-gather form of the same codec
+      keeps exactly this one: the two forms can alternate);
+    * ``residual_owner``: the residual of the owner's re-encode of the reduced sum, at the
+      elements of the chunk this rank owns (zeros elsewhere). Every rank decodes those bytes,
+      so feeding the residual back keeps the ranks bit-identical. When the group changes,
+      the part of the owner residual that falls in this rank's new chunk is kept (it is the
+      same elements' error) and the rest is dropped
+      (:meth:`CompressedCollective.state_to_elements` counts it): at most one re-encode's
+      error per element, lost once, never counted twice."""
+    codec = codecs.prototype(spec)
+    if not isinstance(codec, ErrorFeedback) or codec.inner.state_layout((1,), dtype):
+        return None
+    return {"residual": ((numel,), dtype), "residual_owner": ((numel,), dtype)}
+
+
 def _zero(n) -> bool:
     """``n`` is the int 0 (a symbolic size is never taken for zero: guarding on an unbacked
     SymInt fails the trace, and the phases handle 0 rows without a branch)."""
@@ -420,9 +447,13 @@ class CompressedCollective:
     ``ConfigError`` when :func:`refuse` says the spec cannot compress the call. ``rows``
     (None: decide) forces or forbids encoding and decoding all chunks in one call, where the
     codec allows it (``_rows_split``): the bits are the same either way, the state layout not
-    (tests compare the two)."""
+    (tests compare the two). ``owner_feedback`` (an all-reduce through an error-feedback
+    codec): the owner of each reduced chunk keeps the residual of re-encoding it
+    (``owner.residual``) and adds it to the next reduced chunk, so the second encode loses
+    nothing for good either (see :func:`element_state_layout`)."""
 
-    def __init__(self, call: CollectiveCall, spec: str, rows: bool | None = None):
+    def __init__(self, call: CollectiveCall, spec: str, rows: bool | None = None,
+                 owner_feedback: bool = False):
         why = refuse(call, spec)
         if why is not None:
             raise ConfigError(f"{call.kind} of {tuple(call.shape)} {call.dtype} on "
@@ -432,6 +463,12 @@ class CompressedCollective:
         self.codec = codecs.prototype(spec)
         self.spec = self.codec.spec
         self.identity = self.codec.name == "none"
+        if owner_feedback and (call.kind != "all_reduce" or call.by_rows
+                               or not isinstance(self.codec, ErrorFeedback)):
+            raise ConfigError(f"owner_feedback keeps the residual of the all-reduce owner's "
+                              f"re-encode: it needs an all_reduce through an error-feedback "
+                              f"codec, not a {call.kind} through {self.spec!r}")
+        self.owner_feedback = owner_feedback
         self._avg = (call.reduce_op or "").lower() == "avg"
         #: Unequal all_to_all splits: whole rows, each encoded on its own (``_rows_issue``).
         self.by_rows = call.by_rows
@@ -466,8 +503,12 @@ class CompressedCollective:
                                   for k, v in per.items()}
             self._chunk_names = [[f"chunk{j:04d}.{k}" for k in sorted(per)]
                                  for j in range(self.chunks)]
+        # the owner re-encodes its reduced chunk: with the inner codec, or the whole
+        # error-feedback codec (owner_feedback)
+        owner = self.codec if self.owner_feedback else inner
+        self._owner_spec = owner.spec
         self._owner_state = ({f"owner.{k}": v for k, v in
-                              inner.state_layout((self.chunk,), dtype).items()}
+                              owner.state_layout((self.chunk,), dtype).items()}
                              if call.kind == "all_reduce" and not self.identity else {})
         self._owner_names = sorted(self._owner_state)
 
@@ -493,6 +534,7 @@ class CompressedCollective:
         self._encode_state = dict(self.codec.state_layout(
             (self._state_rows * self.row_padded,), dtype)) if not self.identity else {}
         self._chunk_names = [sorted(self._encode_state)]
+        self._owner_spec = self._inner_spec
         self._owner_state, self._owner_names = {}, []
 
     @property
@@ -583,10 +625,63 @@ class CompressedCollective:
             out = {f"chunk{j:04d}.{k}": v.clone() for j in range(self.chunks)
                    for k, v in init.items()}
         if self._owner_state:
-            inner = codecs.prototype(self._inner_spec)
-            for k, v in inner.init_state((self.chunk,), dtype, device).items():
+            owner = codecs.prototype(self._owner_spec)
+            for k, v in owner.init_state((self.chunk,), dtype, device).items():
                 out[f"owner.{k}"] = v
         return out
+
+    # -- state kept per element of the input (a group whose size changes) ------------------
+
+    def _owned(self, rank: int) -> tuple[int, int]:
+        """The input elements ``[lo, hi)`` whose sum rank ``rank`` owns (its chunk, the padding
+        left out)."""
+        lo = min(rank * self.used, self.call.numel)
+        return lo, min(lo + self.used, self.call.numel)
+
+    def state_from_elements(self, elements: dict[str, torch.Tensor],
+                            rank: int) -> dict[str, torch.Tensor]:
+        """The state :meth:`run` takes on rank ``rank`` of this call's group, made from state
+        kept per element of the whole input (:func:`element_state_layout`: it does not depend
+        on the group's size): ``residual`` laid out as this rank's ``W`` chunks (their padding
+        zero), ``residual_owner``'s entries of the chunk this rank owns. New tensors: write
+        them back with :meth:`state_to_elements`."""
+        names = element_state_layout(self.spec, self.call.numel, self.call.dtype)
+        if names is None or sorted(elements) != sorted(names) or self.kind != "all_reduce":
+            raise ConfigError(f"{self.kind} through {self.spec!r}: its state is not kept per "
+                              f"element (got {sorted(elements)}, per-element state is "
+                              f"{sorted(names or {})})")
+        grid = self._rows(elements["residual"]).clone()
+        if self.rows or self.chunks == 1:
+            out = {"residual": grid.reshape(-1)}
+        else:
+            out = {f"chunk{j:04d}.residual": grid[j] for j in range(self.chunks)}
+        if self.owner_feedback:
+            lo, hi = self._owned(rank)
+            own = elements["residual_owner"].new_zeros(self.chunk)
+            own[:hi - lo] = elements["residual_owner"][lo:hi]
+            out["owner.residual"] = own
+        return out
+
+    def state_to_elements(self, state: dict[str, torch.Tensor],
+                          elements: dict[str, torch.Tensor], rank: int) -> int:
+        """Write what :meth:`run` left in ``state`` back into the per-element ``elements``
+        (in place). Padding is dropped (its input and residual are zeros). ``residual_owner``
+        keeps this rank's chunk only: entries elsewhere belong to chunks another rank owns
+        now (the group changed since they were kept) and are dropped; how many nonzero ones
+        were dropped is returned (0 while the group stays the same)."""
+        if self.rows or self.chunks == 1:
+            grid = state["residual"].view(self.chunks, self.chunk)
+        else:
+            grid = torch.stack([state[f"chunk{j:04d}.residual"] for j in range(self.chunks)])
+        residual = elements["residual"]
+        residual.copy_(grid[:, :self.used].reshape(-1)[:residual.numel()])
+        dropped = 0
+        if self.owner_feedback:
+            kept, (lo, hi) = elements["residual_owner"], self._owned(rank)
+            dropped = int(torch.count_nonzero(kept)) - int(torch.count_nonzero(kept[lo:hi]))
+            kept.zero_()
+            kept[lo:hi] = state["owner.residual"][:hi - lo]
+        return dropped
 
     # -- the phases ------------------------------------------------------------------------
 
@@ -696,7 +791,7 @@ class CompressedCollective:
     def _reduce_regather(self, x, state, carry, comm):
         reduced = self._sum_in_rank_order(comm.wait(carry[0])).to(self.call.dtype)
         named = self._named(state)
-        payload = self._encode(reduced, self._inner_spec, [named[k] for k in self._owner_names])
+        payload = self._encode(reduced, self._owner_spec, [named[k] for k in self._owner_names])
         return [comm.all_gather(self.packing.pack(payload))]
 
     def _gather_issue(self, x, state, carry, comm):
