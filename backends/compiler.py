@@ -627,7 +627,14 @@ def backend_of(obj) -> CcfxBackend:
     for c in contexts:
         if getattr(c, "_ccfx_backend", None) is not None:
             return c._ccfx_backend
+    why = fallbacks.why_not_compiled(contexts)
+    if not why and any(_wrapper_of(c) is not None for c in contexts):
+        # compiled with ccfx, never called: Dynamo compiles (and ccfx plans) at the first call
+        raise ConfigError(
+            f"this {type(obj).__name__} was compiled with backend='ccfx' but has not run yet: "
+            "Dynamo hands ccfx the graph at the first call, so call it once (e.g. "
+            "compiled(x)) before asking for its plan, ledger, explanation or drawing")
     raise ConfigError(
         f"{type(obj).__name__} was not compiled by ccfx, or has not run yet: call "
         "torch.compile(model, backend='ccfx', options={...}) and run it once before plan_of()"
-        + fallbacks.why_not_compiled(contexts))
+        + why)

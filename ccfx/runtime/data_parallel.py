@@ -59,6 +59,7 @@ from ..wire.comm import FunctionalComm, LocalComm
 from ..wire.exchange import exchange_for
 from ..wire.link import configured_link, resolve_collective
 from ..wire.policy import assign_buckets
+from .launcher_env import require_group_under_launcher
 from .ledger import Ledger
 
 log = logging.getLogger("ccfx")
@@ -118,6 +119,7 @@ class DataParallel:
         self._graphs: dict[int, _GraphState] = {}
         dist = _dist()
         if dist is None:
+            require_group_under_launcher("data_parallel=True")
             self.world, self.rank, self.backend_name, self.group = 1, 0, "none", None
             self.comm = LocalComm()
             self.note = ("no process group: world size 1, each bucket's codec runs as a local "

@@ -70,6 +70,7 @@ from ..wire.comm import LocalComm, ProcessGroupComm
 from ..wire.exchange import BucketLayout, Exchange, exchange_for
 from ..wire.link import resolve_collective
 from ..wire.policy import balanced, split_fragment
+from .launcher_env import require_group_under_launcher
 
 log = logging.getLogger("ccfx")
 
@@ -131,6 +132,8 @@ class LocalSteps:
         self.wire_bytes = 0
         # fault tolerant (ccfx.runtime.elastic): torchft's quorum, not a process group
         started = elastic is None and dist.is_available() and dist.is_initialized()
+        if elastic is None:
+            require_group_under_launcher("ccfx.local_steps")
         self.group = self._own_group(group, named_params) if started else None
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank() if started else 0

@@ -1,0 +1,77 @@
+"""Natural mistakes of a new user following the README, and the error each one gets: a ccfx
+exception that names the problem and the fix. One process, no ranks, eager lowering."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ccfx
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+@pytest.fixture
+def no_group(monkeypatch):
+    """As in a process that never called init_process_group (whatever other tests did here)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+
+
+@pytest.fixture
+def launched(monkeypatch, no_group):
+    """As torchrun leaves rank 1 of 4 before the script runs."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+
+
+@pytest.mark.parametrize("ask", [ccfx.plan_of, ccfx.ledger_of, ccfx.explain])
+def test_asking_for_the_plan_before_the_first_call_says_to_call_it(ask):
+    compiled = torch.compile(_mlp(), backend="ccfx", options={"stages": 2, "lowering": "eager"})
+    with pytest.raises(ccfx.ConfigError) as e:
+        ask(compiled)
+    # not "was not compiled by ccfx": it was, it has only not run
+    assert "compiled with backend='ccfx' but has not run yet" in str(e.value)
+    assert "call it once" in str(e.value)
+
+
+def test_plan_of_a_model_never_compiled_still_says_how_to_compile():
+    with pytest.raises(ccfx.ConfigError, match="was not compiled by ccfx.*torch.compile"):
+        ccfx.plan_of(_mlp())
+
+
+def test_data_parallel_under_a_launcher_without_a_process_group_is_refused(launched):
+    compiled = torch.compile(_mlp(), backend="ccfx",
+                             options={"data_parallel": True, "lowering": "eager"})
+    with pytest.raises(ccfx.ConfigError) as e:
+        compiled(torch.randn(8, 32)).sum().backward()
+    text = str(e.value)
+    assert "data_parallel=True" in text and "one of 4 ranks" in text
+    assert "init_process_group()" in text and "unset WORLD_SIZE" in text
+
+
+def test_local_steps_under_a_launcher_without_a_process_group_is_refused(launched):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ccfx.ConfigError, match="ccfx.local_steps: .* one of 4 ranks.*"
+                                               "init_process_group"):
+        ccfx.local_steps(model, opt, sync_every=2)
+
+
+@pytest.mark.parametrize("world", [None, "1"])
+def test_one_process_without_a_group_still_runs_as_world_size_one(monkeypatch, no_group, world):
+    # the README's "Without a process group data_parallel runs as world size 1" is kept
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    compiled = torch.compile(_mlp(), backend="ccfx",
+                             options={"data_parallel": True, "gradient_codec": "int8",
+                                      "lowering": "eager"})
+    compiled(torch.randn(8, 32)).sum().backward()
+    assert "no process group" in str(ccfx.plan_of(compiled))
+    model = _mlp()
+    outer = ccfx.local_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    assert outer.world == 1
