@@ -241,7 +241,7 @@ def failing_replica(k: int, lighthouse: str, fail_at: int, steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
                              replica_id=f"f{k}", quorum_timeout_s=20.0, max_retries=2,
-                             **{**OPTIONS, "collective_timeout_s": 3.0})
+                             **{**OPTIONS, "collective_timeout_s": 20.0})
     exchange = outer.elastic._exchange
 
     def maybe_failing(frag, scale, comm):

@@ -71,6 +71,7 @@ def test_restarted_replica_heals_bit_identical_at_its_first_sync(run):
     rows = reps.syncs["r2"][run["killed_rows"]:]
     first = next((row, digest) for row, digest in rows if row["committed"])
     assert first[0]["healed"]  # it took the state from a live peer, not its own seed-7 model
+    assert first[0]["own"] == 0 < first[0]["weight"]  # its own steps count from here on
     # it joined the peers' sync of one streamed fragment, and synced that same fragment
     assert len(first[0]["fragments"]) == 1, first[0]
     for name in ("r0", "r1"):
@@ -90,6 +91,29 @@ def test_globals_equal_after_every_committed_sync(run):
                 by_step.setdefault(row["torchft_step"], set()).add(digest)
     assert len(by_step) >= 6
     assert all(len(d) == 1 for d in by_step.values()), by_step
+
+
+@pytest.mark.slow
+def test_each_commit_counts_the_steps_of_its_members_since_their_last_commit(run):
+    """What goodput counts (bench/elastic sums r0's ``weight``): a committed sync's weight is
+    the sum of its members' own inner steps since their last committed sync (none of the
+    killed replica's after its last commit; 0 for one that has just healed), checked at every
+    torchft step whose members all reported it."""
+    reps = run["reps"]
+    by_step: dict[int, list[dict]] = {}
+    for name in ("r0", "r1", "r2"):
+        for row, _ in reps.syncs[name]:
+            if row["committed"]:
+                by_step.setdefault(row["torchft_step"], []).append(row)
+    whole = {s: rows for s, rows in by_step.items() if len(rows) == rows[0]["replicas"]}
+    assert len(whole) >= 6, sorted(by_step)
+    for rows in whole.values():
+        assert len({r["weight"] for r in rows}) == 1, rows
+        assert sum(r["own"] for r in rows) == rows[0]["weight"], rows
+        assert all(r["own"] == 0 for r in rows if r["healed"]), rows
+    # r0 and r1 train on while r2 is dead: their steps are counted as before
+    alone = [rows for rows in whole.values() if rows[0]["replicas"] == 2]
+    assert any(all(r["own"] > 0 for r in rows) for rows in alone), alone
 
 
 @pytest.mark.slow
@@ -241,9 +265,12 @@ def test_average_is_weighted_by_the_tokens_each_replica_reports(lighthouse2):
 
 @pytest.mark.slow
 def test_failed_sync_is_committed_nowhere_and_changes_nothing(lighthouse2):
-    """Replica 1's exchange fails at inner step 2: neither replica commits that sync (replica 0
-    waits for it until collective_timeout_s), the global parameters and the codec state
-    (error-feedback residuals) stay as they were, and the next sync commits on both."""
+    """Replica 1's exchange fails at inner step 2: neither replica commits that sync, the
+    global parameters and the codec state (error-feedback residuals) stay as they were, and the
+    next sync commits on both, counting the inner steps of the failed one. Replica 0, blocked
+    in the exchange on replica 1 (alive: it left the exchange), gets out because replica 1
+    aborts the group, not at collective_timeout_s (its error is a closed or reset connection,
+    not a timeout: before the abort it waited the timeout and missed the next quorum)."""
     a, b = w.in_threads([lambda k=k: w.failing_replica(k, lighthouse2, 2 if k else 0, 4)
                          for k in range(2)], timeout_s=90)
     for r in (a, b):
@@ -252,7 +279,12 @@ def test_failed_sync_is_committed_nowhere_and_changes_nothing(lighthouse2):
         failed = r["rows"][1]
         assert failed["step"] == 2 and failed["after"] == failed["before"]
         assert r["rows"][3]["after"] != r["rows"][3]["before"]
+        # the steps of the uncommitted sync are not lost: the next commit counts all four
+        assert [(h["own"], h["weight"]) for h in r["history"][1:]] == [(2, 4), (4, 8)]
     assert a["rows"][3]["after"][0] == b["rows"][3]["after"][0]
+    assert b["history"][1]["error"].startswith("injected"), b["history"][1]
+    peer = a["history"][1]["error"]
+    assert "connection" in peer.lower() and "timed out" not in peer.lower(), peer
 
 
 @pytest.mark.slow

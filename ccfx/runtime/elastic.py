@@ -31,8 +31,10 @@ Each replica (one process; its own torchft replica group of size 1) owns a torch
    put back as it was, the pseudo-gradient keeps growing to the next sync, and its global
    parameters do not move. torchft decides per replica: a peer dying inside an exchange fails
    it for every member, and a replica that misses a commit its peers made is a step behind and
-   heals at the next quorum. ``max_retries`` consecutive uncommitted syncs raise
-   :class:`~ccfx.CollectiveError`.
+   heals at the next quorum. A replica whose exchange failed aborts the quorum's group at once:
+   a peer blocked on *it* (not on the dead one) gets out now instead of at the timeout, and
+   reaches the next quorum with the others (torchft rebuilds the group there).
+   ``max_retries`` consecutive uncommitted syncs raise :class:`~ccfx.CollectiveError`.
 
 Joining is a sync at :func:`~ccfx.local_steps` time with nothing to send: a replica started
 late waits there (up to ``quorum_timeout_s``) for the others' next sync, heals in it and trains
@@ -285,7 +287,7 @@ class Elastic:
                    if outer.step > 0 and outer.step % outer.sync_every == f.offset]
         comm = None
         averaged: dict[int, list[torch.Tensor]] = {}
-        total = 0
+        total, own, error = 0, self._weight(), None
         try:
             # inside the try: when the group's rebuild failed in the quorum (torchft reports it
             # and leaves the group unset), this sync is uncommitted like any failed exchange
@@ -300,9 +302,11 @@ class Elastic:
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 (a peer died or hung: this sync is not committed)
+            error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             log.warning("ccfx: outer sync at inner step %d failed (%s): not committed",
-                        outer.step, (str(e).splitlines() or [type(e).__name__])[0])
+                        outer.step, error)
             self.manager.report_error(e)
+            self._leave_group()
         try:
             committed = self.manager.should_commit()
         except RuntimeError as e:
@@ -329,6 +333,8 @@ class Elastic:
             "step": outer.step, "torchft_step": self.manager.current_step(),
             "replicas": world, "committed": committed, "healed": self._healed,
             "weight": total,  # the quorum's tokens (or inner steps) in this sync
+            "own": own,  # this replica's part of it (0 for a replica that has just healed)
+            "error": error,  # why the exchange failed (the first line), else None
             "fragments": [f.index for f in due if f.index in averaged],
             "collectives": sorted(self.used),
             "seconds": time.monotonic() - started, "quorum_s": quorum_s})
@@ -451,6 +457,22 @@ class Elastic:
                      part.exchange.spec, count)
 
     # -- failures -----------------------------------------------------------------------------
+
+    def _leave_group(self) -> None:
+        """Abort this quorum's process group at once after a failed exchange, so the peers
+        still blocked in it on *this* replica get out now. A SIGKILLed peer's sockets close and
+        gloo errors at once for whoever waits on it, but a replica waiting on a live one that
+        already left (the all-gather's ring after the all-to-all) waited until that one
+        rebuilt its group at its next quorum, or until ``collective_timeout_s``, missed that
+        quorum and healed a sync later, its inner steps lost (bench/README: elastic). torchft
+        rebuilds the group at the next quorum (an uncommitted step gives a new quorum id)."""
+        pg = getattr(self.manager, "_pg", None)
+        if pg is None or getattr(pg, "_pg", None) is None:
+            return
+        try:
+            pg.abort()
+        except Exception as e:  # noqa: BLE001 (best effort: the rebuild replaces it anyway)
+            log.info("ccfx: aborting the failed sync's process group: %s", e)
 
     def _no_quorum(self, e: BaseException, what: str) -> CollectiveError:
         text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
