@@ -88,7 +88,59 @@ def replica(name: str, index: int, cfg: dict, stop_at, out) -> None:
         out.put(("error", name, traceback.format_exc()))
 
 
-def _replica(name, index, cfg, stop_at, out, started) -> None:
+def standby(cfg: dict, stop_at, go, out) -> None:
+    """A warm standby (``--restart standby``): a process started ahead of any failure that
+    imports torch, ccfx and torchft, builds the model and AdamW and takes one throwaway step
+    (torch's first-call costs), then waits on ``go`` for the name and shard of the replica it
+    replaces. It does not start torchft's manager before then: a manager heartbeats, and the
+    lighthouse would wait for it at every quorum. Then it is that replica (:func:`_replica`):
+    it joins at the others' next sync and heals from a live peer, like a cold restart, without
+    the process start, the imports and the model. What torchft's design allows (spares join
+    the quorum) and what a deployment buys with an idle process per spare."""
+    started = time.time()
+    try:
+        import torch
+        import torchft  # noqa: F401
+
+        import ccfx  # noqa: F401 (what the replica imports: paid here, not after the kill)
+        from bench.local_steps import _data
+
+        torch.set_num_threads(1)
+        model, opt = _build(cfg, 0, _data(cfg.get("gpt", GPT)["block_size"], 0, 0, BATCH)[2])
+        x, y = torch.randint(0, model.config.vocab_size,
+                             (2, BATCH, cfg.get("gpt", GPT)["block_size"]))
+        model(x, y)[1].backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        opt = _adamw(model)  # a fresh optimizer: the throwaway step leaves no state behind
+        out.put(("standby", None, {"started": started, "ready": time.time()}))
+        name, index, sent = go.get()
+        _replica(name, index, cfg, stop_at, out, sent, warm=(model, opt))
+    except Exception:  # noqa: BLE001 (the driver reports it)
+        import traceback
+
+        out.put(("error", "standby", traceback.format_exc()))
+
+
+def _adamw(model):
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _build(cfg: dict, index: int, vocab: int):
+    """The replica's model (seeded by ``index``: a joiner must take the others' parameters, not
+    its own) and its AdamW (whose first construction imports torch._dynamo)."""
+    import torch
+
+    from ccfx.models import GPTConfig, TinyGPT
+
+    torch.manual_seed(index)
+    model = TinyGPT(GPTConfig(vocab_size=vocab, **cfg.get("gpt", GPT)))
+    return model, _adamw(model)
+
+
+def _replica(name, index, cfg, stop_at, out, started, warm=None) -> None:
     import torch
 
     import ccfx
@@ -100,9 +152,7 @@ def _replica(name, index, cfg, stop_at, out, started) -> None:
     torch.set_num_threads(1)
     train, held_out, vocab = _data(gpt["block_size"], 0, index, BATCH)
     phases["data"] = time.time()
-    torch.manual_seed(index)  # a joiner must take the others' parameters, not its own
-    model = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    model, opt = warm or _build(cfg, index, vocab)
     phases["model"] = time.time()
     outer = ccfx.local_steps(
         model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
@@ -155,17 +205,35 @@ def inside(cfg: dict) -> dict:
     phases: dict[str, list[dict]] = {}
     done: dict[str, dict] = {}
 
+    spares: list = []  # --restart standby: [(process, go queue)], the one warm standby
+    standby_s: list[float] = []  # each standby's start to ready (off the critical path)
+
     def start(name, index):
+        if cfg.get("restart") == "standby" and spares:
+            proc, go = spares.pop()  # the warm standby becomes ``name``; a new one starts
+            go.put((name, index, time.time()))
+            queues[name], procs[name] = queues.pop("standby"), proc
+            start_standby()
+            return
         queues[name] = ctx.Queue()  # one per replica: a SIGKILL mid-write would block a shared one
         procs[name] = ctx.Process(target=replica, args=(name, index, cfg, stop_at, queues[name]),
                                   daemon=True)
         procs[name].start()
+
+    def start_standby():
+        queues["standby"], go = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=standby, args=(cfg, stop_at, go, queues["standby"]),
+                           daemon=True)
+        proc.start()
+        spares.append((proc, go))
 
     def take(kind, name, data):
         if kind == "row":
             rows.setdefault(name, []).append(data)
         elif kind == "phases":
             phases.setdefault(name, []).append(data)
+        elif kind == "standby":
+            standby_s.append(data["ready"] - data["started"])
         else:
             done[name] = data
 
@@ -177,6 +245,8 @@ def inside(cfg: dict) -> dict:
     names = [f"r{i}" for i in range(cfg["replicas"])]
     for i, name in enumerate(names):
         start(name, i)
+    if cfg.get("restart") == "standby":
+        start_standby()
     kills, victim = [], 1
     next_kill = cfg["kill_every"] // cfg["h"] if cfg["kill_every"] else None
     deadline = time.monotonic() + cfg["timeout_s"]
@@ -212,7 +282,7 @@ def inside(cfg: dict) -> dict:
             time.sleep(0.05)
         pump()
     finally:
-        for p in procs.values():
+        for p in [*procs.values(), *(proc for proc, _ in spares)]:
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
@@ -232,6 +302,7 @@ def inside(cfg: dict) -> dict:
             first_commit.append(later[0]["time"] - later[0]["started"])
             splits.append(_split(k, later[0], phases.get(k["name"], []), rows))
     return {"run": cfg["run"], "codec": cfg["codec"], "replicas": cfg["replicas"],
+            "restart": cfg.get("restart", "cold"), "standby_ready_s": standby_s,
             "syncs": len(r0), "torchft_steps": [r["torchft_step"] for r in r0],
             "uncommitted": sum(1 for r in rows["r0"] if not r["committed"]),
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
@@ -344,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every", type=int, default=1, help="syncs between checkpoints (ckpt)")
     p.add_argument("--tf-timeout-s", type=float, default=60,
                    help="torchft DiLoCo's manager timeout (collectives, the checkpoint lock)")
+    p.add_argument("--restart", nargs="+", choices=["cold", "standby"], default=["cold"],
+                   help="how a killed replica comes back in ccfx's failures run (one run per "
+                        "choice): cold, a new process (imports, model); standby, a warm "
+                        "process started ahead that takes its place")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
@@ -359,11 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     from bench.local_steps import MODELS
 
     rows = []
-    for run in a.runs:
+    plan = [(run, restart) for run in a.runs
+            for restart in (a.restart if run == "failures" else ["cold"])]
+    for run, restart in plan:
         if run not in RUNS:
             p.error(f"unknown run {run!r}: choose from {', '.join(RUNS)}")
         tf = run.startswith("tf_")
-        cfg = {"run": run, "replicas": a.replicas, "h": a.h, "syncs": a.syncs,
+        cfg = {"run": run if restart == "cold" else f"{run}_{restart}", "restart": restart,
+               "replicas": a.replicas, "h": a.h, "syncs": a.syncs,
                "codec": "none" if run == "raw" or tf else a.codec, "grace_ms": a.grace_ms,
                "kill_every": a.kill_every if run in ("failures", "tf_failures", "ckpt") else 0,
                "timeout_s": a.timeout_s, "impl": "torchft" if tf else "ccfx",
@@ -371,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                "heartbeat_ms": a.heartbeat_ms, "tick_ms": a.tick_ms,
                "tf_timeout_s": a.tf_timeout_s,
                "gpt": MODELS[a.model]["gpt"]}
-        print(f"[elastic] {run} ...", flush=True)
+        print(f"[elastic] {cfg['run']} ...", flush=True)
         rows.append(run_one(cfg, a.rate or None))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{a.replicas} replicas, {a.model} GPT, H={a.h}, {a.rate:g} Mbit/s, kill every "
