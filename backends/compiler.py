@@ -49,6 +49,7 @@ from ccfx.viz.observability import install as _install_torch_logs
 from . import fallbacks
 from .collectives import Collectives
 from .collectives import active as collectives_active
+from .dp_link import collective_decisions, group_link
 from .lowering import LoweredGraphs, lower
 from .plan_builder import build_graph_plan
 
@@ -116,6 +117,8 @@ class CcfxBackend:
         #: Data-parallel gradient synchronization (``data_parallel=True``), made at the first
         #: compile (it creates a process group: every rank compiles together).
         self.data_parallel: DataParallel | None = None
+        #: the link its ``gradient_collective="auto"`` is priced on (ccfx.backends.dp_link)
+        self._dp_link = None
         #: The functional collectives of the compiled graphs, compressed as the options say
         #: (``collective_codec``; their rows are in each graph's plan).
         self.collectives = Collectives(self.config, self.ledger, self.codec_state)
@@ -266,9 +269,43 @@ class CcfxBackend:
             decide = None
             if self.config.gradient_codec == AUTO:  # priced by the planner, per bucket
                 from ccfx.planner.plan_buckets import plan_bucket_codecs as decide
-            self.data_parallel = DataParallel(self.config, self.ledger, decide,
-                                              state=self.codec_state)
+            import torch.distributed as dist
+
+            # gradient_collective="auto": priced on the group's link (the cluster's slowest
+            # between the ranks' devices), decided here once and named in the plan
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+                else 1
+            self._dp_link = group_link(self.config, range(world))
+            self.data_parallel = DataParallel(
+                self.config, self.ledger, decide, state=self.codec_state,
+                link=self._dp_link.link if self._dp_link is not None else None)
         return self.data_parallel
+
+    def stage_gradient_link(self, dp_group):
+        """Under PP × DP, the link ``gradient_collective="auto"`` is priced on for this rank's
+        data-parallel group (:func:`ccfx.backends.dp_link.group_link`), or None."""
+        import torch.distributed as dist
+
+        if dp_group is None or not dist.is_initialized():
+            return None
+        return group_link(self.config, dist.get_process_group_ranks(dp_group))
+
+    def record_stage_collectives(self, stages, group, graph: int = 0) -> None:
+        """Write what ``gradient_collective="auto"`` chose for this rank's stage buckets, and
+        on which link (``group``: :meth:`stage_gradient_link`'s), into graph ``graph``'s
+        plan."""
+        sync = getattr(stages[0], "grad_sync", None) if stages else None
+        if group is None or sync is None or not sync.buckets:
+            return
+        import torch.distributed as dist
+
+        first = stages[0].stage_index
+        rows = [(i, ex.spec, ex.collective, ex.layout.numel, ex.layout.dtype)
+                for i, _, ex, _ in sync.buckets]
+        g = self.graphs[graph].plan
+        where = f"stage {first} bucket"
+        g.decisions = [d for d in g.decisions if not d.what.startswith(where)] + \
+            collective_decisions(where, rows, dist.get_world_size(sync.dp_group), group)
 
     def _flops_before(self, desc: dict) -> int:
         """The model's FLOPs in the graphs compiled before this one, each distinct graph once
@@ -367,7 +404,7 @@ class CcfxBackend:
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs,
                                          desc=desc))
         if dp is not None:  # the backward compiled with the forward: its buckets are decided
-            _record_buckets(graph_plan, dp)
+            _record_buckets(graph_plan, dp, self._dp_link)
         if dp is not None and dp.buckets(index):
             with_buckets = Plan(cfg.to_dict(), [graph_plan], data_parallel=dp.info())
             log.info("ccfx: graph %d gradient buckets\n%s", index, with_buckets)
@@ -392,13 +429,18 @@ class CcfxBackend:
         return run
 
 
-def _record_buckets(graph_plan: GraphPlan, dp: DataParallel) -> None:
+def _record_buckets(graph_plan: GraphPlan, dp: DataParallel, link=None) -> None:
     """Write the data-parallel decisions of one graph into its plan, once: its buckets, what
-    ``gradient_codec="auto"`` chose for them and the step it predicted."""
+    ``gradient_codec="auto"`` chose for them and the step it predicted, and what
+    ``gradient_collective="auto"`` chose on which link (``link``: the backend's
+    :class:`ccfx.backends.dp_link.GroupLink`)."""
     index = graph_plan.index
     graph_plan.buckets = dp.buckets(index)
     edge_decisions = [d for d in graph_plan.decisions if not d.what.startswith("bucket")]
-    graph_plan.decisions = edge_decisions + dp.decisions(index)
+    rows = [(b.index, b.codec, b.collective, b.numel, getattr(torch, b.dtype.split(".")[-1]))
+            for b in graph_plan.buckets]
+    graph_plan.decisions = edge_decisions + dp.decisions(index) + collective_decisions(
+        "bucket", rows, dp.world, link)
     if graph_plan.prediction is None:
         graph_plan.prediction = dp.prediction(index)
 

@@ -137,8 +137,14 @@ def build_stages(compiled, rank: int | None = None, device="cpu", group=None, *,
     backend = backend_of(compiled)
     # each stage's data-parallel gradient codec: the backend's decision (the planner's, for
     # "auto"), written into the plan
-    return _build(backend, rank, world, device, group, style=style, dp_group=dp_group,
-                  gradient_codecs=lambda parent: backend.stage_gradient_codecs(parent, dp_group))
+    # gradient_collective="auto": priced on the data-parallel group's link (the cluster's
+    # slowest between its ranks' devices), decided by the backend and named in the plan
+    link = backend.stage_gradient_link(dp_group)
+    stages = _build(backend, rank, world, device, group, style=style, dp_group=dp_group,
+                    gradient_codecs=lambda parent: backend.stage_gradient_codecs(parent, dp_group),
+                    gradient_link=link.link if link is not None else None)
+    backend.record_stage_collectives(stages, link)
+    return stages
 
 
 def build_stage(compiled, rank: int | None = None, device="cpu", group=None):

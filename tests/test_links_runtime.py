@@ -135,3 +135,144 @@ def test_the_data_parallel_model_adds_the_wait_to_a_two_rank_gather_bucket():
     assert two.cost(bucket[0], "bf16").wait_s == 0.0
     four = DataParallelModel(0.0, 0.0, bucket, 4, SLOW, TIMER)
     assert four.cost(bucket[0], "int8").wait_s == 0.0
+
+
+# -- 2. gradient_collective="auto" on the cluster's link for the group ------------------------
+
+
+def eight():
+    """2 nodes x 4 devices: 100 Gbit/s and 0.05 ms inside a node, 50 Mbit/s and 1 ms between."""
+    return ccfx.Cluster.nodes(2, 4, intra=(100.0, 0.05), inter=(0.05, 1.0), memory="16GiB",
+                              flops=1e12)
+
+
+INSIDE4 = (0, 1, 2, 3)  # a 4-rank group on node n0
+ACROSS4 = (0, 1, 4, 5)  # two ranks on each node
+NUMEL = 1 << 20  # an int8 bucket of 1 Mi elements (about 1 MB on the wire)
+
+
+def dp_config(placement, **extra):
+    return ccfx.Config(data_parallel=True, gradient_codec="int8", gradient_collective="auto",
+                       cluster=eight().to_dict(), placement=placement, **extra)
+
+
+@pytest.mark.parametrize("placement,level,collective", [
+    (INSIDE4, "intra_node 100 Gbit/s", "all_gather"),  # latency-bound: one collective
+    (ACROSS4, "inter_node 0.05 Gbit/s", "ring"),  # bandwidth-bound: half the bytes
+])
+def test_the_backend_prices_auto_on_the_groups_slowest_link(placement, level, collective):
+    from ccfx.backends.dp_link import group_link
+    from ccfx.wire.link import resolve_collective
+
+    group = group_link(dp_config(placement), range(4))
+    assert group.text.startswith(", ".join(eight().names[i] for i in placement) + f": {level}")
+    assert "the group's slowest link" in group.text
+    assert resolve_collective("auto", "int8", NUMEL, torch.float32, 4, group.link) == collective
+    # the options' one link (what the runtime used before) prices both groups alike
+    assert resolve_collective("auto", "int8", NUMEL, torch.float32, 4,
+                              wire_link.configured_link(dp_config(placement))) == "ring"
+
+
+def test_nothing_is_priced_without_auto_or_for_one_rank_and_link_gbps_without_a_cluster():
+    from ccfx.backends.dp_link import group_link
+
+    assert group_link(ccfx.Config(gradient_collective="all_gather", cluster=eight().to_dict()),
+                      range(4)) is None
+    assert group_link(dp_config(INSIDE4), [0]) is None
+    plain = group_link(ccfx.Config(gradient_collective="auto", link_gbps=0.1), range(4))
+    assert plain.link == Link(0.1, 0.05) and plain.text.startswith("the link_gbps link")
+    bare = group_link(ccfx.Config(gradient_collective="auto"), range(4))
+    assert bare.link is None and "decided by bytes" in bare.text
+
+
+def test_a_group_beyond_the_clusters_devices_is_a_config_error():
+    from ccfx.backends.dp_link import group_link
+    from ccfx.errors import ConfigError
+
+    cfg = ccfx.Config(gradient_collective="auto", cluster=eight().to_dict())
+    with pytest.raises(ConfigError, match="placement"):
+        group_link(cfg, range(12))
+
+
+@pytest.mark.parametrize("placement,collective", [(INSIDE4, "all_gather"), (ACROSS4, "ring")])
+def test_the_runtime_resolves_auto_on_the_link_the_backend_gave(placement, collective):
+    from ccfx.backends.dp_link import group_link
+    from ccfx.runtime.data_parallel import DataParallel
+    from ccfx.runtime.ledger import Ledger
+    from ccfx.wire.policy import GradSlot, assign_buckets
+
+    cfg = dp_config(placement)
+    group = group_link(cfg, range(4))
+    dp = DataParallel(cfg, Ledger(), link=group.link)
+    dp.world = 4  # as on 4 ranks (one process here: no group is made)
+    buckets = assign_buckets([GradSlot(0, 0, "w", (1024, 1024), torch.float32, 0)], "int8",
+                             cfg.bucket_mb, cfg.compress_min_numel, cfg.min_compression_rate)
+    assert [b.collective for b in dp._collectives(buckets)] == [collective]
+    # without the backend's link (before): the options' (none here), so by bytes: the ring
+    # wherever the group sits
+    before = DataParallel(cfg, Ledger())
+    before.world = 4
+    assert [b.collective for b in before._collectives(buckets)] == ["ring"]
+
+
+def test_the_plan_names_the_link_each_collective_was_priced_on():
+    from ccfx.backends.dp_link import collective_decisions, group_link
+    from ccfx.plan import GraphPlan, Plan
+    from ccfx.planner.explain import explain_plan
+
+    rows = [(0, "int8", "ring", NUMEL, torch.float32), (1, "none", "all_reduce", 10, torch.float32),
+            (2, "bf16", "all_reduce", NUMEL, torch.float32)]
+    group = group_link(dp_config(ACROSS4), range(4))
+    decisions = collective_decisions("bucket", rows, 4, group)
+    assert [d.what for d in decisions] == ["bucket 0 collective"]  # summable ones: no choice
+    d = decisions[0]
+    assert d.chosen == "ring" and [c for c, _ in d.candidates] == ["ring", "all_gather"]
+    assert "n0.d0, n0.d1, n1.d0, n1.d1: inter_node 0.05 Gbit/s" in d.reason
+    g = GraphPlan(0, 1, 1, "", [], [], [], decisions=decisions)
+    text = explain_plan(Plan({}, [g]))
+    assert "bucket 0 collective: ring" in text and "inter_node 0.05 Gbit/s" in text
+
+
+# -- on 4 real ranks (one spawn for the module) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks4():
+    from . import links_runtime_workers as w
+    from .ranks import run_scenarios, scenario
+
+    return run_scenarios(4, [scenario("dp_inside", w.dp_on_cluster, list(INSIDE4)),
+                             scenario("dp_across", w.dp_on_cluster, list(ACROSS4)),
+                             scenario("ppdp_across", w.pp_dp_on_cluster, None)],
+                         timeout_s=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,collective,level", [
+    ("dp_inside", "all_gather", "n0.d0, n0.d1, n0.d2, n0.d3: intra_node 100 Gbit/s"),
+    ("dp_across", "ring", "n0.d0, n0.d1, n1.d0, n1.d1: inter_node 0.05 Gbit/s")])
+def test_compiled_data_parallel_resolves_auto_on_its_groups_link(ranks4, name, collective,
+                                                                 level):
+    rows = ranks4[name]
+    assert len({r["grads"] for r in rows}) == 1  # every rank averaged to the same bits
+    for r in rows:
+        # the int8 bucket (the biases travel apart, uncompressed: all-reduced)
+        assert [(c, k) for c, k, _ in r["buckets"] if c != "none"] == [("int8", collective)], \
+            r["buckets"]
+        said = [d for d in r["decisions"] if d[0].startswith("bucket ")
+                and d[0].endswith(" collective")]
+        assert said and said[0][1] == collective and level in said[0][2], r["decisions"]
+
+
+@pytest.mark.slow
+def test_pp_x_dp_sync_grads_names_the_link_of_each_stages_group(ranks4):
+    # each pipeline inside a node (ranks 0, 1 on n0): each stage's replicas across
+    rows, level = ranks4["ppdp_across"], "inter_node 0.05 Gbit/s"
+    for s in (0, 1):  # a stage's replicas average to the same bits
+        assert len({r["grads"] for r in rows if r["stage"] == s}) == 1
+    for r in rows:
+        # two replicas: the all-gather, priced on the group's own link
+        assert r["collectives"] and set(r["collectives"]) <= {"all_gather", "all_reduce"}
+        said = [d for d in r["decisions"] if d[0].startswith(f"stage {r['stage']} bucket")
+                and d[0].endswith("collective")]
+        assert said and all(level in d[2] for d in said), r["decisions"]

@@ -57,7 +57,7 @@ from ..plan import Bucket, DataParallelInfo
 from ..wire import agree
 from ..wire.comm import FunctionalComm, LocalComm
 from ..wire.exchange import exchange_for
-from ..wire.link import configured_link, resolve_collective
+from ..wire.link import Link, configured_link, resolve_collective
 from ..wire.policy import assign_buckets
 from .launcher_env import require_group_under_launcher
 from .ledger import Ledger
@@ -102,11 +102,14 @@ def inside_ddp() -> bool:
 
 class DataParallel:
     def __init__(self, config: Config, ledger: Ledger, decide_codecs: DecideCodecs | None = None,
-                 state: CodecState | None = None):
+                 state: CodecState | None = None, link: Link | None = None):
         """``decide_codecs``: how ``gradient_codec="auto"`` picks each bucket's codec (see
         :data:`DecideCodecs`); required with ``auto``. ``state``: where the buckets' codec
         state is registered (the backend's ``ccfx.codec_state``; default: a holder of its
-        own)."""
+        own). ``link``: what ``gradient_collective="auto"`` is priced on, the backend's
+        decision for this group (with ``cluster``, its slowest link); default the
+        ``link_gbps`` link."""
+        self.link = link if link is not None else configured_link(config)
         if config.gradient_codec == AUTO and decide_codecs is None:
             raise ConfigError("gradient_codec='auto' needs the planner's decision: build "
                               "DataParallel through the ccfx backend, which passes it")
@@ -330,9 +333,10 @@ class DataParallel:
 
     def _collectives(self, buckets):
         """Each bucket's collective from ``gradient_collective`` ("auto": the cheaper for
-        this world and ``link_gbps``, a deterministic function of both, so every rank picks the
-        same; the fingerprint check confirms it). Only non-summable codecs have a choice."""
-        link = configured_link(self.config)
+        this world on the link the backend gave, a deterministic function of both, so every
+        rank picks the same; the fingerprint check confirms it). Only non-summable codecs
+        have a choice."""
+        link = self.link
         out = []
         for b in buckets:
             if codecs.prototype(b.spec).reduction == "sum":

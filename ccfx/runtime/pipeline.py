@@ -451,13 +451,16 @@ GradientCodecs = Callable[[torch.fx.GraphModule], Sequence[str]]
 
 def build_stages(backend, rank: int, world: int, device, group=None, *, style: str = "loop",
                  graph: int = 0, check: bool = True, dp_group=None,
-                 gradient_codecs: GradientCodecs | None = None) -> list[CompressedStage]:
+                 gradient_codecs: GradientCodecs | None = None,
+                 gradient_link=None) -> list[CompressedStage]:
     """This rank's stages of graph ``graph`` of a compiled model (see :func:`stage_indices`);
     ``rank`` and ``world`` are this rank's place in the pipeline ``group``; ``dp_group``: the
     ranks that run the same stages in the other replicas (PP × DP). ``backend``: what the
     model compiled to (its ``graphs``, ``config`` and ``ledger``). ``gradient_codecs``: each
     stage's data-parallel gradient codec, decided by the backend (default:
-    ``gradient_codec`` for every stage, which must then not be ``"auto"``)."""
+    ``gradient_codec`` for every stage, which must then not be ``"auto"``).
+    ``gradient_link``: the link ``gradient_collective="auto"`` is priced on for ``dp_group``
+    (a ``ccfx.wire.link.Link``, the backend's decision; default the ``link_gbps`` link)."""
     graphs = backend.graphs
     if not graphs:
         raise ConfigError("the model has not been compiled yet: call it once on a microbatch "
@@ -481,7 +484,8 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
                                    compiled=cfg.lowering == "inductor", epilogue_only=epilogue))
     _share(out, interfaces, rank, world, style, group, plan_fp, cfg.collective_timeout_s)
     codec = _rank_codec(gradient_codecs, parent, mine, cfg, dp_group)
-    sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph, codec)
+    sync = StageGradSync(out, backend.config, dp_group, backend.ledger, graph, codec,
+                         gradient_link)
     for st in out:
         st.grad_sync = sync
     _record_place(out, len(interfaces), dp_group)

@@ -32,7 +32,7 @@ from ..codecs.state import bucket_channel, state_of
 from ..errors import CollectiveError, ConfigError
 from ..wire.comm import ProcessGroupComm
 from ..wire.exchange import BucketLayout, exchange_for
-from ..wire.link import configured_link, resolve_collective
+from ..wire.link import Link, configured_link, resolve_collective
 from ..wire.policy import GradSlot, assign_buckets
 
 
@@ -40,9 +40,12 @@ class StageGradSync:
     """One rank's gradient synchronization for its stages (see the module docstring)."""
 
     def __init__(self, stages: Sequence, config, dp_group=None, ledger=None, graph: int = 0,
-                 codec: str | None = None):
+                 codec: str | None = None, link: Link | None = None):
         """``codec``: these stages' gradient codec (default ``config.gradient_codec``; selective
-        stage compression gives each stage its own)."""
+        stage compression gives each stage its own). ``link``: what
+        ``gradient_collective="auto"`` is priced on, the backend's decision for ``dp_group``
+        (with ``cluster``, the group's slowest link); default the ``link_gbps`` link."""
+        self.link = link if link is not None else configured_link(config)
         self.stages = list(stages)
         self.config = config
         self.codec = codec or config.gradient_codec
@@ -88,10 +91,10 @@ class StageGradSync:
             self.buckets.append((i, [s.name for s in b.slots], exchange, tensors))
 
     def _collective(self, config, spec: str, layout: BucketLayout) -> str:
-        """``gradient_collective``, "auto" resolved by cost over this data-parallel group (the
-        same arguments on every replica, so the same answer)."""
+        """``gradient_collective``, "auto" resolved by cost over this data-parallel group on
+        the backend's link for it (the same arguments on every replica, so the same answer)."""
         return resolve_collective(config.gradient_collective, spec, layout.numel, layout.dtype,
-                                  dist.get_world_size(self.dp_group), configured_link(config))
+                                  dist.get_world_size(self.dp_group), self.link)
 
     def __call__(self) -> None:
         for name in sorted(self.shared):

@@ -74,16 +74,36 @@ def configured_link(config) -> Link | None:
     return Link(config.link_gbps, config.link_latency_ms, config.link_shared)
 
 
-def choose_collective(spec: str, numel: int, dtype: torch.dtype, world: int,
-                      link: Link | None = None, *, decode_s: float = 0.0) -> str:
-    """"ring" or "all_gather" for averaging a ``numel``-element payload of codec ``spec``
-    over ``world`` ranks: the one predicted faster.
+def collective_seconds(spec: str, numel: int, dtype: torch.dtype, world: int, link: Link, *,
+                       decode_s: float = 0.0) -> dict[str, float]:
+    """The predicted seconds of averaging a ``numel``-element payload of codec ``spec`` over
+    ``world`` ranks on ``link`` by each collective :func:`choose_collective` weighs (the ring
+    only where the codec allows it): what it compares, and what a plan shows beside the
+    choice.
 
     * all-gather: ``W-1`` payloads in per rank, one collective (one latency, as the planner
       prices every collective), then ``W-1`` more decodes than the local round trip;
     * ring (:mod:`ccfx.wire.ring`): ``2 (W-1)/W`` of a payload in ``2 (W-1)`` sequential
       hops, each paying the latency, ``(W-1)/W`` of a decode more; and a payload re-encoded at
-      every hop (more error: the ring is chosen only where it is cheaper).
+      every hop (more error: the ring is chosen only where it is cheaper)."""
+    share = world if link.shared else 1
+    gather_bytes = gather_wire_bytes(numel, spec, dtype, world)
+    out = {"all_gather": link.seconds(gather_bytes * share) + (world - 1) * decode_s}
+    try:
+        ring_codec(spec)
+    except ConfigError:
+        return out
+    ring_bytes = ring_wire_bytes(numel, spec, dtype, world)
+    hops = 2 * (world - 1)
+    out["ring"] = (hops * link.latency_ms * 1e-3 + ring_bytes * share * 8 / (link.gbps * 1e9)
+                   + (world - 1) / world * decode_s)
+    return out
+
+
+def choose_collective(spec: str, numel: int, dtype: torch.dtype, world: int,
+                      link: Link | None = None, *, decode_s: float = 0.0) -> str:
+    """"ring" or "all_gather" for averaging a ``numel``-element payload of codec ``spec``
+    over ``world`` ranks: the one predicted faster (:func:`collective_seconds`).
 
     ``decode_s``: seconds to decode the whole payload once (0: codec time left out; it only
     ever favours the ring). Without a ``link`` the decision is by bytes: the ring for
@@ -97,16 +117,12 @@ def choose_collective(spec: str, numel: int, dtype: torch.dtype, world: int,
         ring_codec(spec)
     except ConfigError:
         return "all_gather"
-    ring_bytes = ring_wire_bytes(numel, spec, dtype, world)
-    gather_bytes = gather_wire_bytes(numel, spec, dtype, world)
     if link is None:
+        ring_bytes = ring_wire_bytes(numel, spec, dtype, world)
+        gather_bytes = gather_wire_bytes(numel, spec, dtype, world)
         return "ring" if ring_bytes < gather_bytes else "all_gather"
-    share = world if link.shared else 1
-    hops = 2 * (world - 1)
-    ring_s = (hops * link.latency_ms * 1e-3 + ring_bytes * share * 8 / (link.gbps * 1e9)
-              + (world - 1) / world * decode_s)
-    gather_s = link.seconds(gather_bytes * share) + (world - 1) * decode_s
-    return "ring" if ring_s < gather_s else "all_gather"
+    seconds = collective_seconds(spec, numel, dtype, world, link, decode_s=decode_s)
+    return "ring" if seconds["ring"] < seconds["all_gather"] else "all_gather"
 
 
 def resolve_collective(asked: str, spec: str, numel: int, dtype: torch.dtype, world: int,
