@@ -9,7 +9,8 @@ Checks, each one a path a release user takes first:
 2. a compile with an ``auto`` codec, and ``ccfx.explain`` (the planner);
 3. one local-steps sync on one process (``ccfx.local_steps``, its default
    ``outer_collective="auto"`` resolved by cost);
-4. ``ccfx demo --help`` (the console script).
+4. ``ccfx demo --help`` (the console script);
+5. ``import ccfx`` prints no warning, and the demo's corpus is installed (package data).
 """
 
 from __future__ import annotations
@@ -94,6 +95,18 @@ def check_local_steps_one_process() -> None:
         dist.destroy_process_group()
 
 
+def check_quiet_import_and_data() -> None:
+    """``import ccfx`` prints no warning (torch._dynamo warns without numpy, a dependency for
+    that reason), and the demo's corpus was shipped as package data."""
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", "import ccfx"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+    from ccfx.models.corpus import CORPUS_PATH
+
+    assert CORPUS_PATH.is_file() and CORPUS_PATH.stat().st_size > 0, CORPUS_PATH
+    print(f"import: quiet; package data: {CORPUS_PATH.name} ({CORPUS_PATH.stat().st_size} B)")
+
+
 def check_cli() -> None:
     exe = shutil.which("ccfx") or str(pathlib.Path(sys.executable).parent / "ccfx")
     out = subprocess.run([exe, "demo", "--help"], capture_output=True, text=True, timeout=120,
@@ -109,6 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("CCFX_CACHE_DIR", str(pathlib.Path.cwd() / "ccfx-cache"))
     check_packages(args.repo)
+    check_quiet_import_and_data()
     check_auto_and_explain()
     check_local_steps_one_process()
     check_cli()
