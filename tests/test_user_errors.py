@@ -75,3 +75,21 @@ def test_one_process_without_a_group_still_runs_as_world_size_one(monkeypatch, n
     model = _mlp()
     outer = ccfx.local_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
     assert outer.world == 1
+
+
+def test_plan_parallel_with_a_batch_too_small_to_split_says_so_not_memory():
+    # the README's plan_parallel(model, example_inputs, cluster) with the demo model's batch of
+    # 4 on 64 devices: every degree is skipped, none refused for memory
+    from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    idx = torch.randint(0, 96, (2, 16))
+    cluster = ccfx.Cluster.nodes(2, 4, intra=(100, 0.01), inter=(10, 1), memory="80GiB",
+                                 flops=1e12)
+    with pytest.raises(ccfx.ConfigError) as e:
+        ccfx.plan_parallel(model, (idx, idx), cluster)
+    text = str(e.value)
+    assert "no layout could be priced on 8 devices" in text and "above 80%" not in text
+    assert "splits the batch of 2 over 8 replicas" in text  # the search's own reason
+    assert "at least as many samples as devices" in text

@@ -33,6 +33,12 @@ class ParallelPlan:
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
+        if not self.ranked and not self.refused:  # nothing priced: say why, not memory
+            raise ConfigError(
+                f"plan_parallel: no layout could be priced on {len(self.cluster.devices)} "
+                f"devices, every degree was skipped: {'; '.join(self.skipped)}. The example "
+                "inputs are the whole step's batch: give one that splits over the replicas "
+                "(at least as many samples as devices), or describe fewer devices")
         if not self.ranked:
             closest = min(self.refused, key=lambda p: p.peak_memory_bytes, default=None)
             why = (f"; the smallest, {closest.layout.describe()}: {closest.refused}"
