@@ -525,14 +525,7 @@ class Config:
             return options
         if not isinstance(options, dict):
             raise ConfigError(f"options must be a dict of ccfx options, got {type(options).__name__}")
-        unknown = sorted(set(options) - set(cls.keys()))
-        if unknown:
-            raise ConfigError(
-                f"unknown ccfx option(s) {', '.join(map(repr, unknown))}"
-                + "".join(closest(str(u), cls.keys()) for u in unknown)
-                + f"; valid options: {', '.join(cls.keys())}"
-            )
-        return cls(**options)
+        return cls(**options)  # unknown keys: ConfigError from _refuse_unknown_keys
 
     @classmethod
     def resolve(cls, options: dict[str, Any] | Config | None,
@@ -596,6 +589,29 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+
+
+def _refuse_unknown_keys(init):
+    """Config's dataclass ``__init__`` (and so ``replace``) raising ConfigError, not TypeError,
+    for a misspelled option: ``ccfx.Config(stagez=4)`` reads as ``options={"stagez": 4}``."""
+    import functools
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        names = Config.keys()
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"unknown ccfx option(s) {', '.join(map(repr, unknown))}"
+                + "".join(closest(str(u), names) for u in unknown)
+                + f"; valid options: {', '.join(names)}"
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Config.__init__ = _refuse_unknown_keys(Config.__init__)
 
 
 def closest(name: str, valid) -> str:

@@ -93,3 +93,14 @@ def test_plan_parallel_with_a_batch_too_small_to_split_says_so_not_memory():
     assert "no layout could be priced on 8 devices" in text and "above 80%" not in text
     assert "splits the batch of 2 over 8 replicas" in text  # the search's own reason
     assert "at least as many samples as devices" in text
+
+
+def test_a_misspelled_option_in_config_is_a_config_error_with_the_nearest_name():
+    # ccfx.backend(ccfx.Config(...)) is the README's Python route: the same error as options=
+    for make in (lambda: ccfx.Config(stagez=4), lambda: ccfx.Config().replace(stagez=4)):
+        with pytest.raises(ccfx.ConfigError, match=r"'stagez' \(did you mean 'stages'\?\)"):
+            make()
+    with pytest.raises(ccfx.ConfigError, match=r"torch.compile\(options=...\): unknown ccfx "
+                                               r"option\(s\) 'stagez'"):
+        ccfx.Config.resolve({"stagez": 4}, environ={})
+    assert ccfx.Config(stages=3).replace(stages=2).stages == 2
