@@ -35,7 +35,9 @@ one node on the same level; with tensor parallelism, the slowest pair without co
   the step (``ccfx.sync_grads``), so stage ``s`` starts when its program ends in the
   simulation: a late stage's exchange hides behind the drain (Optimus-CC's selective stage
   compression). All-reduce ``2 (dp-1)/dp`` of the payload; a gather codec (int8 …) the
-  all-gather ccfx runs for it, ``dp-1`` payloads in per rank and ``dp`` decodes;
+  all-gather ccfx runs for it, ``dp-1`` payloads in per rank and ``dp`` decodes, and with
+  two replicas on gloo's TCP the turns its two directions take on the pair's one connection
+  (:func:`ccfx.wire.link.pair_gather_wait_s`, measured; :func:`exchange_wire_s`);
 * **sharded data parallel** (``ccfx.shard``, no pipeline): the weights all-gathered in the
   forward and again in the backward, the gradients reduce-scattered, each hidden behind the
   compute of its pass where it fits;
