@@ -15,7 +15,15 @@ Runs (each in a fresh namespace):
   free       no failures, outer codec ``--codec``
   failures   the same, and every ``--kill-every`` inner steps one replica (r1, r2, ... in
              turn; never r0, which evaluates) is SIGKILLed and started again at once; it joins
-             and heals from a live peer at the others' next sync
+             and heals from a live peer at the others' next sync. How it comes back
+             (``--restart``, one failures run per choice): ``cold``, a new process, as a
+             supervisor (torchrun, k8s) restarts one: process start, imports, model;
+             ``standby`` (row ``failures_standby``), a warm standby process started ahead
+             (torch, ccfx and torchft imported, the model and AdamW built) takes its place at
+             once; both join and heal the same way. The run starts one standby per kill it
+             will make, all ready before the replicas start (a deployment's spares run on
+             machines of their own; starting one on the cores the replicas share would slow
+             the survivors, which a replacement on its own machine does not)
   raw        no failures, outer codec none (bytes and loss against the codec)
   tf_free, tf_failures   torchft's own DiLoCo, uncompressed (bench/elastic_baselines.py)
   ckpt       the checkpoint-restart floor: on a kill every replica restarts from the last
@@ -24,19 +32,23 @@ Runs (each in a fresh namespace):
 A kill lands ``--kill-phase`` of the way into r0's sync interval after the kill is due (0.5:
 where a failure lands on average). Each kill's time is split (``splits``: the victim's inner
 steps since its last commit, its spawn, imports, data, model, torchft's manager, the join's
-quorum and sync) and r0's sync rows say what the survivors waited (``r0_quorum_s``).
+quorum and sync; a standby's spawn, imports and model are ~0: its ``imports`` is the wait
+for the standby to be ready) and r0's sync rows say what the survivors waited
+(``r0_quorum_s``).
 
 Reported per run: wall time from r0's first to last committed sync; useful replica-steps, the
 sum over committed syncs of the inner steps the quorum's replicas contributed (the ``weight``
 of r0's sync rows: a killed replica's steps since its last commit are lost, a joiner
 contributes 0); goodput = useful steps per second, and its ratio to ``free``; time from a
-restarted replica's process start (before importing torch) to its first committed sync; bytes
+restarted replica's process start (before importing torch; a standby's activation) to its
+first committed sync; bytes
 the namespace's ``lo`` sent over the run and per committed sync (every replica's traffic, the
 recovery's HTTP transfer included) and ccfx's own count of payload against raw fp32 bytes;
 r0's held-out loss of the final global parameters (32 batches of the last 10 % of the corpus).
 
     python -m bench.elastic                                   # 4 replicas, 10 Mbit/s
     python -m bench.elastic --syncs 8 --kill-every 20 --replicas 3     # quicker
+    python -m bench.elastic --runs free failures --restart cold standby
 """
 
 from __future__ import annotations
@@ -148,6 +160,10 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None) -> None:
     from ccfx.models import GPTConfig, TinyGPT
 
     phases = {"started": started, "imported": time.time()}
+    if cfg.get("keep_failed_group"):  # the behaviour before the abort, to measure it
+        from ccfx.runtime.elastic import Elastic
+
+        Elastic._leave_group = lambda self: None
     gpt = cfg.get("gpt", GPT)
     torch.set_num_threads(1)
     train, held_out, vocab = _data(gpt["block_size"], 0, index, BATCH)
@@ -205,27 +221,25 @@ def inside(cfg: dict) -> dict:
     phases: dict[str, list[dict]] = {}
     done: dict[str, dict] = {}
 
-    spares: list = []  # --restart standby: [(process, go queue)], the one warm standby
-    standby_s: list[float] = []  # each standby's start to ready (off the critical path)
+    spares: list = []  # --restart standby: [(process, go queue, queue key)], warm standbys
+    standby_s: list[float] = []  # each standby's start to ready (before the replicas start)
 
-    def start(name, index):
-        if cfg.get("restart") == "standby" and spares:
-            proc, go = spares.pop()  # the warm standby becomes ``name``; a new one starts
+    def start(name, index, restart=True):
+        if restart and spares:  # a warm standby becomes ``name``
+            proc, go, key = spares.pop()
             go.put((name, index, time.time()))
-            queues[name], procs[name] = queues.pop("standby"), proc
-            start_standby()
+            queues[name], procs[name] = queues.pop(key), proc
             return
         queues[name] = ctx.Queue()  # one per replica: a SIGKILL mid-write would block a shared one
         procs[name] = ctx.Process(target=replica, args=(name, index, cfg, stop_at, queues[name]),
                                   daemon=True)
         procs[name].start()
 
-    def start_standby():
-        queues["standby"], go = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=standby, args=(cfg, stop_at, go, queues["standby"]),
-                           daemon=True)
+    def start_standby(key):
+        queues[key], go = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=standby, args=(cfg, stop_at, go, queues[key]), daemon=True)
         proc.start()
-        spares.append((proc, go))
+        spares.append((proc, go, key))
 
     def take(kind, name, data):
         if kind == "row":
@@ -243,10 +257,21 @@ def inside(cfg: dict) -> dict:
     tx0 = _lo_tx()
     t0 = time.time()
     names = [f"r{i}" for i in range(cfg["replicas"])]
-    for i, name in enumerate(names):
-        start(name, i)
     if cfg.get("restart") == "standby":
-        start_standby()
+        # one warm standby per kill the run will make, all ready before any replica starts: a
+        # deployment's spares run on machines of their own, and starting one here, on the
+        # cores the replicas share, would slow the survivors (a harness artifact)
+        every = cfg["kill_every"] // cfg["h"]
+        for k in range(len(range(every, cfg["syncs"] - 1, every)) + 1 if every else 0):
+            start_standby(f"standby{k}")
+        deadline = time.monotonic() + cfg["timeout_s"] / 2
+        while len(standby_s) < len(spares):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(spares)} standbys not ready in {cfg['timeout_s'] / 2} s")
+            drain(queues, take)
+            time.sleep(0.1)
+    for i, name in enumerate(names):
+        start(name, i, restart=False)
     kills, victim = [], 1
     next_kill = cfg["kill_every"] // cfg["h"] if cfg["kill_every"] else None
     deadline = time.monotonic() + cfg["timeout_s"]
@@ -282,7 +307,7 @@ def inside(cfg: dict) -> dict:
             time.sleep(0.05)
         pump()
     finally:
-        for p in [*procs.values(), *(proc for proc, _ in spares)]:
+        for p in [*procs.values(), *(proc for proc, _, _ in spares)]:
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
@@ -419,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="how a killed replica comes back in ccfx's failures run (one run per "
                         "choice): cold, a new process (imports, model); standby, a warm "
                         "process started ahead that takes its place")
+    p.add_argument("--keep-failed-group", action="store_true",
+                   help="a replica whose exchange failed does not abort the quorum's group "
+                        "(ccfx before session 11: measures what the abort buys)")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
@@ -447,14 +475,16 @@ def main(argv: list[str] | None = None) -> int:
                "timeout_s": a.timeout_s, "impl": "torchft" if tf else "ccfx",
                "tf_outer": a.tf_outer, "ckpt_every": a.ckpt_every, "kill_phase": a.kill_phase,
                "heartbeat_ms": a.heartbeat_ms, "tick_ms": a.tick_ms,
-               "tf_timeout_s": a.tf_timeout_s,
+               "tf_timeout_s": a.tf_timeout_s, "keep_failed_group": a.keep_failed_group,
                "gpt": MODELS[a.model]["gpt"]}
         print(f"[elastic] {cfg['run']} ...", flush=True)
         rows.append(run_one(cfg, a.rate or None))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{a.replicas} replicas, {a.model} GPT, H={a.h}, {a.rate:g} Mbit/s, kill every "
           f"{a.kill_every} at phase {a.kill_phase:g}, lighthouse heartbeat {a.heartbeat_ms} ms "
-          f"tick {a.tick_ms or 'default'}, load {os.getloadavg()[0]:.1f}\n")
+          f"tick {a.tick_ms or 'default'}, grace {a.grace_ms} ms"
+          f"{', failed groups kept (no abort)' if a.keep_failed_group else ''}, "
+          f"load {os.getloadavg()[0]:.1f}\n")
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
