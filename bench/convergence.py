@@ -154,6 +154,31 @@ def add_steps_to_target(runs: list[dict], *, target: float | None = None,
         r["multiplier"] = steps / ref["steps"]
 
 
+#: The band of targets ``band_multipliers`` averages over (fractions of none's run).
+BAND = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+def band_multipliers(runs: list[dict], fractions=BAND, window: int = SMOOTH) -> dict:
+    """Per run, the mean over a band of targets (none's smoothed loss at each of
+    ``fractions`` of its run, per seed) of its steps to the target over none's: one crossing
+    of a flat curve moves by tens of steps for a loss difference of 0.01, the mean over
+    several crossings less. ``(variant, seed) → multiplier`` (a target never reached counts
+    the run's length); runs without a none run on their seed are left out."""
+    base = {r["seed"]: r for r in runs if r["variant"] == "none"}
+    out = {}
+    for r in runs:
+        ref = base.get(r["seed"])
+        if ref is None:
+            continue
+        ratios = []
+        for f in fractions:
+            goal = target_of(ref["losses"], f, window)
+            mine = steps_to_target(r["losses"], goal, window) or len(r["losses"])
+            ratios.append(mine / steps_to_target(ref["losses"], goal, window))
+        out[r["variant"], r["seed"]] = statistics.fmean(ratios)
+    return out
+
+
 def steps_summary(runs: list[dict]) -> dict:
     """Over one variant's seeds: steps to the target and the multiplier, mean and std, and how
     many seeds never reached it (then the means are lower bounds)."""

@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -173,8 +174,11 @@ def choice_of_options(opts: dict, pm) -> tuple:
 
 def summarise(runs: list[dict], smooth: int, target_at: float) -> dict[str, dict]:
     """Per variant: steps to the target and multiplier (bench.convergence) over the seeds, with
-    the standard error of the mean multiplier."""
+    the standard error of the mean multiplier, and the band multiplier (the mean over targets
+    at 0.3 .. 0.8 of none's run: ``convergence.band_multipliers``), reported beside it: the
+    grid prices the single target's, as bench.time_to_loss does."""
     convergence.add_steps_to_target(runs, at=target_at, window=smooth)
+    bands = convergence.band_multipliers(runs, window=smooth)
     out = {}
     for name in dict.fromkeys(r["variant"] for r in runs):
         mine = [r for r in runs if r["variant"] == name]
@@ -182,17 +186,24 @@ def summarise(runs: list[dict], smooth: int, target_at: float) -> dict[str, dict
         s["seeds"] = len(mine)
         s["multiplier_sem"] = (s["multiplier_std"] / math.sqrt(len(mine))
                                if s["multiplier_std"] is not None else None)
+        band = [m for (v, _), m in bands.items() if v == name]
+        s["band"] = statistics.fmean(band) if band else None
+        s["band_std"] = statistics.stdev(band) if len(band) > 1 else None
         out[name] = s
     return out
 
 
 def steps_row(choice, pm, trained, summary, model) -> tuple[dict, str]:
-    """The steps of a choice: a trained run's (measured) or the steps model's (predicted)."""
+    """The steps of a choice: none's mean steps x the choice's multiplier, the mean over seeds
+    of a trained run's (measured) or the steps model's (predicted). Through the multiplier,
+    not the variant's own mean steps, so that variants trained on different seeds (a later
+    --train) compare on the same footing: each seed's ratio to none on that seed."""
     twin = trained.get(ttl._key(pm, choice))
     if twin is not None:
-        return summary[twin], f"measured ({twin})"
-    m = model(choice)
-    return {"steps_mean": m * summary["none"]["steps_mean"], "multiplier": m}, "predicted"
+        m, source = summary[twin]["multiplier"], f"measured ({twin})"
+    else:
+        m, source = model(choice), "predicted"
+    return {"steps_mean": m * summary["none"]["steps_mean"], "multiplier": m}, source
 
 
 def crossing(pm, point: Point, fixed: dict, summary: dict, ratio: float) -> float | None:
@@ -200,8 +211,8 @@ def crossing(pm, point: Point, fixed: dict, summary: dict, ratio: float) -> floa
     (log bisection between 0.1 Mbit/s and 1 Tbit/s); None if it is never reached."""
     def best(gbps: float) -> float:
         p = priced(pm, gbps, point.latency_ms, point.schedule, point.scale)
-        none_t = summary["none"]["steps_mean"] * p.predict({}).step_s
-        return max(none_t / (summary[n]["steps_mean"]
+        none_s = p.predict({}).step_s
+        return max(none_s / (summary[n]["multiplier"]
                              * p.predict(ttl.uniform(p, *ttl.FIXED[n])).step_s)
                    for n in fixed if n != "none")
 
@@ -360,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-MULT_HEADER = ["variant", "seeds", "steps x (mean ± std)", "std err", "unreached"]
+MULT_HEADER = ["variant", "seeds", "steps x (mean ± std)", "std err", "unreached",
+               "band 0.3-0.8 (mean ± std)"]
 
 
 def multiplier_rows(summary: dict) -> list[list[str]]:
@@ -368,7 +380,9 @@ def multiplier_rows(summary: dict) -> list[list[str]]:
     for name, s in summary.items():
         std = f" ± {s['multiplier_std']:.3f}" if s["multiplier_std"] is not None else ""
         sem = f"{s['multiplier_sem']:.3f}" if s["multiplier_sem"] is not None else "-"
-        out.append([name, s["seeds"], f"{s['multiplier']:.3f}{std}", sem, s["unreached"]])
+        band = "-" if s["band"] is None else f"{s['band']:.3f}" + (
+            f" ± {s['band_std']:.3f}" if s["band_std"] is not None else "")
+        out.append([name, s["seeds"], f"{s['multiplier']:.3f}{std}", sem, s["unreached"], band])
     return out
 
 

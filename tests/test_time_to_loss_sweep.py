@@ -51,7 +51,7 @@ def test_priced_scales_every_on_device_second_and_keeps_the_link():
 def test_the_crossing_is_where_the_best_fixed_codec_reaches_the_ratio():
     pm = _model()
     point = sweep.Point("loss-run batch", 1.0, "GPipe", 2)
-    summary = {"none": {"steps_mean": 100.0}, "int8": {"steps_mean": 110.0}}
+    summary = {"none": {"multiplier": 1.0}, "int8": {"multiplier": 1.1}}
     for ratio in (1.0, 1.62):
         g = sweep.crossing(pm, point, ["none", "int8"], summary, ratio)
         assert g is not None
@@ -61,7 +61,7 @@ def test_the_crossing_is_where_the_best_fixed_codec_reaches_the_ratio():
         assert got == pytest.approx(ratio, rel=1e-3)
     # a codec needing 5x the steps never pays, however slow the link
     assert sweep.crossing(pm, point, ["none", "int8"],
-                          {"none": {"steps_mean": 100.0}, "int8": {"steps_mean": 500.0}},
+                          {"none": {"multiplier": 1.0}, "int8": {"multiplier": 5.0}},
                           1.0) is None
 
 
@@ -133,3 +133,22 @@ def test_the_sweep_on_the_small_gpt(tmp_path, capsys):
     second = json.loads(again.read_text())
     assert [r["cells"]["none"]["step_s"] for r in second["grid"]] == \
         [r["cells"]["none"]["step_s"] for r in result["grid"]]
+
+
+def test_the_band_multiplier_is_the_mean_over_targets_of_the_step_ratios():
+    from bench import convergence
+
+    none = [10.0 - 0.1 * i for i in range(100)]  # smoothed over 1: the loss itself
+    half = [10.0 - 0.05 * i for i in range(100)]  # half the speed: reaches none's at 2x
+    runs = [{"variant": "none", "seed": 0, "losses": none},
+            {"variant": "slow", "seed": 0, "losses": half},
+            {"variant": "slow", "seed": 1, "losses": half}]  # no none on seed 1: left out
+    got = convergence.band_multipliers(runs, fractions=(0.2, 0.4), window=1)
+    assert got[("none", 0)] == 1.0
+    # targets at steps 20 and 40 of none: loss 8.1 and 6.1, slow reaches them at 39 and 79
+    assert got[("slow", 0)] == pytest.approx((39 / 20 + 79 / 40) / 2)
+    assert ("slow", 1) not in got
+    # a target never reached counts the run's length
+    flat = {"variant": "flat", "seed": 0, "losses": [10.0] * 100}
+    assert convergence.band_multipliers([runs[0], flat], fractions=(0.5,), window=1)[
+        ("flat", 0)] == 100 / 50
