@@ -22,15 +22,11 @@ GOAL = 1.10
 
 
 def stack(layers: int) -> nn.Module:
-    torch.manual_seed(0)
-    try:
-        from ccfx.models.tiny_gpt import Block, GPTConfig
+    from ccfx.models.tiny_gpt import Block, GPTConfig
 
-        cfg = GPTConfig(**common.GPT_KW)
-        return nn.Sequential(*(Block(cfg) for _ in range(layers)))
-    except ImportError:  # pragma: no cover
-        kw = common.GPT_KW
-        return nn.Sequential(*(common._Block(kw["n_embd"], kw["n_head"]) for _ in range(layers)))
+    torch.manual_seed(0)
+    cfg = GPTConfig(**common.GPT_KW)
+    return nn.Sequential(*(Block(cfg) for _ in range(layers)))
 
 
 def measure(layers: int, stages: int, balance: str) -> dict:

@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmarks: timing, the tiny GPT, tables and JSON output.
+"""Shared helpers of the benchmarks: timing, the tiny GPT, timed steps on ranks, tables and
+JSON output.
 
 Timing uses ``time.perf_counter``: warm-up calls first, then the median of N repeats.
 Ratios are always against a baseline measured in the same run, on the same machine.
@@ -18,70 +19,21 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-# ---------------------------------------------------------------------------------------------
-# The model: ccfx's tiny GPT (the demo's), or a local minimal stack if it is not there.
+from ccfx.models.tiny_gpt import GPTConfig
+from ccfx.models.tiny_gpt import TinyGPT as GPT
 
-try:  # the name the demo and the tests use
-    from ccfx.models.tiny_gpt import GPTConfig
-    from ccfx.models.tiny_gpt import TinyGPT as GPT
-except ImportError:  # pragma: no cover - older/newer layouts
-    try:
-        from ccfx.models.tiny_gpt import GPT, GPTConfig
-    except ImportError:
-        GPT = GPTConfig = None
+# ---------------------------------------------------------------------------------------------
+# The model: ccfx's tiny GPT (the demo's).
 
 # The demo's shape: 4 layers, width 256, 4 heads, context 64 (about 3.2 M parameters).
 GPT_KW = {"vocab_size": 96, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 256}
 BATCH = 16
 
 
-class _Block(nn.Module):
-    """Pre-LN transformer block (fallback when ccfx.models.tiny_gpt is missing)."""
-
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.heads = heads
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
-
-
-class _FallbackGPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
-        super().__init__()
-        self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(_Block(n_embd, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight
-
-    def forward(self, idx, targets=None):
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
-        for b in self.blocks:
-            x = b(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
-
-
 def tiny_gpt(seed: int = 0, **overrides) -> nn.Module:
-    """The tiny GPT (ccfx.models.tiny_gpt if present), seeded, dropout 0."""
-    kw = {**GPT_KW, **overrides}
+    """The tiny GPT (ccfx.models.tiny_gpt), seeded, dropout 0."""
     torch.manual_seed(seed)
-    if GPT is not None:
-        return GPT(GPTConfig(**kw))
-    return _FallbackGPT(**kw)
+    return GPT(GPTConfig(**{**GPT_KW, **overrides}))
 
 
 def gpt_batch(batch: int = BATCH, seed: int = 1, **overrides):
@@ -150,6 +102,151 @@ def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int = 7, wa
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timed steps on ranks: what bench.data_parallel, bench.tensor_parallel and bench.sharded_dp
+# share (each builds its own model and step; the loop, the ledger and the rows are these).
+
+
+#: The environment of ccfx's ranks: ccfx rewrites the compiled graphs, so inductor's caches
+#: must not replay a graph compiled without (or with another) rewrite (DESIGN.md, "Upstream
+#: pitfalls").
+CACHE_OFF = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+
+
+def log(rank: int, msg: str) -> None:
+    """Progress on the rank's log: bench.shaped's parent treats a silent log as a hang."""
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+def ledger_bytes(compiled) -> float | None:
+    """Bytes this rank handed to ccfx's wire so far, per its ledger (None: not ccfx)."""
+    import ccfx
+    from ccfx.errors import ConfigError
+
+    try:
+        return float(ccfx.ledger_of(compiled).totals()[1])
+    except ConfigError:  # compiled by another backend, or not at all
+        return None
+
+
+def predicted(compiled) -> dict | None:
+    """The planner's predicted step of ``compiled``'s first graph (forward and backward; the
+    optimizer step is not in it), uncompressed and as chosen, and what ran on its collectives
+    ("all_gather int8 x8, ..."); None for another backend or no prediction."""
+    import collections
+
+    import ccfx
+
+    try:
+        plan = ccfx.plan_of(compiled)
+    except Exception:  # noqa: BLE001 (another backend, or none)
+        return None
+    p = plan.graphs[0].prediction if plan.graphs else None
+    if p is None:
+        return None
+    chose = collections.Counter((c.kind, c.codec) for c in plan.collectives)
+    return {"uncompressed_s": p.uncompressed_s, "chosen_s": p.chosen_s,
+            "chose": ", ".join(f"{k} {c} x{n}" for (k, c), n in sorted(chose.items()))}
+
+
+def _config_error(e: BaseException) -> bool:
+    from ccfx.errors import ConfigError
+
+    return isinstance(e, ConfigError)
+
+
+def timed_steps(rank: int, step: Callable[[], float], *, steps: int, warmup: int = 2,
+                compiled=None, wire: Callable[[], float | None] | None = None,
+                digits: int = 4, after_warmup: Callable[[], dict] | None = None) -> dict:
+    """One rank's timing: ``warmup`` calls of ``step`` (the first compiles; ``step`` returns
+    the loss), a barrier, then ``steps`` timed calls. Returns ``times`` and ``losses`` (warm-up
+    included), ``wire_bytes`` per timed step (``wire()`` after them where given, else the
+    difference of ``compiled``'s ccfx ledger over them, None when not ccfx), ``predicted``
+    (:func:`predicted`, where ``compiled`` is given) and what ``after_warmup()`` returns.
+    A ccfx ConfigError in a warm-up step (torch.compile checks options at the first call) is
+    ``{"skipped": ...}``."""
+    import torch.distributed as dist
+
+    losses = []
+    try:
+        for i in range(warmup):
+            losses.append(step())
+            log(rank, f"warm-up step {i}: loss {losses[-1]:.{digits}f}")
+    except Exception as e:
+        if _config_error(e):
+            return {"skipped": f"ccfx rejects the options: {str(e).splitlines()[0]}"}
+        raise
+    before = None if wire is not None else ledger_bytes(compiled)
+    extra = after_warmup() if after_warmup is not None else {}
+    dist.barrier()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t)
+        log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.{digits}f}, "
+                  f"{times[-1]:.3f} s")
+    if wire is not None:
+        per_step = wire()
+    else:
+        after = ledger_bytes(compiled)
+        per_step = None if before is None or after is None else (after - before) / steps
+    out = {"times": times, "losses": losses, "wire_bytes": per_step, **extra}
+    if compiled is not None:
+        out["predicted"] = predicted(compiled)
+    return out
+
+
+def run_timed(module: str, fn: str, variant: str, world: int, rate: float | None,
+              kwargs: dict, *, timeout_s: float, stall_s: float, threads: int,
+              env: dict | None) -> list[dict] | dict:
+    """``module.fn`` (a function calling :func:`timed_steps`) on ``world`` ranks in a fresh
+    network namespace limited to ``rate`` Mbit/s (None: unshaped): every rank's result, or
+    the table's row of a variant that failed or that ccfx skipped (with the reason)."""
+    from bench.shaped import RankFailed, RankTimeout, run_ranks, shaped_namespace
+
+    t0 = time.perf_counter()
+    try:
+        with shaped_namespace(rate) as ns:
+            ranks = run_ranks(module, fn, world, kwargs, netns=ns, timeout_s=timeout_s,
+                              threads_per_rank=threads, env=env, stall_s=stall_s)
+    except (RankFailed, RankTimeout) as e:
+        return {"variant": variant, "status": "fails", "reason": e.reason,
+                "details": e.details[-4000:], "wall_s": time.perf_counter() - t0}
+    if any("skipped" in r for r in ranks):
+        return {"variant": variant, "status": "skipped",
+                "reason": next(r["skipped"] for r in ranks if "skipped" in r)}
+    return ranks
+
+
+def time_row(module: str, variant: str, world: int, rate: float | None, steps: int,
+             threads: int, link_s: float) -> dict:
+    """A variant's row of a time table: ``module.time_rank(variant=, steps=, rate=)`` (a
+    function calling :func:`timed_steps`) on ``world`` ranks at ``rate`` Mbit/s, ccfx's
+    caches off, with deadlines from ``link_s``, the seconds one uncompressed step needs on the
+    link (compiles take minutes: 600 s and 240 s of a silent log on top)."""
+    t0 = time.perf_counter()
+    ranks = run_timed(module, "time_rank", variant, world, rate,
+                      {"variant": variant, "steps": steps, "rate": rate},
+                      timeout_s=600 + 3 * link_s * (steps + 2), stall_s=240 + 3 * link_s,
+                      threads=threads, env=CACHE_OFF)
+    if isinstance(ranks, dict):  # failed or skipped: the row says why
+        return ranks
+    return step_row(variant, ranks, time.perf_counter() - t0)
+
+
+def step_row(variant: str, ranks: list[dict], wall_s: float) -> dict:
+    """A variant's row from its ranks' :func:`timed_steps`: the step time is the slowest
+    rank's mean (a step ends when the last rank has its gradients), the loss rank 0's last,
+    the wire bytes and the prediction rank 0's (and ``graphs`` where the ranks counted them)."""
+    r0 = ranks[0]
+    return {"variant": variant, "status": "ok",
+            "step_s": max(statistics.mean(r["times"]) for r in ranks),
+            "wire_bytes": r0["wire_bytes"], "loss": r0["losses"][-1],
+            **({"graphs": r0["graphs"]} if "graphs" in r0 else {}),
+            "predicted": r0.get("predicted"), "wall_s": wall_s}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,14 +36,7 @@ import sys
 import time
 
 from bench import common
-from bench.shaped import (
-    RankFailed,
-    RankTimeout,
-    ShapingUnavailable,
-    exit_cleanly_on_sigterm,
-    run_ranks,
-    shaped_namespace,
-)
+from bench.shaped import ShapingUnavailable, exit_cleanly_on_sigterm
 
 WIDTH, DEPTH, BATCH, LR = 1024, 10, 32, 0.01
 CCFX_CODECS = {"ccfx-none": "none", "ccfx-fp16": "fp16", "ccfx-powersgd": "powersgd:rank=4",
@@ -132,10 +125,10 @@ def _wrap(variant: str, model, lowering: str, link_gbps: float | None = None):
 
 def train_rank(rank: int, world_size: int, *, variant: str, steps: int, warmup: int = 2,
                seed: int = 0, lowering: str = "inductor", link_gbps: float | None = None) -> dict:
-    """One rank of one variant: warm up, barrier, time ``steps`` steps. Returns the per-step
-    times, every step's loss, and the wire bytes per step when the variant counts them."""
+    """One rank of one variant: warm up, barrier, time ``steps`` steps
+    (:func:`bench.common.timed_steps`). Returns the per-step times, every step's loss, and the
+    wire bytes per step when the variant counts them."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     model = make_model(seed)
@@ -156,25 +149,9 @@ def train_rank(rank: int, world_size: int, *, variant: str, steps: int, warmup: 
         opt.step()
         return loss.item()
 
-    losses = []
-    try:
-        for i in range(warmup):
-            losses.append(step())
-            _log(rank, f"warm-up step {i}: loss {losses[-1]:.5f}")
-    except Exception as e:
-        if _is_config_error(e):  # torch.compile validates options at the first call
-            return {"skipped": f"ccfx rejects the options: {str(e).splitlines()[0]}"}
-        raise
-    dist.barrier()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t)
-        _log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.5f}, {times[-1]:.3f} s")
-    out = {"times": times, "losses": losses, "wire_bytes": wire()}
+    out = common.timed_steps(rank, step, steps=steps, warmup=warmup, wire=wire, digits=5)
     compiled = getattr(model, "_ccfx_compiled", None)
-    if variant == "ccfx-auto" and compiled is not None:
+    if variant == "ccfx-auto" and compiled is not None and "skipped" not in out:
         import ccfx
 
         g = ccfx.plan_of(compiled).graphs[0]
@@ -184,9 +161,7 @@ def train_rank(rank: int, world_size: int, *, variant: str, steps: int, warmup: 
     return out
 
 
-def _log(rank: int, msg: str) -> None:
-    """Progress on the rank's log: the parent treats a silent log as a hang (``stall_s``)."""
-    print(f"[rank {rank}] {msg}", flush=True)
+_log = common.log
 
 
 def _is_config_error(e: BaseException) -> bool:
@@ -265,25 +240,15 @@ def run_variant(variant: str, world: int, rate_mbit: float | None, steps: int,
         return {"variant": variant, "status": "skipped", "reason": why}
     if variant == "no-comm":
         world = 1
-    # ccfx rewrites the compiled backward: keep inductor's caches from replaying a graph
-    # compiled without (or with another) rewrite (DESIGN.md, "Upstream pitfalls").
-    env = ({"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-           if variant in CCFX_CODECS else None)
     limit, stall = _deadlines(variant, world, rate_mbit, steps)
     t0 = time.perf_counter()
-    try:
-        with shaped_namespace(rate_mbit) as ns:
-            ranks = run_ranks("bench.data_parallel", "train_rank", world,
-                              {"variant": variant, "steps": steps, "lowering": lowering,
-                               "link_gbps": rate_mbit / 1000 if rate_mbit else None},
-                              netns=ns, timeout_s=timeout_s or limit, threads_per_rank=threads,
-                              env=env, stall_s=stall)
-    except (RankFailed, RankTimeout) as e:
-        return {"variant": variant, "status": "fails", "reason": e.reason, "details": str(e),
-                "wall_s": time.perf_counter() - t0}
-    if any("skipped" in r for r in ranks):
-        return {"variant": variant, "status": "skipped",
-                "reason": next(r["skipped"] for r in ranks if "skipped" in r)}
+    ranks = common.run_timed("bench.data_parallel", "train_rank", variant, world, rate_mbit,
+                             {"variant": variant, "steps": steps, "lowering": lowering,
+                              "link_gbps": rate_mbit / 1000 if rate_mbit else None},
+                             timeout_s=timeout_s or limit, stall_s=stall, threads=threads,
+                             env=common.CACHE_OFF if variant in CCFX_CODECS else None)
+    if isinstance(ranks, dict):  # failed or skipped: the row says why
+        return ranks
     return summarize(variant, ranks, time.perf_counter() - t0)
 
 

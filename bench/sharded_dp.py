@@ -50,15 +50,18 @@ import time
 import torch
 
 from bench import common
-from bench.shaped import (
-    RankFailed,
-    RankTimeout,
-    ShapingUnavailable,
-    exit_cleanly_on_sigterm,
-    run_ranks,
-    shaped_namespace,
+from bench.shaped import ShapingUnavailable, exit_cleanly_on_sigterm, run_ranks
+from bench.tensor_parallel import (
+    BATCH,
+    BLOCK,
+    LAYERS,
+    LR,
+    TPGPT,
+    VOCAB,
+    WIDTH,
+    fixed_batch_step,
+    num_parameters,
 )
-from bench.tensor_parallel import BATCH, BLOCK, LAYERS, LR, TPGPT, VOCAB, WIDTH, num_parameters
 
 OVERRIDES = {
     "ccfx-none": {},
@@ -71,11 +74,9 @@ AUTO = "ccfx-auto"
 VARIANTS = ("fsdp2", "fsdp2-eager", "ccfx-eager", *OVERRIDES, AUTO)
 DEFAULT_VARIANTS = ("fsdp2", *OVERRIDES)
 EVAL_BATCHES = 8
-_CACHE_OFF = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 
 
-def _log(rank: int, msg: str) -> None:
-    print(f"[rank {rank}] {msg}", flush=True)
+_log = common.log
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,17 +114,6 @@ def _compile(model: torch.nn.Module, variant: str, rate: float | None = None):
         "collective_codec": "none", "collective_overrides": OVERRIDES[variant]})
 
 
-def _wire_bytes(compiled) -> float | None:
-    """Bytes this rank handed to its collectives, per the ccfx ledger (None: not ccfx)."""
-    import ccfx
-    from ccfx.errors import ConfigError
-
-    try:
-        return float(ccfx.ledger_of(compiled).totals()[1])
-    except ConfigError:  # compiled by another backend, or not at all
-        return None
-
-
 def _graphs() -> dict:
     """How many graphs Dynamo compiled and how many graph breaks it took (compiled variants:
     FSDP2's hooks are skipped by Dynamo, so its graphs are the modules' compute only)."""
@@ -133,61 +123,21 @@ def _graphs() -> dict:
             "breaks": sum(counters["graph_break"].values())}
 
 
-def _predicted(compiled) -> dict | None:
-    """``auto``'s predicted step (forward + backward graphs; no optimizer step) and choices."""
-    import collections
-
-    import ccfx
-
-    try:
-        plan = ccfx.plan_of(compiled)
-    except Exception:  # noqa: BLE001 (another backend, or none)
-        return None
-    p = plan.graphs[0].prediction if plan.graphs else None
-    if p is None:
-        return None
-    chose = collections.Counter((c.kind, c.codec) for c in plan.collectives)
-    return {"uncompressed_s": p.uncompressed_s, "chosen_s": p.chosen_s,
-            "chose": ", ".join(f"{k} {c} x{n}" for (k, c), n in sorted(chose.items()))}
-
-
 def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 2,
               seed: int = 0, rate: float | None = None) -> dict:
-    """Warm up (compiles), barrier, time ``steps`` steps on a fixed random batch of this rank."""
-    import torch.distributed as dist
-
+    """Warm up (compiles), barrier, time ``steps`` steps on a fixed random batch of this rank
+    (:func:`bench.common.timed_steps`; with the graphs Dynamo compiled)."""
     model = _shard(variant, seed, world)
     compiled = _compile(model, variant, rate)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    x = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g)
-    y = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g)
+    step = fixed_batch_step(model, compiled, 1000 * seed + rank)
 
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        loss = compiled(x, y)
-        loss.backward()
-        opt.step()
-        return loss.item()
+    def graphs() -> dict:
+        out = _graphs()
+        _log(rank, f"Dynamo: {out}")
+        return {"graphs": out}
 
-    losses = []
-    for i in range(warmup):
-        losses.append(step())
-        _log(rank, f"warm-up step {i}: loss {losses[-1]:.4f}")
-    before = _wire_bytes(compiled)
-    graphs = _graphs()
-    _log(rank, f"Dynamo: {graphs}")
-    dist.barrier()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t)
-        _log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.4f}, {times[-1]:.3f} s")
-    after = _wire_bytes(compiled)
-    wire = None if before is None or after is None else (after - before) / steps
-    return {"times": times, "losses": losses, "wire_bytes": wire, "graphs": graphs,
-            "predicted": _predicted(compiled)}
+    return common.timed_steps(rank, step, steps=steps, warmup=warmup, compiled=compiled,
+                              after_warmup=graphs)
 
 
 def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> dict:
@@ -317,22 +267,8 @@ def _link_s(world: int, rate: float | None) -> float:
 
 
 def run_time(variant: str, world: int, rate: float | None, steps: int, threads: int) -> dict:
-    link = _link_s(world, rate)
-    t0 = time.perf_counter()
-    try:
-        with shaped_namespace(rate) as ns:
-            ranks = run_ranks("bench.sharded_dp", "time_rank", world,
-                              {"variant": variant, "steps": steps, "rate": rate}, netns=ns,
-                              timeout_s=600 + 3 * link * (steps + 2), threads_per_rank=threads,
-                              env=_CACHE_OFF, stall_s=240 + 3 * link)
-    except (RankFailed, RankTimeout) as e:
-        return {"variant": variant, "status": "fails", "reason": e.reason,
-                "details": e.details[-4000:], "wall_s": time.perf_counter() - t0}
-    return {"variant": variant, "status": "ok",
-            "step_s": max(statistics.mean(r["times"]) for r in ranks),
-            "wire_bytes": ranks[0]["wire_bytes"], "loss": ranks[0]["losses"][-1],
-            "graphs": ranks[0]["graphs"], "predicted": ranks[0].get("predicted"),
-            "wall_s": time.perf_counter() - t0}
+    return common.time_row("bench.sharded_dp", variant, world, rate, steps, threads,
+                           _link_s(world, rate))
 
 
 def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
@@ -439,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "ccfx-zero++"]
         ranks = run_ranks("bench.sharded_dp", "memory_rank", a.world, {"variants": variants},
                           netns=None, timeout_s=1200, threads_per_rank=a.threads,
-                          env=_CACHE_OFF, stall_s=300)
+                          env=common.CACHE_OFF, stall_s=300)
         print(f"\nper-rank memory of a training step over the unsharded model on one rank "
               f"(1/W = {1 / a.world:.3f}; the largest rank). params+grads+AdamW: this rank's "
               "tensors, counted (gradients after backward, AdamW after its step)")
@@ -461,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 ranks = run_ranks("bench.sharded_dp", "loss_rank", a.world,
                                   {"variant": v, "steps": steps, "seed": seed}, netns=None,
-                                  timeout_s=1800, threads_per_rank=a.threads, env=_CACHE_OFF,
-                                  stall_s=300)
+                                  timeout_s=1800, threads_per_rank=a.threads,
+                                  env=common.CACHE_OFF, stall_s=300)
                 secs.append(time.perf_counter() - t0)
                 vals.append(ranks[0]["held_out"])
                 _progress(f"    held-out {vals[-1]:.4f} ({secs[-1]:.0f} s)")

@@ -39,21 +39,13 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bench import common
-from bench.shaped import (
-    RankFailed,
-    RankTimeout,
-    ShapingUnavailable,
-    exit_cleanly_on_sigterm,
-    run_ranks,
-    shaped_namespace,
-)
+from bench.shaped import ShapingUnavailable, exit_cleanly_on_sigterm, run_ranks
 
 WIDTH, LAYERS, HEADS, BLOCK, VOCAB = 512, 4, 8, 64, 96
 BATCH, LR = 8, 3e-3
@@ -137,8 +129,7 @@ def num_parameters(**kw) -> int:
 # What one rank runs.
 
 
-def _log(rank: int, msg: str) -> None:
-    print(f"[rank {rank}] {msg}", flush=True)
+_log = common.log
 
 
 def _options(variant: str, rate: float | None) -> dict:
@@ -148,18 +139,6 @@ def _options(variant: str, rate: float | None) -> dict:
     if CODECS[variant] == "auto":
         out.update(link_gbps=(rate or LOSS_PLAN_MBIT) / 1000, link_shared=True)
     return out
-
-
-def _predicted(compiled) -> dict | None:
-    """The planner's predicted step (forward + backward graphs: compute and exposed
-    collectives; the optimizer step is not in it), uncompressed and as chosen."""
-    import ccfx
-
-    try:
-        p = ccfx.plan_of(compiled).graphs[0].prediction
-    except Exception:  # noqa: BLE001 (another backend: nothing predicted)
-        return None
-    return None if p is None else {"uncompressed_s": p.uncompressed_s, "chosen_s": p.chosen_s}
 
 
 def _build(variant: str, seed: int, world: int, rate: float | None = None):
@@ -178,28 +157,23 @@ def _build(variant: str, seed: int, world: int, rate: float | None = None):
     return model, compiled
 
 
-def _wire_bytes(compiled) -> float | None:
-    """Bytes this rank handed to its collectives, per the ccfx ledger (None: not ccfx)."""
-    import ccfx
-    from ccfx.errors import ConfigError
-
-    try:
-        return float(ccfx.ledger_of(compiled).totals()[1])
-    except ConfigError:  # compiled by another backend
-        return None
-
-
 def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 2,
               seed: int = 0, rate: float | None = None) -> dict:
-    """Warm up (compiles), barrier, time ``steps`` steps on a fixed random batch."""
-    import torch.distributed as dist
-
+    """Warm up (compiles), barrier, time ``steps`` steps on a fixed random batch
+    (:func:`bench.common.timed_steps`)."""
     try:
         model, compiled = _build(variant, seed, world, rate)
     except Exception as e:
         if type(e).__name__ == "ConfigError":
             return {"skipped": f"ccfx rejects the options: {str(e).splitlines()[0]}"}
         raise
+    return common.timed_steps(rank, fixed_batch_step(model, compiled, seed), steps=steps,
+                              warmup=warmup, compiled=compiled)
+
+
+def fixed_batch_step(model: nn.Module, compiled, seed: int):
+    """One AdamW training step of ``compiled`` (``model``'s parameters) on a fixed random
+    batch drawn with ``seed``, returning the loss: what the time parts time."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g)
@@ -212,27 +186,7 @@ def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 
         opt.step()
         return loss.item()
 
-    losses = []
-    try:
-        for i in range(warmup):
-            losses.append(step())
-            _log(rank, f"warm-up step {i}: loss {losses[-1]:.4f}")
-    except Exception as e:
-        if "ConfigError" in type(e).__name__ or "ConfigError" in str(type(e).__mro__):
-            return {"skipped": f"ccfx rejects the options: {str(e).splitlines()[0]}"}
-        raise
-    before = _wire_bytes(compiled)
-    dist.barrier()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t)
-        _log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.4f}, {times[-1]:.3f} s")
-    after = _wire_bytes(compiled)
-    wire = None if before is None or after is None else (after - before) / steps
-    return {"times": times, "losses": losses, "wire_bytes": wire,
-            "predicted": _predicted(compiled)}
+    return step
 
 
 def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> dict:
@@ -310,25 +264,8 @@ def formula_mib(variant: str, world: int) -> float | None:
 
 
 def run_time(variant: str, world: int, rate: float | None, steps: int, threads: int) -> dict:
-    link = _link_s(world, rate)
-    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-    t0 = time.perf_counter()
-    try:
-        with shaped_namespace(rate) as ns:
-            ranks = run_ranks("bench.tensor_parallel", "time_rank", world,
-                              {"variant": variant, "steps": steps, "rate": rate}, netns=ns,
-                              timeout_s=600 + 3 * link * (steps + 2), threads_per_rank=threads,
-                              env=env, stall_s=240 + 3 * link)
-    except (RankFailed, RankTimeout) as e:
-        return {"variant": variant, "status": "fails", "reason": e.reason,
-                "wall_s": time.perf_counter() - t0}
-    if any("skipped" in r for r in ranks):
-        return {"variant": variant, "status": "skipped",
-                "reason": next(r["skipped"] for r in ranks if "skipped" in r)}
-    return {"variant": variant, "status": "ok", "step_s": max(statistics.mean(r["times"])
-                                                              for r in ranks),
-            "wire_bytes": ranks[0]["wire_bytes"], "loss": ranks[0]["losses"][-1],
-            "predicted": ranks[0].get("predicted"), "wall_s": time.perf_counter() - t0}
+    return common.time_row("bench.tensor_parallel", variant, world, rate, steps, threads,
+                           _link_s(world, rate))
 
 
 def time_table(rows: list[dict], world: int) -> tuple[list[list[str]], list[str]]:
@@ -407,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 ranks = run_ranks("bench.tensor_parallel", "loss_rank", a.world,
                                   {"variant": v, "steps": steps, "seed": seed}, netns=None,
                                   timeout_s=1800, threads_per_rank=a.threads,
-                                  env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-                                       "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"})
+                                  env=common.CACHE_OFF)
                 vals.append(ranks[0]["held_out"])
                 if ranks[0].get("chosen") and CODECS.get(v) == "auto":
                     _progress(f"    {v} ran: {ranks[0]['chosen']}")
