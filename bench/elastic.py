@@ -7,7 +7,8 @@ momentum: from a random init it beats DiLoCo's Nesterov, bench/README), AdamW in
 bench/local_steps.py, each replica its own shard of the corpus. Every replica is a process in
 one network namespace whose loopback is limited to ``--rate`` Mbit/s (bench/shaped.py); the
 torchft lighthouse runs in the driver inside the namespace (min_replicas 2, join_timeout_ms
-``--grace-ms``, heartbeat timeout 1 s). Every replica stops after the same committed sync
+``--grace-ms``, 1000 by default, heartbeat timeout ``--heartbeat-ms``, 300 by default: the
+settings README recommends). Every replica stops after the same committed sync
 (``--syncs`` torchft steps, the join's included); r0, never killed, ends the run (a replica
 restarted just before the end, with no sync left to join, is stopped).
 
@@ -431,8 +432,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="torchft DiLoCo's outer SGD: ccfx's (lr 1, no momentum) or DiLoCo's")
     p.add_argument("--model", choices=["tiny", "demo", "10m"], default="tiny",
                    help="bench/local_steps' GPT shapes (tiny 0.11 M, demo 3.2 M, 10m 10.7 M)")
-    p.add_argument("--heartbeat-ms", type=int, default=1000,
-                   help="lighthouse heartbeat_timeout_ms: how soon a dead replica is dropped")
+    p.add_argument("--heartbeat-ms", type=int, default=300,
+                   help="lighthouse heartbeat_timeout_ms: how soon a dead replica is dropped "
+                        "(torchft's managers beat every 100 ms from a Rust thread: 300 is 3 "
+                        "missed beats; torchft's default, 5000, stalls every quorum after a "
+                        "death that long)")
     p.add_argument("--tick-ms", type=int, default=None,
                    help="lighthouse quorum_tick_ms (default: torchft's)")
     p.add_argument("--kill-phase", type=float, default=0.5,
