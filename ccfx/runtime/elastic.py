@@ -20,9 +20,10 @@ Each replica (one process; its own torchft replica group of size 1) owns a torch
    :class:`~ccfx.ConfigError` naming both fingerprints and leaves; the others do not commit
    this sync and go on without it.
 3. Each due fragment's pseudo-gradient, scaled by ``tokens_i · W / Σ tokens``, is averaged by
-   ccfx's own exchanges (:mod:`ccfx.wire.exchange`; a stateless codec such as int8 on 3 or
-   more replicas by the encoded all-to-all + all-gather of :mod:`ccfx.wire.collectives`) over
-   the quorum's group: the same bytes on every replica, so the same global parameters, bit for
+   ccfx's own exchanges (:mod:`ccfx.wire.exchange`; on 3 or more replicas a codec that would
+   be all-gathered, int8 or int8:ef, by the encoded all-to-all + all-gather of
+   :mod:`ccfx.wire.collectives`, error feedback's state kept per element so that it survives
+   quorum changes: :meth:`Elastic._reduce_for`) over the quorum's group: the same bytes on every replica, so the same global parameters, bit for
    bit. Tokens are what a replica reports
    with ``outer.add_tokens(n)``; a replica that never reports counts its inner steps. A replica
    that has just healed contributes zero tokens (its pseudo-gradient is zero).
