@@ -273,10 +273,14 @@ def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
             n_ops += ops.counts.get("post", 0)
         every = ps + extra
         out = outs[name]
+        largest = max((b for k in (name, "pre" if i == 0 else None,
+                                    "post" if i == len(blocks) - 1 else None)
+                        for b in saved.get(k, {}).values()), default=0)
         layers.append(LayerFacts(
             name, float(fl), sum(p.numel() for p in every),
             sum(p.numel() * p.element_size() for p in every), int(sv), tuple(out.shape),
-            str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every), n_ops))
+            str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every), n_ops,
+            int(largest)))
     return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace",
                       ops.main_matmul())
 

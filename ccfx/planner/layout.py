@@ -71,7 +71,14 @@ from .codec_cost import CodecTimer
 from .compute import contention, machine_rate
 from .links import data_parallel_link, hop_links, stage_group_links
 from .local_model import predict_local_steps
-from .memory_model import MEMORY_LIMIT, SCHEDULES, MemoryEstimate, in_flight, stage_memory
+from .memory_model import (
+    MEMORY_LIMIT,
+    SCHEDULES,
+    MemoryEstimate,
+    bucket_memory,
+    in_flight,
+    stage_memory,
+)
 from .model_facts import ModelFacts
 from .pipeline_model import EdgeTraffic, PipelineModel, StageCompute
 
@@ -424,6 +431,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     # pipeline hops
     enc_dec = [0.0] * pp
     codec_mem = [0] * pp
+    exchange_mem = [0] * pp
     hop_links: list[Link] = []
     priced_hops, priced_groups = links.priced(layout)
     for h in range(pp - 1):
@@ -505,19 +513,9 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
             c = timer.cost(spec, (numel,), getattr(torch, st.grad_dtype))
             n_buckets = max(1, math.ceil(c.raw_bytes / BUCKET_BYTES))
             gather = spec != "none" and codecs.prototype(spec).reduction != "sum"
-            residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
-            raw = min(c.raw_bytes, BUCKET_BYTES)
-            payload = raw * c.wire_bytes // max(c.raw_bytes, 1)
-            if not layout.sharded:
-                # a bucket's exchange at its peak (ccfx.wire.exchange): an all-gather holds
-                # every replica's payload and three fp32 copies of the bucket (a decoded
-                # payload, the running sum, the next sum); an all-reduce the flattened
-                # bucket and the copy it reduces (none: 2 copies), a codec's payloads too
-                codec_mem[s] += (dp * payload + 3 * raw if gather
-                                 else 2 * raw + (2 * payload if spec != "none" else 0)
-                                 ) + residual
-            elif spec != "none":
-                codec_mem[s] += 2 * payload + residual
+            # the exchange's buckets in memory (ccfx's bucket plan; memory_model.bucket_memory)
+            kept, exchange_mem[s] = bucket_memory(st, spec, dp, tp=tp, sharded=layout.sharded)
+            codec_mem[s] += kept
             if layout.sharded:
                 gather = link.seconds(0) * n_buckets + (dp - 1) / dp * st.param_bytes / tp \
                     * share * 8 / (link.gbps * 1e9)
@@ -569,7 +567,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     for s, st in enumerate(sf):
         est = stage_memory(st, fraction=fraction, held=in_flight(layout.schedule, s, pp, m),
                            microbatches=m, tp=tp, dp=dp, sharded=layout.sharded, largest_layer_bytes=largest,
-                           codec_bytes=codec_mem[s])
+                           codec_bytes=codec_mem[s], exchange_bytes=exchange_mem[s])
         devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
         smallest = min(devs, key=cluster.memory)
         cap = cluster.memory(smallest)

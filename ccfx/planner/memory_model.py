@@ -2,34 +2,40 @@
 refuse before it prices anything (the memory estimator for 3D-parallel LLM training of the
 issue: in 454 runs, no configuration estimated under 80 % of device memory ran out of it).
 
-The parts, per device of stage ``s`` (tensor-parallel degree ``tp``, data-parallel ``dp``):
+The figure is the peak of live tensor bytes on the device during a step (what
+``torch.cuda.max_memory_allocated`` reports on a GPU), not the process's resident memory.
+A step has three phases, each with its own peak, on top of what lives throughout:
 
-* **parameters** and **gradients**: the stage's parameter bytes / ``tp`` each (gradients in
-  the parameters' dtype, as torch keeps them; at the peak only where a backward ran before it,
-  :func:`stage_memory`); sharded data parallel (``ccfx.shard``, ZeRO-3's
-  shape) divides both by ``dp`` and adds the largest layer gathered whole, twice (the one
-  computing and the next one prefetched);
-* **optimizer state**: AdamW's two fp32 moments per parameter (8 bytes each), / ``tp``
-  (/ ``dp`` sharded);
-* **activations in flight**: the bytes autograd saves for the stage's backward per
-  microbatch (measured by the trace, scaled to the microbatch, / ``tp``) times the
-  microbatches whose backward has not run yet at the worst moment: under 1F1B stage ``s`` of
-  ``pp`` holds ``min(pp - s, m)``, under GPipe all ``m``;
-* **transient**: the largest tensor a layer of the stage hands on, twice (an output and its
-  gradient while the last microbatch's backward starts);
-* **codec buffers and state**: a payload per hop and direction on the sending and receiving
-  side, and, for error feedback, one residual the size of the compressed tensor (per hop and
-  direction, per gradient bucket).
+* **always**: the parameters (/ ``tp``; sharded data parallel, ``ccfx.shard`` as ZeRO-3,
+  divides by ``dp`` and adds the largest layer gathered whole, twice: the one computing and
+  the next one prefetched), AdamW's two fp32 moments per parameter (8 bytes each), torch's
+  pipeline **receive buffers** (``PipelineStage`` keeps one per microbatch of the step, made
+  once: the activations a stage receives, and the gradients of those it sends) and the
+  codecs' state and payload buffers;
+* **the schedule**: the activations autograd saves per microbatch (measured by the trace,
+  scaled to the microbatch), less the stage's input (saved, but it *is* the receive buffer),
+  plus the output the stage keeps until that microbatch's backward; times the microbatches
+  whose backward has not run at the worst moment (under 1F1B stage ``s`` of ``pp`` holds
+  ``min(pp - s, m)``, under GPipe all ``m``); the gradients where a backward ran before that
+  moment; and the backward's first temporaries, two of the stage's largest saved tensor
+  (a transformer's MLP hidden and its gradient through the activation);
+* **the gradient exchange** (data parallel, after the schedule): the gradients and the
+  bucket being exchanged (:func:`bucket_memory`: ccfx's own bucket plan and exchange);
+* **the optimizer step**: the gradients and AdamW's temporaries (foreach, torch's default on
+  GPUs: one tensor per parameter; on CPU torch loops per parameter: two of the largest).
 
-Measured check (tests/test_layout_planner.py), peaks from ``torch.distributed._tools.
-MemTracker`` over real CPU steps with AdamW of the tiny GPT (3.2 M parameters, batch 16):
-the first stage of two under 1F1B with 4 microbatches -5.2 %, the last stage -7.3 %, the whole
-model in one microbatch -1.3 % (the parts not counted: the allocator's temporaries).
+Measured check (tests/test_memory_model.py): real ``CompressedStage`` s under torch's
+``Schedule1F1B`` and ccfx's bucket exchange, on a fake process group in one process (torch's
+own code path, nothing sent), peaks from ``torch.distributed._tools.MemTracker``; and
+bench/layouts.py on real gloo ranks (README, "Layouts on two nodes").
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from .model_facts import StageFacts
 
@@ -43,7 +49,12 @@ SCHEDULES = ("1F1B", "GPipe")
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device of one stage, by part."""
+    """Bytes per device of one stage, by part: ``params``, ``optimizer`` (AdamW's state),
+    ``buffers`` (pipeline receive buffers) and ``codec`` (codec state and payloads) live
+    throughout; the peak adds the largest of three phases: the schedule's (``grads`` at that
+    moment, ``activations`` of ``in_flight`` microbatches, the backward's ``transient``), the
+    gradient exchange's (``full_grads`` + ``exchange``) and the optimizer step's
+    (``full_grads`` + ``optimizer_step``)."""
 
     params: int
     grads: int
@@ -52,20 +63,50 @@ class MemoryEstimate:
     transient: int
     codec: int
     in_flight: int  # microbatches whose activations are held at the peak
+    buffers: int = 0
+    exchange: int = 0
+    optimizer_step: int = 0
+    full_grads: int = 0
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Each phase's bytes on top of what lives throughout."""
+        return {"schedule": self.grads + self.activations + self.transient,
+                "exchange": self.full_grads + self.exchange if self.exchange else 0,
+                "optimizer": self.full_grads + self.optimizer_step}
+
+    @property
+    def peak_phase(self) -> str:
+        ph = self.phases
+        return max(ph, key=ph.get)
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.activations
-                + self.transient + self.codec)
+        return (self.params + self.optimizer + self.buffers + self.codec
+                + max(self.phases.values()))
 
     def describe(self) -> str:
         gib = 2 ** 30
-        grads = f"{self.grads / gib:.3g}" + (" at the peak" if self.grads < self.params
-                                                 else "")
-        return (f"{self.total / gib:.3g} GiB = params {self.params / gib:.3g} + grads "
-                f"{grads} + AdamW {self.optimizer / gib:.3g} + activations "
-                f"{self.activations / gib:.3g} ({self.in_flight} microbatch(es) in flight) + "
-                f"transient {self.transient / gib:.3g} + codecs {self.codec / gib:.3g}")
+
+        def g(x):
+            return f"{x / gib:.3g}"
+
+        grads = g(self.grads) + (" at the peak" if self.grads < self.full_grads else "")
+        phase = self.peak_phase
+        if phase == "schedule":
+            peak = (f"grads {grads} + activations {g(self.activations)} ({self.in_flight} "
+                    f"microbatch(es) in flight) + transient {g(self.transient)}")
+        elif phase == "exchange":
+            peak = (f"grads {g(self.full_grads)} + the gradient exchange {g(self.exchange)} "
+                    f"(activations {g(self.activations)} with {self.in_flight} microbatch(es) "
+                    "in flight peak earlier, lower)")
+        else:
+            peak = (f"grads {g(self.full_grads)} + AdamW's temporaries "
+                    f"{g(self.optimizer_step)} (activations {g(self.activations)} with "
+                    f"{self.in_flight} microbatch(es) in flight peak earlier, lower)")
+        return (f"{g(self.total)} GiB = params {g(self.params)} + AdamW {g(self.optimizer)} + "
+                f"receive buffers {g(self.buffers)} + codecs {g(self.codec)} + at the "
+                f"{phase}'s peak: {peak}")
 
 
 def in_flight(schedule: str, stage: int, pp: int, microbatches: int) -> int:
@@ -77,12 +118,14 @@ def in_flight(schedule: str, stage: int, pp: int, microbatches: int) -> int:
 
 def stage_memory(stage: StageFacts, *, fraction: float, held: int,
                  microbatches: int | None = None, tp: int = 1, dp: int = 1,
-                 sharded: bool = False, largest_layer_bytes: int = 0, codec_bytes: int = 0
-                 ) -> MemoryEstimate:
+                 sharded: bool = False, largest_layer_bytes: int = 0, codec_bytes: int = 0,
+                 exchange_bytes: int = 0, foreach: bool = True) -> MemoryEstimate:
     """The estimate for one device of ``stage``: ``fraction`` is a microbatch's share of the
     traced batch, ``held`` the microbatches in flight (:func:`in_flight`) out of
-    ``microbatches`` (None: more than ``held``), ``codec_bytes`` the codecs' buffers and state
-    on this device (the caller prices them on its hops and buckets).
+    ``microbatches`` (None: more than ``held``), ``codec_bytes`` the codecs' state and buffers
+    on this device (the caller prices them on its hops and buckets), ``exchange_bytes`` the
+    gradient exchange's working set (:func:`bucket_memory`), ``foreach``: AdamW's foreach
+    implementation (torch's default on GPUs; False: CPU's loop over parameters).
 
     Gradients coexist with the held activations when a backward ran before the peak (1F1B's
     steady state: fewer in flight than the step's microbatches). When every microbatch is in
@@ -94,10 +137,84 @@ def stage_memory(stage: StageFacts, *, fraction: float, held: int,
     params = stage.param_bytes // (tp * shard)
     optimizer = ADAMW_STATE_BYTES * stage.param_numel // (tp * shard)
     gathered = 2 * largest_layer_bytes // tp if sharded and dp > 1 else 0
-    per_mb = int(stage.saved_bytes * fraction / tp)
+    m = microbatches if microbatches is not None else held
+    # the stage's input is saved by its first layer but is torch's receive buffer (counted
+    # there); its output is no layer's saved tensor here but is kept until the backward
+    received, sent = stage.in_bytes * fraction, stage.out_bytes * fraction
+    per_mb = int(max(0.0, stage.saved_bytes * fraction - received) / tp + sent)
+    buffers = int(m * (received + sent))
     grads = params
     if microbatches is not None and held >= microbatches:
         grads = max(0, params - per_mb)
-    transient = int(2 * stage.max_out_bytes * fraction)
+    largest_saved = stage.max_saved_bytes or stage.max_out_bytes
+    transient = int(2 * largest_saved * fraction / tp)
+    if foreach:
+        opt_step = params
+    else:
+        itemsize = stage.param_bytes / max(stage.param_numel, 1)
+        biggest = max((math.prod(s) for s in stage.param_shapes), default=0)
+        opt_step = int(2 * biggest * itemsize / (tp * shard))
     return MemoryEstimate(params + gathered, grads, optimizer, per_mb * held, transient,
-                          int(codec_bytes), held)
+                          int(codec_bytes), held, buffers, int(exchange_bytes), opt_step,
+                          params)
+
+
+def bucket_memory(stage: StageFacts, spec: str, dp: int, *, tp: int = 1,
+                  sharded: bool = False, collective: str = "all_gather", config=None
+                  ) -> tuple[int, int]:
+    """The data-parallel gradient exchange of ``stage`` over ``dp`` replicas with codec
+    ``spec``: (codec state kept across steps, the exchange's working set at its peak), in
+    bytes per device. The buckets are ccfx's own plan (:func:`ccfx.wire.policy.
+    assign_buckets` over the stage's parameters, the config's ``bucket_mb``), each bucket's
+    exchange ccfx's (:func:`ccfx.wire.exchange.exchange_for`); buckets run one after the
+    other, the previous one's averaged result still referenced while the next one runs:
+
+    * an all-reduce of the raw bucket (``none``): the flattened bucket and its average;
+    * a summable codec (``bf16``, PowerSGD, the ring): the flattened bucket, its average,
+      the payload out and the one summed;
+    * an all-gather (``int8`` …): every replica's payload, a decoded payload, the running
+      sum and the next sum.
+
+    Sharded data parallel (``ccfx.shard``) reduce-scatters each layer as it is made: a
+    payload each way with a codec, nothing beyond torch's own buffers without one."""
+    from ..config import Config
+    from ..wire.exchange import BucketLayout, exchange_for
+    from ..wire.policy import GradSlot, assign_buckets
+
+    if dp < 2:
+        return 0, 0
+    cfg = config or Config()
+    dtype = getattr(torch, stage.grad_dtype)
+    shapes = [tuple(s) for s in stage.param_shapes] or [(max(1, stage.param_numel),)]
+    if tp > 1:
+        shapes = [(max(1, s[0] // tp), *s[1:]) if s else s for s in shapes]
+    if sharded:
+        if spec == "none":
+            return 0, 0
+        numel = max(1, stage.param_numel // tp)
+        ex = exchange_for(BucketLayout(((numel,),), dtype), spec)
+        return _state_bytes(ex), 2 * ex.wire_bytes() // dp
+    n = len(shapes)
+    slots = [GradSlot(k, k, f"p{k}", shape, dtype, n - k) for k, shape in enumerate(shapes)]
+    plan = assign_buckets(slots, spec, cfg.bucket_mb, cfg.compress_min_numel,
+                          cfg.min_compression_rate)
+    state = work = previous = 0
+    for b in plan:
+        layout = BucketLayout(tuple(s.shape for s in b.slots), dtype)
+        kind = collective if collective in ("all_gather", "ring") else "all_gather"
+        ex = exchange_for(layout, b.spec, kind)
+        raw, wire = ex.raw_bytes, ex.wire_bytes()
+        state += _state_bytes(ex)
+        if b.spec == "none":
+            here = 2 * raw
+        elif type(ex).__name__ == "GatherExchange":
+            here = dp * wire + 3 * raw
+        else:
+            here = 2 * raw + 2 * wire
+        work = max(work, here + previous)
+        previous = raw
+    return state, work
+
+
+def _state_bytes(ex) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in ex.state_layout().values())

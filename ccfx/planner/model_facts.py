@@ -21,7 +21,9 @@ from ..errors import ConfigError
 class LayerFacts:
     """One block at the traced batch: ``flops`` of its forward (multiply-adds count two),
     ``saved_bytes`` the activations autograd keeps for its backward (parameters not counted),
-    ``out_shape`` / ``out_dtype`` the tensor a cut after it would send."""
+    ``out_shape`` / ``out_dtype`` the tensor a cut after it would send, ``max_saved_bytes``
+    the largest one tensor among the saved (a transformer's MLP hidden: the backward's first
+    gradients are that size; 0: unknown, the planner takes the output's size)."""
 
     name: str
     flops: float
@@ -32,6 +34,7 @@ class LayerFacts:
     out_dtype: str = "float32"
     param_shapes: tuple[tuple[int, ...], ...] = ()
     ops: int = 0  # aten ops of its forward (views left out), whatever the batch
+    max_saved_bytes: int = 0
 
     @property
     def out_bytes(self) -> int:
@@ -90,7 +93,10 @@ class ModelFacts:
             lo, hi, sum(x.flops for x in part), sum(x.param_numel for x in part),
             sum(x.param_bytes for x in part), sum(x.saved_bytes for x in part),
             max(x.out_bytes for x in part), tuple(s for x in part for s in x.param_shapes),
-            sum(x.ops for x in part))
+            sum(x.ops for x in part),
+            max(x.max_saved_bytes or x.out_bytes for x in part),
+            self.layers[lo - 1].out_bytes if lo > 0 else 0,
+            part[-1].out_bytes if hi < self.num_layers else 0)
 
     def cut_shape(self, layer: int, samples: int) -> tuple[int, ...]:
         """The shape a cut after ``layer`` sends for ``samples`` samples (the batch dimension,
@@ -132,7 +138,10 @@ class MeasuredCompute:
 @dataclass(frozen=True)
 class StageFacts:
     """A run of layers ``lo`` … ``hi - 1``: sums at the traced batch; ``max_out_bytes`` the
-    largest tensor one of its layers hands on (a transient of its forward and backward)."""
+    largest tensor one of its layers hands on, ``max_saved_bytes`` the largest one saved for
+    the backward (the size of the backward's first temporaries), ``in_bytes`` / ``out_bytes``
+    the tensor it receives from the stage before / sends to the one after (0 for the first /
+    last stage of the model)."""
 
     lo: int
     hi: int
@@ -143,6 +152,9 @@ class StageFacts:
     max_out_bytes: int
     param_shapes: tuple[tuple[int, ...], ...] = ()
     ops: int = 0
+    max_saved_bytes: int = 0
+    in_bytes: int = 0
+    out_bytes: int = 0
 
     @property
     def grad_dtype(self) -> str:
