@@ -296,9 +296,15 @@ def main(argv: list[str] | None = None) -> int:
         trained.setdefault(choice_of_options(r.get("options") or {}, any_pm), r["variant"])
     model = StepsModel(StepsTable.from_dict(table), any_pm.edges)
 
+    if a.json:  # the timed profiles first: the grid below can take long
+        common.write_json(a.json, "time_to_loss_sweep", {
+            **{k: old[k] for k in ("model", "steps", "batch_size", "lr")}, "runs": runs,
+            "profiles": {f"{s}|{m}": profile_to_json(p) for (s, m), p in profiles.items()}})
+    # 1F1B needs at least as many microbatches as stages (torch's Schedule1F1B refuses fewer)
     points = [(Point(shape, lat, sched, mb), profiles[shape, mb])
               for shape, _, mb in shapes if shape == "loss-run batch"
-              for lat in a.latency_ms for sched in a.schedule]
+              for lat in a.latency_ms for sched in a.schedule
+              if sched != "1F1B" or mb >= ttl.STAGES]
     if a.speedrun:
         pm = profiles["speedrun tokens", SPEEDRUN_TOKENS // SPEEDRUN_MICROBATCH_TOKENS]
         points += [(Point("speedrun tokens", lat, SPEEDRUN_SCHEDULE, pm.microbatches, s), pm)
