@@ -47,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         print(args._unavailable, file=sys.stderr)
         return 2
     module, _, run, _ = COMMANDS[args.command]
-    return int(getattr(importlib.import_module(module), run)(args) or 0)
+    from ccfx.errors import ConfigError
+
+    try:
+        return int(getattr(importlib.import_module(module), run)(args) or 0)
+    except ConfigError as e:  # bad input: its message names the problem and the fix
+        print(f"ccfx {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

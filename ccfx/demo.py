@@ -199,6 +199,7 @@ def run_demo(
             f"{tokenizer.vocab_size} characters"
         )
     options = {"stages": stages, "activation_codec": codec, "lowering": lowering}
+    ccfx.Config.from_options(options)  # a typo fails now, not after the baseline's whole run
 
     torch.manual_seed(seed)
     base_model = TinyGPT(config).to(device)
@@ -364,6 +365,10 @@ def _main_dp(args) -> int:
         codec = {"name": f"local steps H={args.sync_every} {args.outer_codec}",
                  "sync_every": args.sync_every, "outer_codec": args.outer_codec,
                  "outer_lr": 1.0, "outer_momentum": 0.0}
+    # a codec typo fails here, before the ranks start and train the uncompressed run
+    ccfx.Config.from_options({"data_parallel": True, "gradient_codec": codec}
+                             if isinstance(codec, str) else
+                             {k: codec[k] for k in ("sync_every", "outer_codec")})
     result = run_dp_demo(world=args.dp, steps=steps, codec=codec,
                          batch_per_rank=max(args.batch_size // args.dp, 1),
                          lowering=args.lowering, seed=args.seed, lr=args.lr,

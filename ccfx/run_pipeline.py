@@ -69,10 +69,24 @@ def main(args) -> int:
               f"(--nproc {args.nproc} / --dp {args.dp}): give --stages a multiple of {pp}",
               file=sys.stderr)
         return 2
+    _check_options(args, pp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={args.nproc}", "-m", "ccfx.cli", "run", "--worker",
            *_forward(args)]
     return subprocess.call(cmd)
+
+
+def _check_options(args, pp: int) -> None:
+    """The ranks' options checked here, before torchrun starts them: a codec typo is then one
+    ConfigError line (``ccfx`` prints it), not every rank's traceback under torchrun's
+    ChildFailedError. ``auto`` without --link-gbps gets a stand-in link: the ranks probe it."""
+    from ccfx.config import Config
+
+    codecs = (args.codec, args.grad_codec or args.codec, args.gradient_codec)
+    link = {"link_gbps": 1.0} if "auto" in codecs and args.link_gbps is None else {}
+    Config.from_options({"stages": args.stages or pp, "activation_codec": codecs[0],
+                         "activation_grad_codec": codecs[1], "gradient_codec": codecs[2],
+                         "lowering": args.lowering, **link})
 
 
 def _forward(args) -> list[str]:

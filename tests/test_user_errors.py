@@ -104,3 +104,31 @@ def test_a_misspelled_option_in_config_is_a_config_error_with_the_nearest_name()
                                                r"option\(s\) 'stagez'"):
         ccfx.Config.resolve({"stagez": 4}, environ={})
     assert ccfx.Config(stages=3).replace(stages=2).stages == 2
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the command went on to train or launch ranks with a bad option")
+
+
+@pytest.mark.parametrize("argv,module,name,said", [
+    (["demo", "--codec", "in8"], "ccfx.demo", "train", "'in8' (did you mean 'int8'?)"),
+    (["demo", "--dp", "2", "--gradient-codec", "powersgd:4"], "ccfx.demo_dp", "run_dp_demo",
+     "codec 'powersgd' has no parameter '4'"),
+    (["run", "--nproc", "2", "--codec", "in8"], "subprocess", "call",
+     "'in8' (did you mean 'int8'?)"),
+    (["run", "--nproc", "2", "--grad-codec", "int8:blocks=64"], "subprocess", "call",
+     "no parameter 'blocks' (did you mean 'block'?)"),
+])
+def test_the_cli_refuses_a_codec_typo_in_one_line_before_any_work(
+        monkeypatch, capsys, argv, module, name, said):
+    # `ccfx demo` trained the whole baseline first, `ccfx run` failed in every rank under
+    # torchrun (a ChildFailedError and two tracebacks); now: one line, exit status 2
+    import importlib
+
+    from ccfx.cli import main
+
+    monkeypatch.setattr(importlib.import_module(module), name, _must_not_run)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ccfx {argv[0]}: error: ") and said in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
