@@ -121,6 +121,13 @@ class Collectives:
         #: What this model's ranks already met on, per graph part and group: the collectives'
         #: agreed rows without the graph (see :meth:`_agree`).
         self._agreed: set[str] = set()
+        #: The rows met on, by graph part and group: ``(graph, rows)`` (what a recompiled
+        #: graph's rows are compared with, for its peers' errors).
+        self._agreed_rows: dict[tuple[str, str], list[tuple[int, list]]] = {}
+        #: ``auto``'s decisions by the collective they were made for, without the graph
+        #: (:func:`_same_collective`): ``(spec, why, graph)``. A graph recompiled with the same
+        #: collectives (an MoE whose split sizes became symbolic on one rank) takes them again.
+        self._decided: dict[tuple, tuple[str, str, int]] = {}
 
     def rewrite(self, plan: GraphPlan, desc: dict, part: str, gm: torch.fx.GraphModule,
                 compile_fn: Callable[[torch.fx.GraphModule], Callable], decompositions=None):
@@ -140,7 +147,7 @@ class Collectives:
         rows = [self._row(plan.index, part, f, r, f.position in counters)
                 for f, r in zip(found, rewrites)]
         counters = {base + pos: fn for pos, fn in counters.items()}
-        self._agree(desc, part, found, rows)
+        agreed = self._agree(plan.index, desc, part, found, rows)
 
         with unset_fake_temporarily():  # compiled inside AOT's fake mode: real state tensors
             device = device_of(gm)
@@ -162,7 +169,7 @@ class Collectives:
                          [(c.index, 0, 0) if c.per_row and c.index not in counters
                           else (c.index, c.raw_bytes, c.wire_bytes) for c in rows],
                          f"the {part} of graph {plan.index}" if described else "", described,
-                         counters)
+                         counters, agreed)
 
     # -- decisions ------------------------------------------------------------------------
 
@@ -206,15 +213,26 @@ class Collectives:
         from ccfx.wire import agree
 
         asked: dict[str, list[GraphCollective]] = {}
+        out: dict[int, tuple[str, str]] = {}
+        by_index = {base + f.position: f for f in found}
         for f in found:
             index = base + f.position
-            if (self.config.collective_spec(index, f.kind or f.op)[0] != AUTO or f.problem
-                    or f.call is None or f.world < 2 or f.wait is None
+            if self.config.collective_spec(index, f.kind or f.op)[0] != AUTO:
+                continue
+            again = self._decided.get(_same_collective(part, index, f))
+            if again is not None and not f.problem and f.call is not None:
+                # the group decided this collective for an earlier graph (every rank took
+                # the answer): a recompile (symbolic split sizes, another token count) takes
+                # it again, on every rank alike, without asking (a peer that did not
+                # recompile never would answer)
+                spec, why, graph = again
+                out[index] = (spec, f"{why}; decided for graph {graph}, the same collective")
+                continue
+            if (f.problem or f.call is None or f.world < 2 or f.wait is None
                     or _sized_at_run_time(f)):  # nothing to price: _decide says so
                 continue
             asked.setdefault(f.group_name, []).append(GraphCollective(
                 index, f.call, f.node, f.wait, _backend(f.group_name)))
-        out: dict[int, tuple[str, str]] = {}
         groups = sorted(asked, key=lambda name: (self.ranks_of(name), name))
         for name in groups:
             mine = asked[name]
@@ -230,6 +248,9 @@ class Collectives:
                 ranks=ranks, timeout_s=self.config.collective_timeout_s, hint=HINT)
             why = {int(d.what.split()[-1]): d.reason for d in decisions}
             out.update({i: (spec, why.get(i, "")) for i, spec in chosen.items()})
+            for i, spec in chosen.items():
+                self._decided.setdefault(_same_collective(part, i, by_index[i]),
+                                         (spec, why.get(i, ""), plan.index))
             plan.decisions.extend(decisions)
             _add_prediction(plan, predicted)
         return out
@@ -255,17 +276,20 @@ class Collectives:
                           dtype=str(f.dtype), codec=r.codec, raw_bytes=raw, wire_bytes=wire,
                           reduce_op=f.reduce_op, reason=reason, per_row=per_row)
 
-    def _agree(self, desc: dict, part: str, found: Sequence[FoundCollective],
-               rows: Sequence[Collective]) -> None:
+    def _agree(self, graph: int, desc: dict, part: str, found: Sequence[FoundCollective],
+               rows: Sequence[Collective]) -> list[tuple[str, tuple[int, ...]]]:
         """The ranks of every group meet on the graph and the rows of that group's
         collectives (see the module docstring); a group whose collectives the options leave
         uncompressed does not: torch's own collectives run there, as under inductor, and no
         rank waits for a peer at compile time (an expert-parallel model that recompiles on one
-        rank only, a graph one rank compiles alone, keep running as they would without ccfx)."""
+        rank only, a graph one rank compiles alone, keep running as they would without ccfx).
+        Returns the groups (name, ranks) that agree: each call of the graph says when it
+        enters their collectives (see :func:`_counting`)."""
         if _dist() is None:
-            return
+            return []
         from ccfx.wire import agree
 
+        agreed = []
         groups = {}
         for f in found:
             if f.group_name and f.group_name not in groups:
@@ -277,6 +301,7 @@ class Collectives:
                      for f, c in zip(found, rows) if f.group_name == name}
             if asked == {"none"}:
                 continue
+            agreed.append((name, ranks))
             mine = [[c.index, c.kind, c.reduce_op, f.agreed_shape, c.dtype, c.codec]
                     for f, c in zip(found, rows) if f.group_name == name]
             # A graph recompiled on this rank alone (an MoE's resumed graph when its own
@@ -285,9 +310,32 @@ class Collectives:
             same = agree.fingerprint({"part": part, "group": name, "collectives": mine})
             if same in self._agreed:
                 continue
+            differs = self._differs(part, name, mine, rows)
+            if differs:  # the peers' errors quote it, should they wait for this rank
+                agree.note_compile(
+                    f"rank {_dist().get_rank()} compiled the {part} of graph {graph} with the "
+                    f"collectives of graph {differs[0]} on group {name!r}, but their codecs "
+                    f"differ: {'; '.join(differs[1:])}")
             agree.meet(WHAT, {"graph": desc, "part": part, "group": name, "collectives": mine},
                        ranks, timeout_s=self.config.collective_timeout_s, hint=HINT)
             self._agreed.add(same)
+            self._agreed_rows.setdefault((part, name), []).append((graph, mine))
+        return agreed
+
+    def _differs(self, part: str, name: str, mine: list, rows: Sequence[Collective]) -> list:
+        """Where ``mine`` (a graph's agreed rows on group ``name``) are the collectives of an
+        earlier agreement of this model but with other codecs (a recompile on this rank): that
+        graph, then one sentence per collective whose codec differs; else ``[]``."""
+        why = {c.index: c.reason for c in rows}
+        for graph, theirs in self._agreed_rows.get((part, name), ()):
+            if [r[:-1] for r in theirs] != [r[:-1] for r in mine]:
+                continue
+            changed = [(a, b) for a, b in zip(mine, theirs) if a[-1] != b[-1]]
+            reasons = list(dict.fromkeys(_clip(why[a[0]]) for a, _ in changed if why[a[0]]))
+            return [graph, ", ".join(f"collective {a[0]} ({a[1]}) {b[-1]} there, {a[-1]} here"
+                                     for a, b in changed)
+                    + (f" ({'; '.join(reasons[:2])})" if reasons else "")]
+        return []
 
     def _register(self, graph: int, r: Rewrite) -> None:
         """``r``'s state tensors in the backend's codec state (names with a dot go one channel
@@ -317,6 +365,19 @@ def _add_prediction(plan: GraphPlan, predicted) -> None:
         plan.notes.append(f"collective_codec='auto' predicts {predicted.uncompressed_s:.4g} s "
                           f"uncompressed, {predicted.chosen_s:.4g} s as chosen for the "
                           "collectives' graph part")
+
+
+def _same_collective(part: str, index: int, f: FoundCollective) -> tuple:
+    """What makes two graphs' collectives the same one for ``auto`` and for the ranks'
+    agreement: the graph part, its group, index, kind, reduction, agreed shape (an expert
+    all-to-all's rows apart) and dtype; the graph itself left out (a recompile changes its
+    code)."""
+    return (part, f.group_name, index, f.kind or f.op, f.reduce_op, str(f.agreed_shape),
+            str(f.dtype))
+
+
+def _clip(text: str, n: int = 400) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"
 
 
 def _sized_at_run_time(f: FoundCollective) -> bool:
@@ -392,21 +453,38 @@ def _row_counters(gm: torch.fx.GraphModule, found: Sequence[FoundCollective],
     return counters
 
 
+#: Calls of compiled graphs whose collectives run on a group, by group name (this process):
+#: the step numbers :func:`ccfx.wire.agree.entering` records.
+_STEPS: dict[str, int] = {}
+
+
 def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, graph: int,
               rows: list[tuple[int, int, int]], what: str = "", described: str = "",
-              counters: dict[int, RowCounter] | None = None) -> Callable:
+              counters: dict[int, RowCounter] | None = None,
+              groups: Sequence[tuple[str, tuple[int, ...]]] = ()) -> Callable:
     """The compiled graph as aot_autograd calls it (boxed: one list of inputs, which the callee
     clears): the codec state appended, every collective counted once the call returned (a
     row count known only at run time: its bytes from ``counters[index]`` where there is one,
     else none: its row quotes bytes per row). Where ccfx compressed some (``what`` names the
     graph, ``described`` them), a RuntimeError of the call (gloo's, a peer died or hung)
-    becomes a :class:`~ccfx.CollectiveError` saying so."""
+    becomes a :class:`~ccfx.CollectiveError` saying so. Each call first records that this rank
+    enters the collectives of ``groups`` (the groups that agree on them): a peer that
+    recompiled alone and waits at an agreement meanwhile sees that this rank waits for it in
+    a collective (it would never come to the agreement) and fails within a poll, instead of
+    after ``collective_timeout_s``."""
     import weakref
+
+    from ccfx.wire import agree
 
     ledger_ref = weakref.ref(ledger)
     counters = counters or {}
+    entering = f"the collectives of {what or f'graph {graph}'}"
 
     def run(args):
+        for name, ranks in groups:
+            n = _STEPS.get(name, 0)
+            _STEPS[name] = n + 1
+            agree.entering(entering, name, n, ranks)
         full = list(args) + extra
         if isinstance(args, list):
             args.clear()  # the boxed convention: the callee frees its inputs
@@ -440,6 +518,9 @@ def failed(e: BaseException, what: str, described: str) -> CollectiveError:
     agree.gave_up(f"the collectives of {what}", first)
     who = agree.blame(e)
     who = f" {who[0].upper()}{who[1:]}." if who else ""
+    # what peers recompiled, and (no dead peer named) why they gave up
+    notes = agree.peer_notes(failures="rank " not in who.lower())
+    who = f"{who} {notes}" if notes else who
     dist = _dist()
     rank = f"rank {dist.get_rank()} of {dist.get_world_size()}: " if dist is not None else ""
     return CollectiveError(

@@ -22,6 +22,7 @@ Workers return plain data; the assertions are in the test file.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
@@ -174,8 +175,20 @@ def _ledger(compiled) -> list[tuple]:
             for e in ccfx.ledger_of(compiled).entries("collective")]
 
 
+def _grown(model, rank, x, target):
+    """``x`` and ``target`` with one more token on rank 1: a copy of a token its router sends to
+    rank 1's own expert, so only rank 1's split sizes change (rank 0's stay as they were)."""
+    if rank != 1:
+        return x, target
+    with torch.no_grad():
+        idx = model.router(model.proj(x)).argmax(-1)
+    (mine,) = (idx == rank).nonzero()[:1, 0].tolist() or [None]
+    assert mine is not None, "no token of rank 1 goes to its own expert: pick other inputs"
+    return torch.cat([x, x[mine:mine + 1]]), torch.cat([target, target[mine:mine + 1]])
+
+
 def counted(rank, world, codec, steps, capture=False, lowering="eager", hold_rank0=False,
-            **options):
+            grow_rank1=False, **options):
     """The counted MoE over ``steps`` inputs whose routing differs: every step's output
     against eager, the counts each step routed, the scales of the int8 bound, the plan (every
     graph Dynamo compiled). ``capture=False`` (torch's default): Dynamo breaks the graph at
@@ -184,7 +197,10 @@ def counted(rank, world, codec, steps, capture=False, lowering="eager", hold_ran
     (``capture_scalar_outputs``): one graph whose split sizes are unbacked SymInts, compiled
     once for every step: ``graphs`` counts what Dynamo compiled, the ledger what ran.
     ``hold_rank0``: rank 0 repeats its first input at step 1, so at that step only the other
-    ranks see new counts and recompile."""
+    ranks see new counts and recompile. ``grow_rank1``: from step 1 on, every rank repeats its
+    first input and rank 1 adds a token its own expert takes (an uneven batch): rank 1 alone
+    recompiles (its token count and split sizes become symbolic), rank 0 runs its first graphs.
+    A step that raises says how long it ran (``ccfx_step_s`` on the error)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -194,8 +210,16 @@ def counted(rank, world, codec, steps, capture=False, lowering="eager", hold_ran
     rows = []
     with torch._dynamo.config.patch(capture_scalar_outputs=capture):
         for step in range(steps):
-            x, target = _inputs(rank, 0 if hold_rank0 and rank == 0 and step == 1 else step)
-            out, _, grads = _step(compiled, x, target)
+            x, target = _inputs(rank, 0 if (hold_rank0 and rank == 0 and step == 1)
+                                or grow_rank1 else step)
+            if grow_rank1 and step:
+                x, target = _grown(eager, rank, x, target)
+            began = time.monotonic()
+            try:
+                out, _, grads = _step(compiled, x, target)
+            except Exception as e:
+                e.ccfx_step_s = time.monotonic() - began
+                raise
             want, _, want_grads = _step(eager, x, target)
             with torch.no_grad():
                 idx = eager.router(eager.proj(x)).argmax(-1)
@@ -238,3 +262,14 @@ def train_counted(rank, world, codec, steps):
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         losses = ranks.train(step_loss, opt, range(steps))
     return {"losses": losses, "counts": counts, "plan": _plan(compiled)}
+
+
+def counted_fails(rank, world, *args, **kwargs):
+    """:func:`counted` where a step must fail: the error's type and message, and how long the
+    failing step ran (``None`` for each when every step ran)."""
+    try:
+        counted(rank, world, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (the test asserts on the type and message)
+        return {"error": type(e).__name__, "message": str(e),
+                "step_s": getattr(e, "ccfx_step_s", None)}
+    return {"error": None, "message": None, "step_s": None}

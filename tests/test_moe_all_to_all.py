@@ -293,19 +293,16 @@ def test_ledger_counts_data_dependent_rows_from_the_sizes_a_graph_returns(return
     from ccfx.passes.compress_collectives import Rewrite, find_collectives
     from ccfx.wire.collectives import CompressedCollective
 
-    from .test_wire_collectives import _traced_with_unbacked_sizes
+    from .unbacked_graphs import traced_with_unbacked_sizes, unbacked_rows
 
     f = torch.ops._c10d_functional
 
     def fn(x, counts):
-        a, b = counts.tolist()
-        torch._check(a >= 0)
-        torch._check(b >= 0)
-        torch._check(a + b <= x.shape[0])
-        out = f.wait_tensor(f.all_to_all_single(x[:a + b], [a, b], [a, b], "fake"))
+        rows, a, b = unbacked_rows(x, counts)
+        out = f.wait_tensor(f.all_to_all_single(rows, [a, b], [a, b], "fake"))
         return (out, a, b) if returns_sizes else out
 
-    gm = _traced_with_unbacked_sizes(fn, torch.randn(9, 16), torch.tensor([3, 4]))
+    gm = traced_with_unbacked_sizes(fn, torch.randn(9, 16), torch.tensor([3, 4]))
     (found,) = find_collectives(gm, lambda _: 2)
     r = Rewrite(0, "int8", "", CompressedCollective(found.call, "int8"))
     counters = _row_counters(gm, [found], [r])

@@ -29,6 +29,7 @@ from ccfx.wire.comm import FunctionalComm, LocalComm
 
 from . import wire_collectives_workers as w
 from .ranks import run_scenarios, scenario
+from .unbacked_graphs import traced_with_unbacked_sizes, unbacked_rows
 
 SPECS = ["none", "int8", "int4", "fp8", "bf16", "topk:ratio=0.25"]
 HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14, "fp8": 1 / 16, "bf16": 2 ** -8}
@@ -670,18 +671,6 @@ def test_each_row_decodes_as_if_encoded_alone(spec, row):
     assert not torch.equal(want, x)  # the codec really ran
 
 
-def _traced_with_unbacked_sizes(fn, *args):
-    """``fn`` traced as Dynamo hands a ``capture_scalar_outputs`` graph to a backend: fake
-    tensors of static shapes, ``.tolist()`` giving unbacked SymInts (u0, u1...)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    return make_fx(fn, tracing_mode="fake")(*(mode.from_tensor(a, static_shapes=True)
-                                              for a in args))
-
-
 def test_the_pass_compresses_an_all_to_all_of_data_dependent_rows():
     """Split sizes and dim 0 unbacked SymInts: the pass takes the split sizes as inputs of the
     traced phases and the compressed graph, compiled once, runs any row count (0 included),
@@ -691,14 +680,11 @@ def test_the_pass_compresses_an_all_to_all_of_data_dependent_rows():
     f = torch.ops._c10d_functional
 
     def fn(x, counts):
-        a, b = counts.tolist()
-        torch._check(a >= 0)
-        torch._check(b >= 0)
-        torch._check(a + b <= x.shape[0])
-        return f.wait_tensor(f.all_to_all_single(x[:a + b] * 2, [a, b], [a, b], "fake")) + 1
+        rows, a, b = unbacked_rows(x, counts)
+        return f.wait_tensor(f.all_to_all_single(rows * 2, [a, b], [a, b], "fake")) + 1
 
     x = torch.randn(9, 16, generator=torch.Generator().manual_seed(3))
-    gm = _traced_with_unbacked_sizes(fn, x, torch.tensor([3, 4]))
+    gm = traced_with_unbacked_sizes(fn, x, torch.tensor([3, 4]))
     (found,) = find_collectives(gm, lambda _: 2)
     assert not found.problem and found.shape == ("u0+u1", 16) and found.call.symbolic_rows
     assert (found.input_splits, found.output_splits) == (("u0", "u1"), ("u0", "u1"))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from .. import codecs
 from ..config import Config
 from ..cost import evaluate, node_flops
 from ..errors import ConfigError
@@ -60,6 +61,18 @@ def _within_all(roles: Sequence[str], config: Config) -> list[str]:
     return [s for s in pools[0] if all(s in p for p in pools[1:])]
 
 
+def _pool(call: CollectiveCall, specs: list[str]) -> list[str]:
+    """``specs`` for ``call``; an expert all-to-all (unequal splits: :attr:`~ccfx.wire.
+    collectives.CollectiveCall.by_rows`) keeps only codecs without state. Its rows are other
+    tokens at every step, so a residual kept per row would carry one token's error into
+    another's; and a recompile (or ``capture_scalar_outputs``) makes its row count symbolic,
+    where the wire layer refuses state per element: a rank that recompiled alone would run the
+    same collective with another codec than its peers."""
+    if not call.by_rows:
+        return specs
+    return [s for s in specs if not codecs.get(s).state_layout((call.row,), call.dtype)]
+
+
 def link_for(config: Config, ranks: Sequence[int] | None) -> Link:
     """The link a collective over ``ranks`` (global ranks) crosses: with the ``cluster``
     option, the slowest link among those ranks' devices (rank r on device ``placement[r]``,
@@ -90,7 +103,8 @@ def plan_collective_codecs(gm: torch.fx.GraphModule, part: str,
                                  _seconds(nodes[pos[c.node] + 1: pos[c.wait]], flops_per_s, op_s),
                                  c.backend)
                for c in collectives]
-    pool: Mapping[int, Sequence[str]] = {t.index: _within_all(t.roles, config) for t in traffic}
+    pool: Mapping[int, Sequence[str]] = {t.index: _pool(t.call, _within_all(t.roles, config))
+                                         for t in traffic}
     link = link_for(config, ranks)
     choice = choose_collective_codecs(traffic, compute_s, pool, link, timer=timer,
                                       min_gain=config.auto_min_gain)
