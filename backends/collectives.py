@@ -17,7 +17,12 @@ becomes and writes it down:
   ranks that compiled different collectives, or gave different codecs, fail at compile time
   with an error naming what differs, not with gloo's size mismatch or a hang. Groups are met
   in the order of their ranks, the same total order on every rank, so ranks that share
-  several groups (a 2-D mesh) never wait for each other crosswise;
+  several groups (a 2-D mesh) never wait for each other crosswise. A graph one rank alone
+  recompiles (an MoE's uneven batch) whose collectives are ones the group met on needs no
+  meeting (``auto`` takes the group's decisions for them again); one whose codecs differ
+  meets, and every call of an agreed graph records the group's step it enters
+  (:func:`ccfx.wire.agree.entering`): the rank that recompiled then sees its peer waiting for
+  it in a collective and fails within a poll, saying which codecs differ;
 * **codec state** (error feedback): tensors made here, registered in the backend's
   ``codec_state`` under ``graph<g>.collective<j>[.<part>].<name>``
   (:mod:`ccfx.codecs.state`), passed to the compiled graph as extra inputs at every call;
