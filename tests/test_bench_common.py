@@ -4,23 +4,16 @@ row a variant's ranks make (made-up rank results)."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from bench import common
 from ccfx.errors import ConfigError
 
-
-@pytest.fixture(scope="module")
-def single_rank_group(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+# a gloo process group of this one rank (timed_steps meets the others at a barrier)
+from .test_codec_powersgd_reference import single_rank_group  # noqa: F401
 
 
-def test_timed_steps_warms_up_then_times_and_counts_the_ledger(single_rank_group, capsys):
+@pytest.mark.usefixtures("single_rank_group")
+def test_timed_steps_warms_up_then_times_and_counts_the_ledger(capsys):
     """Warm-up losses count, times only the timed steps; the ccfx ledger's bytes per timed
     step (int8 on one cut edge: the warm-up's bytes left out); the log says each step."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
@@ -44,7 +37,8 @@ def test_timed_steps_warms_up_then_times_and_counts_the_ledger(single_rank_group
     assert "[rank 0] warm-up step 1: loss" in log and "[rank 0] timed step 2: loss" in log
 
 
-def test_timed_steps_takes_a_wire_function_and_skips_on_a_config_error(single_rank_group):
+@pytest.mark.usefixtures("single_rank_group")
+def test_timed_steps_takes_a_wire_function_and_skips_on_a_config_error():
     out = common.timed_steps(0, lambda: 1.0, steps=2, warmup=1, wire=lambda: 42.0, digits=5)
     assert out["wire_bytes"] == 42.0 and "predicted" not in out
 
