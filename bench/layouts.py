@@ -141,7 +141,10 @@ def _predict(args, facts, cluster, timer) -> dict:
                                  gradient_codec=grads if dp > 1 else "none")
             p = predict_layout(facts, cluster, layout, timer=timer)
             out[(name, codec)] = {"step_s": p.step_s, "breakdown": p.breakdown(),
-                                  "memory": [m.total for m in p.memory]}
+                                  "memory": [m.total for m in p.memory],
+                                  "memory_parts": [m.describe() for m in p.memory],
+                                  "split": [facts.layers[b].name
+                                            for b in layout.boundaries[1:]]}
     return out
 
 
@@ -162,7 +165,8 @@ def split_codec(codec: str, args=None) -> tuple[str, str, str]:
 
 def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: int,
                microbatches: int, steps: int, warmup: int, cluster: dict, memory: bool = True,
-               seed: int = 0, gradient_codec: str | None = None) -> dict:
+               seed: int = 0, gradient_codec: str | None = None,
+               split_points: list[str] | None = None) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -186,6 +190,8 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
                "lowering": "eager"}
     if codec == "auto":
         options.update(cluster=cluster, microbatches=microbatches, pipeline_schedule="1F1B")
+    if split_points and pp > 1:  # the stages the planner priced (its memory is per stage)
+        options["split_points"] = tuple(split_points)
     compiled = torch.compile(model, backend="ccfx", fullgraph=True, options=options)
     x, _ = next(stream)
     compiled(x.chunk(microbatches)[0])
@@ -200,7 +206,7 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
     gc.collect()
     _malloc_trim()
     own = sum(p.numel() * p.element_size() for s in stages for p in s.submod.parameters())
-    base_kib = _rss_kib("VmRSS") - own // 1024
+    base = _memory_base(own)
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
@@ -223,7 +229,7 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
     for i in range(warmup):
         step()
         _log(rank, f"warm-up step {i}")
-    peak = _peak_memory(step, base_kib) if memory else "not measured"
+    peak = _peak_memory(step, base, stages, opt) if memory else "not measured"
     state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor))
     times, loss = [], None
@@ -256,22 +262,185 @@ def _rss_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def _peak_memory(step, base_kib: int) -> int | str:
-    """This rank's peak resident bytes during one step above ``base_kib`` (Linux: VmHWM,
-    reset through /proc/self/clear_refs), or why it could not say. The base is taken after
-    ``build_stages`` with the whole model dropped and the heap trimmed, less the stage's own
-    parameters: the figure is the stage's parameters, gradients, optimizer state,
-    activations, codec buffers and communication buffers, plus the allocator's slack, and no
-    longer the whole model built on every rank nor the compile's leftovers (which made it
-    about twice the planner's figure). MemTracker would count tensors alone, but its
-    dispatch mode hung the pipeline's step here."""
+def _mallinfo() -> dict[str, int]:
+    """glibc's mallinfo2: ``arena`` (heap bytes from brk/arenas), ``hblkhd`` (mmapped chunks),
+    ``uordblks`` (in use in the heap), ``fordblks`` (free in the heap, kept by malloc)."""
+    import ctypes
+
+    names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+             "uordblks", "fordblks", "keepcost")
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in names]
+
+    try:
+        f = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    f.restype = Info
+    got = f()
+    return {n: int(getattr(got, n)) for n in ("arena", "hblkhd", "uordblks", "fordblks")}
+
+
+def _process_memory() -> dict[str, int]:
+    """Resident bytes by kind (Linux /proc/self/status) and malloc's heap (mallinfo2)."""
+    return {**{k: _rss_kib(k) * 1024 for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")},
+            "threads": _rss_kib("Threads"), **_mallinfo()}
+
+
+def _memory_base(own_param_bytes: int) -> dict:
+    """The baseline of the resident figure, taken after ``build_stages`` with the whole model
+    dropped and the heap trimmed: this rank's resident bytes less its stage's parameters
+    (they are part of what the planner predicts)."""
+    base = _process_memory()
+    base["rss_base"] = base["VmRSS"] - own_param_bytes
+    base["params"] = own_param_bytes
+    base["tensors"] = sum(t.untyped_storage().nbytes() for t in _live_tensors())
+    return base
+
+
+def _live_tensors() -> list:
+    """One tensor per live CPU storage that Python can reach (gc), real tensors only (the
+    compile leaves fake ones in its graphs' metadata)."""
+    import gc
+
+    import torch
+
+    seen, out = set(), []
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu" and not o.is_meta:
+            try:
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue  # a fake or functional tensor
+            if ptr not in seen and st.nbytes():
+                seen.add(ptr)
+                out.append(o)
+    return out
+
+
+def tensor_peak(step, stages, opt) -> dict:
+    """The peak of live tensor bytes during one ``step()`` (what
+    ``torch.cuda.max_memory_allocated`` reports on a GPU), measured by PyTorch's
+    ``torch.distributed._tools.MemTracker``, which counts every tensor an op makes and
+    watches its storage die, gloo's and the wire's buffers included (they are tensors).
+
+    Two things make it work inside a pipeline step: the stage module runs once per
+    microbatch, which MemTracker takes for a second iteration (NotImplementedError "multiple
+    iterative calls" at the second microbatch's forward, its peer ranks then wait in their
+    receive: the "hang"), so its module statistics are reset before each microbatch's
+    forward; and what lives before the step (parameters, AdamW's state, torch's receive
+    buffers, codec state) is registered first (``track_external``: every tensor gc reaches,
+    then the modules and the optimizer so they are labelled). Returns the peak, the bytes
+    live at the start, and the peak's parts by MemTracker's labels."""
+    import gc
+
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    live = _live_tensors()
+    tracker = MemTracker()
+    tracker.track_external(*live)
+    tracker.track_external(*[s.submod for s in stages], opt)
+    del live
+    cpu = torch.device("cpu")
+    start = tracker.get_tracker_snapshot()[cpu]["Total"]
+    originals = []
+    for s in stages:
+        originals.append(s.forward_one_chunk)
+
+        def forward(*a, _run=s.forward_one_chunk, **k):
+            tracker.reset_mod_stats()
+            return _run(*a, **k)
+
+        s.forward_one_chunk = forward
+    try:
+        with tracker:
+            step()
+    finally:
+        for s in stages:
+            del s.forward_one_chunk  # the class's method again
+    peak = tracker.get_tracker_snapshot("peak")[cpu]
+    return {"tensor": int(peak["Total"]), "tensor_start": int(start),
+            "parts": {str(k).split(".")[-1]: int(v) for k, v in peak.items()
+                      if v and k != "Total"}}
+
+
+def _peak_memory(step, base: dict, stages, opt) -> dict | str:
+    """This rank's memory during a step, two figures: the peak of live tensor bytes
+    (:func:`tensor_peak`, one step; what the planner predicts), and the peak resident bytes
+    (another step: Linux VmHWM, reset through /proc/self/clear_refs) above ``base``
+    (:func:`_memory_base`), and the resident figure less the tensor peak in parts that add up
+    to it (:func:`rss_gap`)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError as e:
         return f"cannot reset the peak: {e}"
     step()
-    return (_rss_kib("VmHWM") - base_kib) * 1024
+    end = _process_memory()
+    end["tensors"] = sum(t.untyped_storage().nbytes() for t in _live_tensors())
+    out = {"rss": end["VmHWM"] - base["rss_base"]}
+    out.update(tensor_peak(step, stages, opt))
+    out["rss_gap"] = rss_gap(base, end, out["tensor"])
+    return out
+
+
+def rss_gap(base: dict, end: dict, tensor_peak: int) -> dict[str, int]:
+    """The resident figure (VmHWM − (VmRSS at the baseline − the stage's parameters)) less
+    the tensor peak, in parts taken at the step's end, which add up to it exactly: the
+    heap's size at the peak is its size at the end plus what it returned to the OS since.
+
+    * allocator slack: free space in malloc's heap at the peak beyond the baseline's (pages
+      touched by earlier steps' allocations, kept by malloc, not live at the peak):
+      Δ free + returned − (tensor peak − tensors live at the end);
+    * malloc'd, not tensors: Δ (bytes malloc has in use − live tensor bytes): gloo's and
+      the schedule's own buffers, Python objects above 512 bytes, autograd's metadata;
+    * file pages: Δ RssFile, code and libraries first run since the baseline;
+    * other anonymous memory: Δ RssAnon − Δ malloc heap: Python's small-object arenas,
+      thread stacks, other mappings;
+    * tensors in the baseline: live tensors at the baseline other than the stage's
+      parameters (the data set, the example batch), counted in the tensor peak but not in
+      the resident figure (negative)."""
+    if "fordblks" not in end:
+        return {}
+    heap = {k: d["arena"] + d["hblkhd"] for k, d in (("base", base), ("end", end))}
+    nontensor = {k: d["uordblks"] + d["hblkhd"] - d["tensors"]
+                 for k, d in (("base", base), ("end", end))}
+    returned = end["VmHWM"] - end["VmRSS"]
+    return {
+        "allocator slack": end["fordblks"] - base["fordblks"] + returned
+        - (tensor_peak - end["tensors"]),
+        "malloc'd, not tensors": nontensor["end"] - nontensor["base"],
+        "file pages": end["RssFile"] - base["RssFile"],
+        "other anonymous": end["RssAnon"] - base["RssAnon"] - (heap["end"] - heap["base"]),
+        "tensors in the baseline": -(base["tensors"] - base["params"]),
+    }
+
+
+def planner_split(pp: int, dp: int, placement: list[int], args) -> list[str] | None:
+    """The stage boundaries the planner prices for this layout (``make_layout``'s, as
+    ``ccfx.plan_parallel``'s options give them), as the compile's ``split_points``: the ranks
+    run the stages whose memory and time are predicted (ccfx's own split of 4 stages
+    differs). None without the planner."""
+    if pp == 1:
+        return None
+    try:
+        import torch
+
+        from ccfx.backends.plan_parallel import model_facts
+        from ccfx.models import GPTConfig, TinyGPT
+        from ccfx.planner.layout_search import make_layout
+    except ImportError:
+        return None
+    model = TinyGPT(GPTConfig(vocab_size=VOCAB, **MODEL))
+    facts = model_facts(model, (torch.zeros(args.batch, MODEL["block_size"], dtype=torch.long),))
+    layout = make_layout(facts, harness_cluster(args.mbit, flops=1e11), pp, dp,
+                         microbatches=args.microbatches, devices=devices_of(placement))
+    return [facts.layers[b].name for b in layout.boundaries[1:]]
 
 
 def run_layout(name: str, codec: str, args) -> dict:
@@ -283,7 +452,8 @@ def run_layout(name: str, codec: str, args) -> dict:
                          "gradient_codec": args.gradient_codec,
                          "microbatches": args.microbatches, "steps": args.steps,
                          "warmup": args.warmup, "cluster": cluster_dict(args.mbit, placement),
-                         "memory": not args.no_memory},
+                         "memory": not args.no_memory,
+                         "split_points": planner_split(pp, dp, placement, args)},
                         netns=netns, rank_env=env, timeout_s=args.timeout, stall_s=240)
     return {"layout": name, "codec": codec, "pp": pp, "dp": dp, "placement": placement,
             "step_s": res[0]["step_s"], "loss": next(r["loss"] for r in res if r["loss"]),
@@ -302,12 +472,31 @@ def _table(rows: list[dict]) -> str:
         p = r.get("predicted")
         table.append([r["layout"], r["codec"], f"{r['step_s']:.3f}", f"{r['step_s'] / best:.2f}",
                       f"{p['step_s']:.3f} ({p['step_s'] / r['step_s'] - 1:+.0%})" if p else "",
-                      f"{r['loss']:.4f}",
-                      " ".join(f"{b / 2**20:.0f}" if isinstance(b, int) else "?"
-                               for b in r["peak_bytes"])
-                      + (" / " + " ".join(f"{m / 2**20:.0f}" for m in p["memory"]) if p else "")])
+                      f"{r['loss']:.4f}", _memory_cells(r, p), _rss_cells(r)])
     return common.table(table, ["layout", "codec", "step s", "vs best", "predicted (err)",
-                                "loss", "peak MiB per rank measured / predicted per stage"])
+                                "loss", "tensor peak MiB per rank: measured / predicted (err)",
+                                "resident MiB per rank (above the baseline)"])
+
+
+def _memory_cells(r: dict, p: dict | None) -> str:
+    """Per rank (rank = replica × pp + stage): the measured tensor peak, the planner's
+    estimate for its stage, the error."""
+    cells = []
+    for rank, b in enumerate(r["peak_bytes"]):
+        got = b.get("tensor") if isinstance(b, dict) else None
+        want = p["memory"][rank % r["pp"]] if p else None
+        if got is None:
+            cells.append("?" if want is None else f"? / {want / 2**20:.0f}")
+        elif want is None:
+            cells.append(f"{got / 2**20:.0f}")
+        else:
+            cells.append(f"{got / 2**20:.0f} / {want / 2**20:.0f} ({want / got - 1:+.1%})")
+    return ", ".join(cells)
+
+
+def _rss_cells(r: dict) -> str:
+    return " ".join(f"{b['rss'] / 2**20:.0f}" if isinstance(b, dict) else "?"
+                    for b in r["peak_bytes"])
 
 
 def main(argv: list[str] | None = None) -> int:
