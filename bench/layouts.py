@@ -21,11 +21,14 @@ each with codecs ``none`` and, with ``--codecs``, others (``int8`` on every hop 
 
 Per layout: the steady step (the slowest rank's, median over ``--steps`` timed steps after
 ``--warmup``), the loss at the last step (same data in every layout: a sanity check, not a
-result), and per rank the peak resident memory during one step above the rank's resident
-memory once its stages were built, the rest of the model dropped and the heap trimmed, plus
-its stage's parameters (Linux VmHWM, reset before the step: parameters, gradients, optimizer
-state, activations, codec buffers, and the allocator's slack), beside the exact bytes
-of parameters, gradients and AdamW state. Ratios are against the best layout of the same
+result), and per rank two memory figures: the peak of live tensor bytes during one step
+(:func:`tensor_peak`, PyTorch's MemTracker: what ``torch.cuda.max_memory_allocated`` is on a
+GPU, and what the planner predicts), and the peak resident memory during another step above
+the rank's resident memory once its stages were built, the rest of the model dropped and the
+heap trimmed, plus its stage's parameters (Linux VmHWM), with what separates the two
+(:func:`rss_gap`: allocator slack, malloc'd memory that is no tensor, code paged in, Python's
+arenas and stacks). The ranks compile the stages the planner priced (``split_points`` from
+``make_layout``). Ratios are against the best layout of the same
 run. With the layout planner (``ccfx.plan_parallel``) present, its predicted step and memory
 stand beside each measured one, and ``ccfx.plan_parallel``'s own choice on the harness's
 cluster is printed after the table (``--predict-only``: the planner's side alone, no ranks).
