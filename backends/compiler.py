@@ -143,6 +143,26 @@ class CcfxBackend:
                 "Call it after making the optimizer, before the first step.",
                 CcfxWarning, stacklevel=3)
 
+    def _check_gradient_codec(self, graph_plan) -> None:
+        """``gradient_codec`` without ``data_parallel=True`` on a one-stage graph that is
+        called again (a training loop: pipeline stages are built after one call and the
+        compiled model is not called again): nothing uses the codec, which serves data
+        parallel or ``ccfx.sync_grads`` of pipeline stages, and under torchrun the ranks
+        would train apart. Warned once per compiled model."""
+        import warnings
+
+        cfg = self.config
+        if (cfg.gradient_codec == "none" or cfg.data_parallel or cfg.sync_every is not None
+                or graph_plan.requested_stages > 1 or getattr(self, "_warned_gradient", False)):
+            return
+        self._warned_gradient = True
+        warnings.warn(
+            f"gradient_codec={cfg.gradient_codec!r} is set but data_parallel is not: with one "
+            "stage nothing averages the gradients, so the codec is never used (and ranks "
+            "launched together train apart). Add data_parallel=True (after "
+            "dist.init_process_group()); the codec also serves ccfx.sync_grads of pipeline "
+            "stages (PP x DP).", CcfxWarning, stacklevel=3)
+
     @property
     def plan(self) -> Plan:
         """Every graph's plan, as compiled (decisions were written in when they were made)."""
@@ -420,6 +440,8 @@ class CcfxBackend:
                     # a whole call (forward and backward) is over: every channel this model
                     # makes exists; a loaded one that none claimed is reported now
                     backend.codec_state.check_unclaimed()
+                if runs[0] == 1:  # called again: a training loop, not a pipeline's stages
+                    backend._check_gradient_codec(graph_plan)
                 runs[0] += 1
                 backend.ledger.count_call(index)
                 if backend.data_parallel is not None:

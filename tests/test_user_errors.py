@@ -132,3 +132,26 @@ def test_the_cli_refuses_a_codec_typo_in_one_line_before_any_work(
     err = capsys.readouterr().err
     assert err.startswith(f"ccfx {argv[0]}: error: ") and said in err
     assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def _calls_warned(options, calls):
+    import warnings
+
+    compiled = torch.compile(_mlp(), backend="ccfx", options={"lowering": "eager", **options})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(calls):
+            compiled(torch.randn(8, 32)).sum().backward()
+    return [str(w.message) for w in seen if issubclass(w.category, ccfx.CcfxWarning)]
+
+
+def test_a_gradient_codec_without_data_parallel_warns_once_in_a_training_loop(no_group):
+    # the codec would silently never run (and launched ranks would train apart)
+    said = _calls_warned({"gradient_codec": "int8"}, calls=3)
+    assert len(said) == 1 and "gradient_codec='int8' is set but data_parallel is not" in said[0]
+    assert "data_parallel=True" in said[0] and "ccfx.sync_grads" in said[0]
+    # one call (what a PP x DP pipeline makes before ccfx.build_stages), data parallel itself,
+    # or no gradient codec: nothing to say
+    assert _calls_warned({"gradient_codec": "int8"}, calls=1) == []
+    assert _calls_warned({"gradient_codec": "int8", "data_parallel": True}, calls=2) == []
+    assert _calls_warned({}, calls=2) == []
