@@ -42,9 +42,9 @@ sum over committed syncs of the inner steps the quorum's replicas contributed (t
 of r0's sync rows: a killed replica's steps since its last commit are lost, a joiner
 contributes 0); goodput = useful steps per second, and its ratio to ``free``; time from a
 restarted replica's process start (before importing torch; a standby's activation) to its
-first committed sync; bytes
-the namespace's ``lo`` sent over the run and per committed sync (every replica's traffic, the
-recovery's HTTP transfer included) and ccfx's own count of payload against raw fp32 bytes;
+first committed sync; bytes the namespace's ``lo`` sent over the run and per committed sync
+(every replica's traffic, the recovery's HTTP transfer included) and ccfx's own count of
+payload against raw fp32 bytes;
 r0's held-out loss of the final global parameters (32 batches of the last 10 % of the corpus).
 
     python -m bench.elastic                                   # 4 replicas, 10 Mbit/s
