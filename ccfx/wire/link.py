@@ -44,8 +44,8 @@ class Link:
 #: travel on the pair's one connection, and the message that tells a sender its peer has
 #: posted the receive goes on that same connection, behind whatever payload is already in it:
 #: the two directions partly take turns instead of running at once. Measured on
-#: ``bench.shaped.two_nodes`` (48.1 Mbit/s across, 5.4 MB uint8 payloads, gloo
-#: ``all_gather_into_tensor``): one pair alone 1.0-1.9x one direction's time, mean 1.50x
+#: ``bench.shaped.two_nodes`` by ``python -m bench.pair_gather`` (48.1 Mbit/s across, 5.4 MB
+#: uint8 payloads, gloo ``all_gather_into_tensor``): one pair alone 1.0-1.9x one direction's time, mean 1.50x
 #: (24 trials); two pairs sharing the link 1.06-1.55x their shared time, mean 1.33x (22
 #: trials: the other pair fills the idle direction). Both are about 0.5-0.65 of one payload
 #: at the link's whole rate on top of the bandwidth's time; the same payload in 8 chunks issued
