@@ -28,7 +28,7 @@ def run():
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=500,
                                   quorum_tick_ms=20, heartbeat_timeout_ms=1000)
-    reps = w.Replicas(lighthouse.address(), deadline_s=150)
+    reps = w.Replicas(lighthouse.address(), deadline_s=300)  # 200 s at load ~36
     out = {}
     try:
         for name in ("r0", "r1", "r2"):
