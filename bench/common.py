@@ -253,6 +253,13 @@ def step_row(variant: str, ranks: list[dict], wall_s: float) -> dict:
 # Output.
 
 
+def failed_row(row: dict, notes: list[str], columns: int) -> list[str]:
+    """The table row of a variant that failed or was skipped (``row["status"]``), its reason
+    appended to ``notes`` as a numbered note (reasons are too long for a cell)."""
+    notes.append(f"({len(notes) + 1}) {row['variant']} {row['status']}: {row['reason']}")
+    return [row["variant"], f"{row['status']} ({len(notes)})", *[""] * (columns - 2)]
+
+
 def machine() -> dict:
     return {
         "date": datetime.date.today().isoformat(),

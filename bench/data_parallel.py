@@ -300,8 +300,7 @@ def table_rows(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
     out, notes = [], []
     for r in rows:
         if r["status"] != "ok":
-            notes.append(f"({len(notes) + 1}) {r['variant']} {r['status']}: {r['reason']}")
-            out.append([r["variant"], f"{r['status']} ({len(notes)})", "", "", "", "", ""])
+            out.append(common.failed_row(r, notes, 7))
             continue
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 1e6:.2f}"
         if r["variant"] in REFERENCES or not ddp or ddp.get("status") != "ok":

@@ -61,6 +61,7 @@ from bench.tensor_parallel import (
     WIDTH,
     fixed_batch_step,
     num_parameters,
+    train_on_corpus,
 )
 
 OVERRIDES = {
@@ -73,7 +74,6 @@ OVERRIDES = {
 AUTO = "ccfx-auto"
 VARIANTS = ("fsdp2", "fsdp2-eager", "ccfx-eager", *OVERRIDES, AUTO)
 DEFAULT_VARIANTS = ("fsdp2", *OVERRIDES)
-EVAL_BATCHES = 8
 
 
 _log = common.log
@@ -143,28 +143,10 @@ def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 
 def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> dict:
     """``steps`` AdamW steps on the corpus (each rank its own batches), then the held-out loss
     (the same held-out batches on every rank)."""
-    from ccfx.models import CharTokenizer, batches, load_corpus
-
-    text = load_corpus()
-    data = CharTokenizer(text).encode(text)
-    cut = int(data.numel() * 0.9)
     model = _shard(variant, seed, world)
-    compiled = _compile(model, variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    train = batches(data[:cut], BATCH, BLOCK, 1000 + 100 * seed + rank)
-    held = batches(data[cut:], BATCH, BLOCK, 10_000 + seed)
-    held_out = [next(held) for _ in range(EVAL_BATCHES)]
-    t0 = time.perf_counter()
-    for i in range(steps):
-        x, y = next(train)
-        opt.zero_grad(set_to_none=True)
-        compiled(x, y).backward()
-        opt.step()
-        if i % 10 == 0:
-            _log(rank, f"step {i} ({time.perf_counter() - t0:.0f} s)")
-    with torch.no_grad():
-        val = sum(compiled(x, y).item() for x, y in held_out) / len(held_out)
-    return {"held_out": val, "train_s": time.perf_counter() - t0}
+    return train_on_corpus(rank, model, _compile(model, variant), steps=steps,
+                           train_seed=1000 + 100 * seed + rank, held_seed=10_000 + seed,
+                           log_every=10)
 
 
 def _local_bytes(t: torch.Tensor | None) -> int:
@@ -279,8 +261,7 @@ def time_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
     out, notes = [], []
     for r in rows:
         if r["status"] != "ok":
-            notes.append(f"({len(notes) + 1}) {r['variant']} {r['status']}: {r['reason']}")
-            out.append([r["variant"], f"{r['status']} ({len(notes)})", "", "", "", ""])
+            out.append(common.failed_row(r, notes, 6))
             continue
         ratios = [f"{b['step_s'] / r['step_s']:.2f}" if b else "-" for b in bases]
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 2**20:.2f}"

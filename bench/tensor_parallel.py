@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -192,26 +193,37 @@ def fixed_batch_step(model: nn.Module, compiled, seed: int):
 def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> dict:
     """``steps`` AdamW steps on the corpus (the same batches on every TP rank), then the
     held-out loss."""
+    model, compiled = _build(variant, seed, world)
+    return {**train_on_corpus(rank, model, compiled, steps=steps, train_seed=1000 + seed,
+                              held_seed=10_000 + seed, log_every=25),
+            "chosen": _chosen(compiled)}
+
+
+def train_on_corpus(rank: int, model: nn.Module, compiled, *, steps: int, train_seed: int,
+                    held_seed: int, log_every: int) -> dict:
+    """``steps`` AdamW steps of ``compiled`` (``model``'s parameters) on the embedded corpus's
+    first 90 % (batches drawn with ``train_seed``), then the mean loss of ``EVAL_BATCHES``
+    batches of the rest (``held_seed``): ``held_out`` and the training's seconds."""
     from ccfx.models import CharTokenizer, batches, load_corpus
 
     text = load_corpus()
     data = CharTokenizer(text).encode(text)
     cut = int(data.numel() * 0.9)
-    model, compiled = _build(variant, seed, world)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    train = batches(data[:cut], BATCH, BLOCK, 1000 + seed)
-    held = batches(data[cut:], BATCH, BLOCK, 10_000 + seed)
+    train = batches(data[:cut], BATCH, BLOCK, train_seed)
+    held = batches(data[cut:], BATCH, BLOCK, held_seed)
     held_out = [next(held) for _ in range(EVAL_BATCHES)]
+    t0 = time.perf_counter()
     for i in range(steps):
         x, y = next(train)
         opt.zero_grad(set_to_none=True)
         compiled(x, y).backward()
         opt.step()
-        if i % 25 == 0:
-            _log(rank, f"step {i}")
+        if i % log_every == 0:
+            _log(rank, f"step {i} ({time.perf_counter() - t0:.0f} s)")
     with torch.no_grad():
         val = sum(compiled(x, y).item() for x, y in held_out) / len(held_out)
-    return {"held_out": val, "chosen": _chosen(compiled)}
+    return {"held_out": val, "train_s": time.perf_counter() - t0}
 
 
 def _chosen(compiled) -> str | None:
@@ -273,8 +285,7 @@ def time_table(rows: list[dict], world: int) -> tuple[list[list[str]], list[str]
     out, notes = [], []
     for r in rows:
         if r["status"] != "ok":
-            notes.append(f"({len(notes) + 1}) {r['variant']} {r['status']}: {r['reason']}")
-            out.append([r["variant"], f"{r['status']} ({len(notes)})", "", "", "", ""])
+            out.append(common.failed_row(r, notes, 6))
             continue
         ratio = f"{base['step_s'] / r['step_s']:.2f}" if base else "-"
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 2**20:.2f}"
