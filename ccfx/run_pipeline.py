@@ -69,6 +69,13 @@ def main(args) -> int:
               f"(--nproc {args.nproc} / --dp {args.dp}): give --stages a multiple of {pp}",
               file=sys.stderr)
         return 2
+    per_rank = (args.stages or pp) // pp
+    if per_rank > 1 and args.schedule in ("GPipe", "1F1B"):
+        print(f"ccfx run: {args.stages} stages on {pp} pipeline ranks put {per_rank} stages on "
+              f"each rank, and --schedule {args.schedule} runs one stage per rank: use "
+              "--schedule Interleaved1F1B (or ZBVZeroBubble, DualPipeV), or --stages "
+              f"{pp}", file=sys.stderr)
+        return 2
     _check_options(args, pp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={args.nproc}", "-m", "ccfx.cli", "run", "--worker",

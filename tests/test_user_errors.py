@@ -155,3 +155,15 @@ def test_a_gradient_codec_without_data_parallel_warns_once_in_a_training_loop(no
     assert _calls_warned({"gradient_codec": "int8"}, calls=1) == []
     assert _calls_warned({"gradient_codec": "int8", "data_parallel": True}, calls=2) == []
     assert _calls_warned({}, calls=2) == []
+
+
+def test_ccfx_run_refuses_several_stages_per_rank_under_a_one_stage_schedule(monkeypatch, capsys):
+    # `ccfx run --nproc 2 --stages 8` ran the first of each rank's 4 stages under 1F1B: gloo
+    # aborted rank 1 ("Received data size doesn't match expected size") and rank 0 failed after
+    from ccfx.cli import main
+
+    monkeypatch.setattr(__import__("subprocess"), "call", _must_not_run)
+    assert main(["run", "--nproc", "2", "--stages", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "put 4 stages on each rank" in err and "--schedule Interleaved1F1B" in err
+    assert "--stages 2" in err
