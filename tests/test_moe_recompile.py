@@ -71,9 +71,9 @@ def test_a_rank_that_recompiles_into_refused_codecs_fails_at_once_naming_what_di
     naming both ranks, the graph and what differs, within a poll, not after
     collective_timeout_s (300 s); rank 0's all-to-all then fails when rank 1 goes (its
     process group torn down), with a CollectiveError quoting rank 1's reason. Measured: the
-    failing step 3.7 s on rank 1 (its two recompiles included), 7.0 s on rank 0, under a
-    load of 14 on 2 cores (17 s and 28 s under a load of 25); before, both waited out their
-    timeouts (rank 0 the group's, rank 1 collective_timeout_s, 300 s)."""
+    failing step 1.5 s on rank 1 (its two recompiles included), 2.4 s on rank 0 on an idle
+    2-core machine (3.7 s and 7.0 s at a load of 14, 17 s and 28 s at 25); before, both
+    waited out their timeouts (rank 0 the group's, rank 1 collective_timeout_s, 300 s)."""
     r0, r1 = two["uneven ef"]
     assert r1["error"] == "ConfigError", r1
     assert "rank 1: waits at the collectives of a compiled graph" in r1["message"]
