@@ -37,6 +37,23 @@ backpropagation), and
 T = mean steps to the target x predicted steady step; "T vs none" = none's T over the row's.
 ``--table PATH`` writes the per-role multipliers as ``steps_multipliers`` reads them.
 
+What this shape can show, and the goal it can be held to (issue 19's Numbers). At this
+bench's shape (16 x 64 tokens per step, 2 microbatches) a microbatch's activation is 256 KiB,
+10.5 ms on a 200 Mbit/s wire against 50 ms of latency per message: the step is latency-bound,
+the best codec shortens it by about 10 %, less than the steps the codecs cost, and no codec
+can reach 1.62x there; ``auto`` rightly chooses none. The speedrun the 1.62x comes from is
+bandwidth-bound: 524,288 tokens per step in 64 microbatches of 8,192, each message 671 ms on
+the wire, the compute a few ms. ``python -m bench.time_to_loss_sweep --reuse RUNS
+--speedrun`` prices the same loss runs there (the speedrun's tokens per step and microbatch,
+1F1B; the stage compute timed on this CPU and scaled to the speedrun's compute-to-wire ratio,
+which is a FLOP-based prediction, not a measurement; the steps multipliers carried over from
+the 1,024-token loss runs, an assumption), and on a grid of links, latencies and microbatch
+counts with the rate where the best codec crosses 1x and 1.62x. The goal is read there
+(bench/README.md): at 200 Mbit/s + 50 ms, auto >= 1.62x over none, and auto >= the best
+fixed codec; on uniform links auto can only beat the best uniform codec by mixing roles
+(int8 forward, int4:ef backward) or hops, and such a mix's multiplier is predicted until
+``--train`` trains it.
+
     python -m bench.time_to_loss                              # 300 steps, seeds 0 1 2
     python -m bench.time_to_loss --quick                      # 200 steps, seeds 0 1 (~15 min)
     python -m bench.time_to_loss --table bench/steps_multipliers.json
