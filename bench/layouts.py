@@ -311,7 +311,9 @@ def _live_tensors() -> list:
 
     seen, out = set(), []
     for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and o.device.type == "cpu" and not o.is_meta:
+        # type(), not isinstance: a weakref.proxy among the objects (the codecs keep some)
+        # raises ReferenceError on isinstance once its referent is gone
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta:
             try:
                 st = o.untyped_storage()
                 ptr = st.data_ptr()
