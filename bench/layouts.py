@@ -409,7 +409,13 @@ def rss_gap(base: dict, end: dict, tensor_peak: int) -> dict[str, int]:
       thread stacks, other mappings;
     * tensors in the baseline: live tensors at the baseline other than the stage's
       parameters (the data set, the example batch), counted in the tensor peak but not in
-      the resident figure (negative)."""
+      the resident figure (negative).
+
+    mallinfo2 counts the heap's address space, not its resident pages (malloc gives free
+    pages back inside an arena with MADV_DONTNEED): the split between allocator slack and
+    other anonymous memory is loose (one rank of bench.layouts showed slack -27 MiB, other
+    +52 MiB); their sum, memory the allocator and runtime hold that no tensor uses at the
+    peak, is exact."""
     if "fordblks" not in end:
         return {}
     heap = {k: d["arena"] + d["hblkhd"] for k, d in (("base", base), ("end", end))}
