@@ -124,15 +124,15 @@ def test_the_sweep_on_the_small_gpt(tmp_path, capsys):
     slow = {r["gbps"]: r["cells"]["none"]["step_s"] for r in speedrun
             if r["point"]["scale"] == 1}
     assert all(fast[g] < slow[g] for g in fast)
-    # a second sweep over its own output reuses the profiles: the same steps, no timing
+    # a second sweep over its own output reuses the stored profile: the same steps, no timing
     again = tmp_path / "again.json"
     assert sweep.main(["--reuse", str(out), "--gbps", "0.02", "--latency-ms", "50",
-                       "--microbatches", "2", "--speedrun", "--compute-scale", "1",
-                       "0.01", "--json", str(again)]) == 0
-    assert "profile reused" in capsys.readouterr().err
+                       "--microbatches", "2", "--json", str(again)]) == 0
+    assert "loss-run batch, 2 mb: profile reused" in capsys.readouterr().err
     second = json.loads(again.read_text())
     assert [r["cells"]["none"]["step_s"] for r in second["grid"]] == \
-        [r["cells"]["none"]["step_s"] for r in result["grid"]]
+        [r["cells"]["none"]["step_s"] for r in result["grid"]
+         if r["point"]["shape"] == "loss-run batch"]
 
 
 def test_the_band_multiplier_is_the_mean_over_targets_of_the_step_ratios():
