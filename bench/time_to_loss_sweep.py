@@ -2,9 +2,10 @@
 set of loss runs (issue 19 item 4): where compressing the pipeline pays, and where it cannot.
 
 The loss runs do not depend on the link, so they are trained once (``python -m
-bench.time_to_loss --json RUNS``) and every grid point here only re-prices the step: T = mean
-steps to the target x the planner's predicted steady step, "T vs none" = none's T over the
-row's. The steps multipliers (mean ± std over seeds, and the standard error of the mean) come
+bench.time_to_loss --json RUNS``) and every grid point here only re-prices the step: T =
+none's mean steps to the target x the row's steps multiplier (mean over seeds of its steps
+over none's on the same seed) x the planner's predicted steady step, "T vs none" = none's T
+over the row's. The steps multipliers (mean ± std over seeds, and the standard error of the mean) come
 from the runs; the per-role table ``auto`` searches with is built from them exactly as
 bench/time_to_loss.py builds it.
 
