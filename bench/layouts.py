@@ -317,7 +317,7 @@ def _live_tensors() -> list:
             try:
                 st = o.untyped_storage()
                 ptr = st.data_ptr()
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError):  # no storage (fake, functional): no bytes
                 continue  # a fake or functional tensor
             if ptr not in seen and st.nbytes():
                 seen.add(ptr)

@@ -130,14 +130,5 @@ def replica(name: str, seed: int, lighthouse: str, options: dict, stop_at, event
 class StatefulReplicas(elastic_workers.Replicas):
     """The launcher of tests/elastic_workers.py, its replicas running :func:`replica`."""
 
-    def start(self, name: str, seed: int, options: dict | None = None,
-              may_fail: bool = False) -> None:
-        if may_fail:
-            self.may_fail.add(name)
-        self.queues[name] = self.ctx.Queue()
-        p = self.ctx.Process(target=replica, args=(
-            name, seed, self.lighthouse, options or OPTIONS, self.stop_at, self.queues[name],
-            self.step_sleep_s), daemon=True)
-        p.start()
-        self.procs[name] = p
-        self.ends.pop(name, None)
+    replica = staticmethod(replica)
+    default_options = OPTIONS

@@ -86,7 +86,11 @@ def _batch(seed: int, step: int):
 
 
 class Replicas:
-    """The parent side: start replicas, collect their events, kill and restart them."""
+    """The parent side: start replicas, collect their events, kill and restart them. A
+    subclass runs another replica function by setting ``replica`` and ``default_options``."""
+
+    replica = staticmethod(replica)
+    default_options = STREAMED
 
     def __init__(self, lighthouse: str, deadline_s: float, step_sleep_s: float = 0.02):
         self.ctx = mp.get_context("spawn")
@@ -110,8 +114,9 @@ class Replicas:
         if may_fail:
             self.may_fail.add(name)
         self.queues[name] = self.ctx.Queue()
-        p = self.ctx.Process(target=replica, args=(
-            name, seed, self.lighthouse, options or STREAMED, self.stop_at, self.queues[name],
+        p = self.ctx.Process(target=self.replica, args=(
+            name, seed, self.lighthouse, options or self.default_options, self.stop_at,
+            self.queues[name],
             self.step_sleep_s), daemon=True)
         p.start()
         self.procs[name] = p

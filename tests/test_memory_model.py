@@ -58,7 +58,7 @@ def _owned_tensors(roots) -> list[torch.Tensor]:
         if issubclass(type(obj), torch.Tensor):  # type(): a dead weakref.proxy raises
             try:
                 ptr = obj.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError):  # no storage (fake, functional): no bytes
                 continue  # fake tensors in graph metadata
             out.setdefault(ptr, obj)
             continue
