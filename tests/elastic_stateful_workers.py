@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 
 import torch
 from torch import nn
@@ -111,20 +110,16 @@ def replica(name: str, seed: int, lighthouse: str, options: dict, stop_at, event
             seen = len(outer.elastic.history)
 
         report()
-        i = 0
-        while outer.elastic.manager.current_step() < stop_at.value and i < 2000:
-            g = ranks.rng(seed, i)
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            report()
-            i += 1
-            time.sleep(step_sleep_s)
-        outer.close()
-        events.put(("done", name, {"steps": i}, None))
+        steps = elastic_workers.train(model, opt, outer, lambda i: _batch(seed, i), stop_at,
+                                      report, step_sleep_s)
+        events.put(("done", name, {"steps": steps}, None))
     except Exception as e:  # noqa: BLE001 (the test asserts on it)
         events.put(("error", name, f"{type(e).__name__}: {e}", None))
+
+
+def _batch(seed: int, step: int):
+    g = ranks.rng(seed, step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
 
 
 class StatefulReplicas(elastic_workers.Replicas):

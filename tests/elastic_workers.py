@@ -65,19 +65,27 @@ def replica(name: str, seed: int, lighthouse: str, options: dict, stop_at, event
 
         report()
         events.put(("fingerprint", name, outer.elastic.fingerprint, None))
-        i = 0
-        while outer.elastic.manager.current_step() < stop_at.value and i < 2000:
-            x, y = (t for t in _batch(seed, i))
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            report()
-            i += 1
-            time.sleep(step_sleep_s)
-        outer.close()
-        events.put(("done", name, {"steps": i}, None))
+        steps = train(model, opt, outer, lambda i: _batch(seed, i), stop_at, report,
+                      step_sleep_s)
+        events.put(("done", name, {"steps": steps}, None))
     except Exception as e:  # noqa: BLE001 (the test asserts on the type and message)
         events.put(("error", name, f"{type(e).__name__}: {e}", None))
+
+
+def train(model, opt, outer, batch, stop_at, report, step_sleep_s: float) -> int:
+    """Inner steps on ``batch(i)`` until the torchft step reaches ``stop_at`` (at most 2000),
+    ``report()`` after each; closes ``outer`` and returns the steps taken."""
+    i = 0
+    while outer.elastic.manager.current_step() < stop_at.value and i < 2000:
+        x, y = batch(i)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        report()
+        i += 1
+        time.sleep(step_sleep_s)
+    outer.close()
+    return i
 
 
 def _batch(seed: int, step: int):
