@@ -307,31 +307,47 @@ def _wait_batch_p2p(work) -> None:
     try:
         _TORCH_WAIT(work)
     except RuntimeError as e:
-        if isinstance(e, CollectiveError) or not (_IN_FLIGHT or _EARLIER):
-            raise
-        # a schedule waits for its sends later than for its receives: a failed wait with
-        # nothing requested since the last one is about the sends requested before it
-        awaited = "; ".join(dict.fromkeys(_IN_FLIGHT or [n for n in _EARLIER
-                                                         if " sending " in n] or _EARLIER))
-        peers = sorted(_IN_FLIGHT_PEERS)
-        _IN_FLIGHT.clear()
-        _IN_FLIGHT_PEERS.clear()
-        _EARLIER.clear()
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        agree.gave_up("a pipeline transfer", first, peers)
-        failed = agree.peer_failures(peers)
-        cause = "".join(f" Rank {r} gave up first: {_unquoted(why).rstrip('.')}."
-                        for r, why in failed.items())
-        who = "" if failed else agree.blame(e, peers)
-        who = f" {who[0].upper()}{who[1:]}." if who else ""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise CollectiveError(
-            f"rank {rank}: a pipeline transfer failed ({awaited}): {first}.{cause}{who} A peer "
-            "rank died, hung past collective_timeout_s, or ran a different step; see that "
-            "rank's own error.") from e
+        _raise_transfer_failed(e)
     if _IN_FLIGHT:
         _EARLIER[:] = (_EARLIER + _IN_FLIGHT)[-8:]
     _IN_FLIGHT.clear()
+
+
+def _batch_p2p(p2p_ops, desc=None):
+    """torch's schedules' posting of a batch of sends and receives, with the same error as a
+    failed wait: gloo refuses to post on a connection the peer has already closed, so a rank
+    whose peer gave up between two steps fails here, before it waits for anything."""
+    try:
+        return _TORCH_POST(p2p_ops, desc)
+    except RuntimeError as e:
+        _raise_transfer_failed(e)
+
+
+def _raise_transfer_failed(e: RuntimeError) -> None:
+    """Raise ``e`` as a :class:`CollectiveError` that says what was in flight, with whom, and
+    why the peer stopped (its recorded reason, or who closed the connection)."""
+    if isinstance(e, CollectiveError) or not (_IN_FLIGHT or _EARLIER):
+        raise e
+    # a schedule waits for its sends later than for its receives: a failed wait with
+    # nothing requested since the last one is about the sends requested before it
+    awaited = "; ".join(dict.fromkeys(_IN_FLIGHT or [n for n in _EARLIER
+                                                     if " sending " in n] or _EARLIER))
+    peers = sorted(_IN_FLIGHT_PEERS)
+    _IN_FLIGHT.clear()
+    _IN_FLIGHT_PEERS.clear()
+    _EARLIER.clear()
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    agree.gave_up("a pipeline transfer", first, peers)
+    failed = agree.peer_failures(peers)
+    cause = "".join(f" Rank {r} gave up first: {_unquoted(why).rstrip('.')}."
+                    for r, why in failed.items())
+    who = "" if failed else agree.blame(e, peers)
+    who = f" {who[0].upper()}{who[1:]}." if who else ""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise CollectiveError(
+        f"rank {rank}: a pipeline transfer failed ({awaited}): {first}.{cause}{who} A peer "
+        "rank died, hung past collective_timeout_s, or ran a different step; see that "
+        "rank's own error.") from e
 
 
 def _unquoted(text: str) -> str:
@@ -346,18 +362,20 @@ def _unquoted(text: str) -> str:
 
 
 def _install_wait() -> None:
+    """Route torch's schedules' posting and waiting through the two wrappers above."""
     from torch.distributed.pipelining import schedules
 
-    current = getattr(schedules, "_wait_batch_p2p", None)
-    if current is None or getattr(current, "_ccfx", False):
+    wait, post = (getattr(schedules, n, None) for n in ("_wait_batch_p2p", "_batch_p2p"))
+    if wait is None or post is None or getattr(wait, "_ccfx", False):
         return  # another torch (the schedules wait elsewhere: raw errors), or done already
-    global _TORCH_WAIT
-    _TORCH_WAIT = current
-    _wait_batch_p2p._ccfx = True  # type: ignore[attr-defined]
-    schedules._wait_batch_p2p = _wait_batch_p2p
+    global _TORCH_WAIT, _TORCH_POST
+    _TORCH_WAIT, _TORCH_POST = wait, post
+    for ours in (_wait_batch_p2p, _batch_p2p):
+        ours._ccfx = True  # type: ignore[attr-defined]
+    schedules._wait_batch_p2p, schedules._batch_p2p = _wait_batch_p2p, _batch_p2p
 
 
-_TORCH_WAIT = None
+_TORCH_WAIT = _TORCH_POST = None
 
 
 def _wire(port: Port, spec: str) -> WireFormat:
