@@ -53,8 +53,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import pickle
 import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -141,17 +143,62 @@ def _read_record(store, rank: int) -> dict | None:
 
 
 class _Record:
-    """This rank's record (see the module docstring), kept in memory and mirrored to the store."""
+    """This rank's record (see the module docstring), kept in memory and mirrored to the store.
+
+    :meth:`write` sets it in the store at once; :meth:`write_later` hands it to a background
+    thread, for the hot path (a compiled graph entering its collectives, once per call: per
+    decoded token in tensor-parallel inference), where a store round trip per call (15-60 us on
+    this host, a network round trip on a cluster) would be paid by every step. A later
+    :meth:`write` supersedes a record not yet written, so the store never goes back to an older
+    state."""
 
     def __init__(self):
         self.recent: list[dict] = []
         #: what this rank recompiled last, and why (see :func:`note_compile`)
         self.compiled: str | None = None
+        self._lock = threading.Lock()
+        self._pending: tuple | None = None  # (store, rank, value) the thread has yet to write
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
+
+    def _value(self, state: str, at: dict | None, extra: dict) -> dict:
+        return {"state": state, "at": at, "recent": self.recent, "time": time.time(),
+                "compiled": self.compiled, **extra}
 
     def write(self, store, rank: int, state: str, at: dict | None = None, **extra) -> None:
-        value = {"state": state, "at": at, "recent": self.recent, "time": time.time(),
-                 "compiled": self.compiled, **extra}
-        store.set(_record_key(rank), json.dumps(value, default=str).encode())
+        value = json.dumps(self._value(state, at, extra), default=str).encode()
+        with self._lock:
+            self._pending = None
+            store.set(_record_key(rank), value)
+
+    def write_later(self, store, rank: int, state: str, at: dict | None = None,
+                    **extra) -> None:
+        with self._lock:
+            self._pending = (store, rank, self._value(state, at, extra))
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(target=self._write_pending, daemon=True,
+                                            name="ccfx-agree-record")
+            self._writer.start()
+        self._wake.set()
+
+    def _write_pending(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                job, self._pending = self._pending, None
+                if job is None:
+                    continue
+                store, rank, value = job
+                try:
+                    store.set(_record_key(rank), json.dumps(value, default=str).encode())
+                except RuntimeError:
+                    pass  # the store is gone: the collective will say so
+
+    def after_fork(self) -> None:
+        """In a forked child: a fresh lock (the parent's may have been held) and no writer."""
+        self._lock, self._pending = threading.Lock(), None
+        self._wake, self._writer = threading.Event(), None
 
     def reached(self, at: dict) -> None:
         brief = {k: at[k] for k in ("what", "fp", "ranks")}
@@ -159,6 +206,7 @@ class _Record:
 
 
 _RECORD = _Record()
+os.register_at_fork(after_in_child=_RECORD.after_fork)
 
 
 # -- waiting -----------------------------------------------------------------------------------
@@ -244,16 +292,15 @@ _ENTERED: dict[str, int] = {}
 def entering(what: str, group: str, n: int, ranks: Sequence[int]) -> None:
     """Record that this rank enters the ``n``-th (from 0) collective step ``what`` of
     ``group``: a peer waiting at an agreement meanwhile sees that this rank waits for it there
-    (a deadlock when it has not entered that step: it recompiled, say), within a poll."""
+    (a deadlock when it has not entered that step: it recompiled, say), within a poll. Called
+    once per call of a compiled graph with agreed collectives: the record is written by a
+    background thread (:meth:`_Record.write_later`), a moment later, not on this path."""
     dist = _dist()
     _ENTERED[group] = n + 1
     if dist is None or len(ranks) < 2:
         return
-    try:
-        _RECORD.write(_store(), dist.get_rank(), "collective",
-                      {"what": what, "fp": group, "ranks": list(ranks)}, n=n)
-    except RuntimeError:
-        pass  # the store is gone: the collective will say so
+    _RECORD.write_later(_store(), dist.get_rank(), "collective",
+                        {"what": what, "fp": group, "ranks": list(ranks)}, n=n)
 
 
 def note_compile(text: str | None) -> None:
