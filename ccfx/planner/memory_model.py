@@ -167,7 +167,7 @@ def bucket_memory(stage: StageFacts, spec: str, dp: int, *, tp: int = 1,
     bytes per device. The buckets are ccfx's own plan (:func:`ccfx.wire.policy.
     assign_buckets` over the stage's parameters, the config's ``bucket_mb``), each bucket's
     exchange ccfx's (:func:`ccfx.wire.exchange.exchange_for`); buckets run one after the
-    other, the previous one's averaged result still referenced while the next one runs:
+    other, each one's working set freed before the next one runs:
 
     * an all-reduce of the raw bucket (``none``): the flattened bucket and its average;
     * a summable codec (``bf16``, PowerSGD, the ring): the flattened bucket, its average,
@@ -198,7 +198,7 @@ def bucket_memory(stage: StageFacts, spec: str, dp: int, *, tp: int = 1,
     slots = [GradSlot(k, k, f"p{k}", shape, dtype, n - k) for k, shape in enumerate(shapes)]
     plan = assign_buckets(slots, spec, cfg.bucket_mb, cfg.compress_min_numel,
                           cfg.min_compression_rate)
-    state = work = previous = 0
+    state = work = 0
     for b in plan:
         layout = BucketLayout(tuple(s.shape for s in b.slots), dtype)
         kind = collective if collective in ("all_gather", "ring") else "all_gather"
@@ -211,8 +211,7 @@ def bucket_memory(stage: StageFacts, spec: str, dp: int, *, tp: int = 1,
             here = dp * wire + 3 * raw
         else:
             here = 2 * raw + 2 * wire
-        work = max(work, here + previous)
-        previous = raw
+        work = max(work, here)
     return state, work
 
 

@@ -120,6 +120,7 @@ class StageGradSync:
                 raise self._failed(index, exchange, e) from e
             for g, a in zip(grads, averaged, strict=True):
                 g.copy_(a)
+            del averaged  # not held while the next bucket's exchange runs
             if self.ledger is not None:
                 self.ledger.record_bucket(self.graph, index, exchange.raw_bytes,
                                           exchange.wire_bytes())
