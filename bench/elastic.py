@@ -83,8 +83,20 @@ def drain(queues: dict, take) -> None:
         except queue.Empty:
             pass
 
+def finished(index: int, step: int, stop_at) -> bool:
+    """Whether replica ``index``, at torchft step ``step``, stops. ``stop_at`` is a shared pair:
+    the last step of the run, and r0's step. r0 stops at the last step; the others train and
+    sync on until r0 has reached it, then the driver stops them. (Each stopping at its own last
+    step left an r0 that missed a quorum one step behind, alone in a quorum that never formed,
+    until the run's timeout.)"""
+    if index == 0:
+        stop_at[1] = step
+        return step >= stop_at[0]
+    return stop_at[1] >= stop_at[0]
+
+
 def replica(name: str, index: int, cfg: dict, stop_at, out) -> None:
-    """One replica: trains until its torchft step reaches ``stop_at.value``; puts
+    """One replica: trains until :func:`finished` says so; puts
     ("row", name, sync row) after each sync and ("done", name, summary) at the end (or
     ("error", name, traceback))."""
     started = time.time()
@@ -182,7 +194,7 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None) -> None:
         for row in outer.elastic.history[seen:]:
             out.put(("row", name, {**row, "time": time.time(), "started": started}))
         seen = len(outer.elastic.history)
-        if outer.elastic.manager.current_step() >= stop_at.value:
+        if finished(index, outer.elastic.manager.current_step(), stop_at):
             break
         x, y = next(train)
         _, loss = model(x, y)
@@ -216,7 +228,7 @@ def inside(cfg: dict) -> dict:
     port = lighthouse.address().rsplit(":", 1)[1]
     cfg = {**cfg, "lighthouse": f"http://127.0.0.1:{port}"}
     ctx = mp.get_context("spawn")
-    stop_at = ctx.Value("i", cfg["syncs"])
+    stop_at = ctx.Array("i", [cfg["syncs"], 0])  # the last step; r0's step (finished())
     procs, queues = {}, {}
     rows: dict[str, list[dict]] = {}
     phases: dict[str, list[dict]] = {}

@@ -105,7 +105,7 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float) -
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()  # DiLoCo's post-hook syncs every h steps
             step += 1
-            if diloco._local_step == 0 and manager.current_step() >= stop_at.value:
+            if diloco._local_step == 0 and finished(index, manager.current_step(), stop_at):
                 break
     numel = sum(p.numel() for p in model.parameters())
     summary = {"wire": None, "raw": None, "steps": step, "numel": numel}
