@@ -38,11 +38,13 @@ def test_two_models_three_compiles_three_plans_and_ledgers():
     assert ledgers[2].totals() == ledgers[3].totals() and ledgers[2].totals()[0] > 0
 
 
-@pytest.mark.slow  # ~40 s on 2 busy cores: 50 compiles
-def test_compiling_and_dropping_50_models_leaves_the_registries_as_they_were():
+@pytest.mark.slow
+def test_compiling_and_dropping_10_models_leaves_the_registries_as_they_were():
+    """A registry that keeps one entry per model shows at 10 models as at 50 (each compile is
+    checked to add exactly one live backend while alive), at a fifth of the compiles."""
     gc.collect()
     before = (live_backends(), registered_hops())
-    for i in range(50):
+    for i in range(10):
         model = MLP(width=8, depth=2)
         compiled = torch.compile(model, backend="ccfx",
                                  options={"stages": 2, "activation_codec": "powersgd:rank=1",
