@@ -95,8 +95,10 @@ def finished(index: int, step: int, stop_at) -> bool:
     return stop_at[1] >= stop_at[0]
 
 
-def replica(name: str, index: int, cfg: dict, stop_at, out) -> None:
-    """One replica: trains until :func:`finished` says so; puts
+def replica(name: str, index: int, cfg: dict, stop_at, out, gate=None) -> None:
+    """One replica: trains until :func:`finished` says so; ``gate``: a barrier the first
+    replicas pass together once each has imported and built its model (see :func:`_start`;
+    a restarted one has none); puts
     ("row", name, sync row) after each sync and ("done", name, summary) at the end (or
     ("error", name, traceback))."""
     started = time.time()
@@ -104,9 +106,9 @@ def replica(name: str, index: int, cfg: dict, stop_at, out) -> None:
         if cfg.get("impl") == "torchft":
             from bench.elastic_baselines import tf_replica
 
-            tf_replica(name, index, cfg, stop_at, out, started)
+            tf_replica(name, index, cfg, stop_at, out, started, gate)
         else:
-            _replica(name, index, cfg, stop_at, out, started)
+            _replica(name, index, cfg, stop_at, out, started, gate=gate)
     except Exception:  # noqa: BLE001 (the driver reports it)
         import traceback
 
@@ -165,7 +167,17 @@ def _build(cfg: dict, index: int, vocab: int):
     return model, _adamw(model)
 
 
-def _replica(name, index, cfg, stop_at, out, started, warm=None) -> None:
+def _start(gate, timeout_s: float) -> None:
+    """The first replicas meet before their first sync: started together, they reach the join
+    seconds apart (imports and models built on shared cores); past the grace window, the join
+    forms without the late ones, which heal at the next sync (a full model through the shaped
+    link each), and the run starts out of step. A deployment starts its replicas ahead of the
+    job the same way; a restarted replica joins alone, as it would."""
+    if gate is not None:
+        gate.wait(timeout_s)
+
+
+def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None) -> None:
     import torch
 
     import ccfx
@@ -183,6 +195,7 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None) -> None:
     phases["data"] = time.time()
     model, opt = warm or _build(cfg, index, vocab)
     phases["model"] = time.time()
+    _start(gate, cfg["timeout_s"])
     outer = ccfx.local_steps(
         model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
         min_replicas=2, quorum_timeout_s=300.0, max_retries=20, sync_every=cfg["h"],
@@ -237,6 +250,8 @@ def inside(cfg: dict) -> dict:
     spares: list = []  # --restart standby: [(process, go queue, queue key)], warm standbys
     standby_s: list[float] = []  # each standby's start to ready (before the replicas start)
 
+    gate = ctx.Barrier(cfg["replicas"])  # the first replicas' start (_start)
+
     def start(name, index, restart=True):
         if restart and spares:  # a warm standby becomes ``name``
             proc, go, key = spares.pop()
@@ -244,8 +259,8 @@ def inside(cfg: dict) -> dict:
             queues[name], procs[name] = queues.pop(key), proc
             return
         queues[name] = ctx.Queue()  # one per replica: a SIGKILL mid-write would block a shared one
-        procs[name] = ctx.Process(target=replica, args=(name, index, cfg, stop_at, queues[name]),
-                                  daemon=True)
+        procs[name] = ctx.Process(target=replica, args=(name, index, cfg, stop_at, queues[name],
+                                                        None if restart else gate), daemon=True)
         procs[name].start()
 
     def start_standby(key):

@@ -29,10 +29,11 @@ import tempfile
 import time
 from datetime import timedelta
 
-from bench.elastic import BATCH, GPT, LR, drain
+from bench.elastic import BATCH, GPT, LR, _start, drain, finished
 
 
-def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float) -> None:
+def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float,
+               gate=None) -> None:
     """One replica on torchft's DiLoCo (see the module docstring); messages as
     bench.elastic.replica's."""
     import torch
@@ -56,6 +57,7 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float) -
     else:
         outer_opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0)
     phases["model"] = time.time()
+    _start(gate, cfg["timeout_s"])
     healed = [False]
 
     def load(state):
