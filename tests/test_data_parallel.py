@@ -4,8 +4,9 @@ Starting ranks is what costs, so the scenarios run in one spawn per world size (
 fixtures ``two``, ``four``: tests/ranks.py) and each test asserts on what one scenario
 returned; scenarios that break a rank on purpose run last. The goldens run in the shared spawn
 too (their graphs name their process group by its fingerprint, whatever the process made
-before). World size 1 (torch's PowerSGD hook), the inductor lowering and the tests of how a
-failure itself is reported (a rank that dies, a rank that raises first) spawn their own ranks. The workers live in tests/dp_workers.py;
+before), and so does the inductor lowering. World size 1 (torch's PowerSGD hook) and the tests
+of how a failure itself is reported (a rank that dies, a rank that raises first) spawn their
+own ranks. The workers live in tests/dp_workers.py;
 they return data, the assertions are here."""
 
 import pytest
@@ -18,6 +19,7 @@ from .ranks import scenario
 
 GATHER_AND_SUM = ["none", "fp16", "int8", "sign", "topk:ratio=0.1,ef", "powersgd:rank=4"]
 CODECS_ON_FOUR = ["none", "int8", "powersgd:rank=4"]
+INDUCTOR_CODECS = ["none", "int8", "powersgd:rank=4"]
 GOLDEN = {"int8": "dp_int8_buckets", "powersgd:rank=4": "dp_powersgd_buckets"}
 #: collective_timeout_s of the uneven-batch scenario: long beside a recompile on a loaded
 #: machine, so a rank that failed before it did not wait for it
@@ -31,6 +33,7 @@ def two(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("dp-checkpoint") / "c"
     return ranks.run_scenarios(2, [
         scenario("codecs", dp_workers.grads_by_codec, GATHER_AND_SUM),
+        scenario("codecs inductor", dp_workers.grads_by_codec, INDUCTOR_CODECS, "inductor"),
         scenario("train", dp_workers.train_steps, "powersgd:rank=4,ef", 4),
         scenario("warmup", dp_workers.train_steps, "int8", 4, warmup_steps=2),
         scenario("resume", dp_workers.checkpoint_resume, "powersgd:rank=4,ef", str(checkpoint)),
@@ -79,10 +82,9 @@ def test_every_codec_averages_like_the_reference_and_ranks_agree_bit_for_bit(wor
 
 @pytest.mark.slow
 @pytest.mark.inductor
-def test_inductor_lowering_matches_ddp_and_agrees_across_ranks():
-    codecs = ["none", "int8", "powersgd:rank=4"]
-    results = spawn(dp_workers.grads_by_codec, 2, (codecs, "inductor"), timeout_s=400)
-    for codec in codecs:
+def test_inductor_lowering_matches_ddp_and_agrees_across_ranks(two):
+    results = two["codecs inductor"]
+    for codec in INDUCTOR_CODECS:
         assert len({r[codec]["digest"] for r in results}) == 1, codec
         assert results[0][codec]["err"] <= (1e-6 if codec == "none" else 1e-5), codec
 
