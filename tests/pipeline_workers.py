@@ -154,7 +154,8 @@ def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
             "params": {n: p.detach().clone() for s in built
                        for n, p in s.submod.named_parameters()},
             "ledger": {d: tuple(a - b for a, b in zip(v, before[d]))
-                       for d, v in ccfx_totals(built).items()}}
+                       for d, v in ccfx_totals(built).items()},
+            "ledger_steps": built[0].ledger.steps}
 
 
 def ccfx_totals(built) -> dict:

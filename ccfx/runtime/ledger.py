@@ -7,9 +7,10 @@ wire bytes are the payload this rank contributes) or a local-steps sync of a par
 (direction ``"outer"``, reported by :mod:`.local_steps` at each merge) or a functional
 collective of a compiled graph (direction ``"collective"``, the plan's collective index,
 reported by the compiled graph each time it runs; raw bytes are what the uncompressed
-collective would send, wire bytes what this rank sent). A *step* is one call of a compiled graph;
-with graph breaks, each graph runs once per step, so ``steps`` is the largest call count among
-the graphs. ``per_step()`` divides by it.
+collective would send, wire bytes what this rank sent). A *step* is one call of a compiled graph
+(with graph breaks, each graph runs once per step, so ``steps`` is the largest call count among
+the graphs), or on a pipeline's ranks one schedule step (each stage's first microbatch).
+``per_step()`` divides by it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class EdgeCount:
 class Ledger:
     def __init__(self):
         self._counts: dict[tuple[int, int, tuple[int, int], str], EdgeCount] = {}
-        self._graph_calls: dict[int, int] = defaultdict(int)
+        self._graph_calls: dict = defaultdict(int)  # a graph, or (graph, "stage", index)
 
     def record(self, graph: int, edge: int, hop: tuple[int, int], direction: str, raw: int,
                wire: int) -> None:
@@ -55,7 +56,7 @@ class Ledger:
         """One call of a compiled graph's collective ``index`` (direction ``"collective"``)."""
         self.record(graph, index, (0, 0), "collective", raw, wire)
 
-    def count_call(self, graph: int) -> None:
+    def count_call(self, graph) -> None:
         self._graph_calls[graph] += 1
 
     def reset(self) -> None:

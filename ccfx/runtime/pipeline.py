@@ -147,6 +147,8 @@ class CompressedStage(PipelineStage):
                 "stages of several ranks) were not summed after the last step: call "
                 "ccfx.sync_grads(stages) after schedule.step() and before "
                 "optimizer.step() (the last update used partial gradients)")
+        if fwd_chunk_id == 0 and self.ledger is not None:  # a schedule's step begins
+            self.ledger.count_call((self.graph, "stage", self.stage_index))
         self._decode_pending(("fwd", fwd_chunk_id))
         with record_function(f"ccfx stage {self.stage_index} forward mb{fwd_chunk_id}"):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
@@ -478,7 +480,11 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     stage's data-parallel gradient codec, decided by the backend (default:
     ``gradient_codec`` for every stage, which must then not be ``"auto"``).
     ``gradient_link``: the link ``gradient_collective="auto"`` is priced on for ``dp_group``
-    (a ``ccfx.wire.link.Link``, the backend's decision; default the ``link_gbps`` link)."""
+    (a ``ccfx.wire.link.Link``, the backend's decision; default the ``link_gbps`` link).
+
+    From here on the model's ledger counts what this rank's stages send, a step per schedule
+    step: the rows of the calls before (the simulation that compiled and planned it, in one
+    process: no byte of it crossed a wire) are cleared."""
     graphs = backend.graphs
     if not graphs:
         raise ConfigError("the model has not been compiled yet: call it once on a microbatch "
@@ -507,6 +513,7 @@ def build_stages(backend, rank: int, world: int, device, group=None, *, style: s
     for st in out:
         st.grad_sync = sync
     _record_place(out, len(interfaces), dp_group)
+    backend.ledger.reset()
     return out
 
 
