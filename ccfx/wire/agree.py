@@ -166,10 +166,14 @@ class _Record:
                 "compiled": self.compiled, **extra}
 
     def write(self, store, rank: int, state: str, at: dict | None = None, **extra) -> None:
-        value = json.dumps(self._value(state, at, extra), default=str).encode()
+        self.replace(store, rank, self._value(state, at, extra))
+
+    def replace(self, store, rank: int, value: dict) -> None:
+        """Set the record to ``value`` now, superseding one not yet written."""
+        data = json.dumps(value, default=str).encode()
         with self._lock:
             self._pending = None
-            store.set(_record_key(rank), value)
+            store.set(_record_key(rank), data)
 
     def write_later(self, store, rank: int, state: str, at: dict | None = None,
                     **extra) -> None:
@@ -314,7 +318,7 @@ def note_compile(text: str | None) -> None:
         store = _store()
         rec = _read_record(store, dist.get_rank()) or {}
         rec["compiled"] = text
-        store.set(_record_key(dist.get_rank()), json.dumps(rec, default=str).encode())
+        _RECORD.replace(store, dist.get_rank(), rec)  # not overwritten by an older pending one
     except RuntimeError:
         pass
 
