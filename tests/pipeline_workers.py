@@ -246,8 +246,22 @@ def broken(rank: int, world: int, case: str) -> dict:
         got = {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
         if case == "frozen":  # wake the frozen peer (its pid: what ranks publish) to end it
             _wake(1 - rank)
+        if case == "shape_change":  # rank 0 hosts the store rank 1's error reads rank 0's
+            _until_both_failed(rank)  # reason from: it stays until rank 1 has failed
         return got
     return {"error": None}
+
+
+def _until_both_failed(rank: int) -> None:
+    from datetime import timedelta
+
+    from ccfx.wire import agree
+
+    store, key = agree._store(), "tests/broken/rank1_failed"
+    if rank == 1:
+        store.set(key, b"1")
+    else:
+        store.wait([key], timedelta(seconds=60))
 
 
 def _wake(peer: int) -> None:
