@@ -5,8 +5,12 @@ R replicas (default 4) of the tiny GPT, each ``ccfx.local_steps(model, opt,
 fault_tolerant=True, sync_every=H, outer_codec=...)`` with FedAvg's outer step (lr 1, no
 momentum: from a random init it beats DiLoCo's Nesterov, bench/README), AdamW inner steps as
 bench/local_steps.py, each replica its own shard of the corpus. Every replica is a process in
-one network namespace whose loopback is limited to ``--rate`` Mbit/s (bench/shaped.py); the
-torchft lighthouse runs in the driver inside the namespace (min_replicas 2, join_timeout_ms
+a "machine" of its own with one link limited to ``--rate`` Mbit/s each way (``--link star``,
+the default: bench/shaped.star, a network namespace per replica joined by a shaped veth pair
+to a hub's bridge, as replicas on the internet each have an uplink and a downlink); ``--link
+shared`` puts every replica in one namespace whose loopback is limited to ``--rate`` (one
+medium for every byte: how the rows before session 13 were measured). The torchft lighthouse
+runs in the driver, in the hub (min_replicas 2, join_timeout_ms
 ``--grace-ms``, 1000 by default, heartbeat timeout ``--heartbeat-ms``, 300 by default: the
 settings README recommends). Every replica stops after the same committed sync
 (``--syncs`` torchft steps, the join's included); r0, never killed, ends the run (a replica
@@ -42,8 +46,9 @@ sum over committed syncs of the inner steps the quorum's replicas contributed (t
 of r0's sync rows: a killed replica's steps since its last commit are lost, a joiner
 contributes 0); goodput = useful steps per second, and its ratio to ``free``; time from a
 restarted replica's process start (before importing torch; a standby's activation) to its
-first committed sync; bytes the namespace's ``lo`` sent over the run and per committed sync
-(every replica's traffic, the recovery's HTTP transfer included) and ccfx's own count of
+first committed sync; bytes the replicas sent over the run and per committed sync (every
+replica's traffic, the recovery's HTTP transfer included: star, what the hub's ports
+received; shared, the loopback's) and ccfx's own count of
 payload against raw fp32 bytes;
 r0's held-out loss of the final global parameters (32 batches of the last 10 % of the corpus).
 
@@ -55,6 +60,7 @@ r0's held-out loss of the final global parameters (32 batches of the last 10 % o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -103,6 +109,7 @@ def replica(name: str, index: int, cfg: dict, stop_at, out, gate=None) -> None:
     ("error", name, traceback))."""
     started = time.time()
     try:
+        _become(cfg, index)
         if cfg.get("impl") == "torchft":
             from bench.elastic_baselines import tf_replica
 
@@ -115,17 +122,28 @@ def replica(name: str, index: int, cfg: dict, stop_at, out, gate=None) -> None:
         out.put(("error", name, traceback.format_exc()))
 
 
-def standby(cfg: dict, stop_at, go, out) -> None:
+def _become(cfg: dict, index: int) -> None:
+    """Move this fresh process onto replica ``index``'s machine (``--link star``)."""
+    if cfg.get("machines"):
+        from bench.shaped import become_machine
+
+        become_machine(**cfg["machines"][index])
+
+
+def standby(cfg: dict, stop_at, go, out, index: int = 1) -> None:
     """A warm standby (``--restart standby``): a process started ahead of any failure that
     imports torch, ccfx and torchft, builds the model and AdamW and takes one throwaway step
     (torch's first-call costs), then waits on ``go`` for the name and shard of the replica it
     replaces. It does not start torchft's manager before then: a manager heartbeats, and the
-    lighthouse would wait for it at every quorum. Then it is that replica (:func:`_replica`):
+    lighthouse would wait for it at every quorum. It waits on the machine of the replica it
+    will replace (``index``: the kills' order is known ahead), idle: it sends nothing until it
+    takes over. Then it is that replica (:func:`_replica`):
     it joins at the others' next sync and heals from a live peer, like a cold restart, without
     the process start, the imports and the model. What torchft's design allows (spares join
     the quorum) and what a deployment buys with an idle process per spare."""
     started = time.time()
     try:
+        _become(cfg, index)
         import torch
         import torchft  # noqa: F401
 
@@ -141,7 +159,9 @@ def standby(cfg: dict, stop_at, go, out) -> None:
         model.zero_grad(set_to_none=True)
         opt = _adamw(model)  # a fresh optimizer: the throwaway step leaves no state behind
         out.put(("standby", None, {"started": started, "ready": time.time()}))
-        name, index, sent = go.get()
+        name, taken, sent = go.get()
+        if taken != index:
+            raise RuntimeError(f"standby on r{index}'s machine asked to be r{taken}")
         _replica(name, index, cfg, stop_at, out, sent, warm=(model, opt))
     except Exception:  # noqa: BLE001 (the driver reports it)
         import traceback
@@ -225,7 +245,13 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None) -> N
     out.put(("done", name, summary))
 
 
-def _lo_tx() -> int:
+def sent_bytes(cfg: dict) -> int:
+    """Bytes every replica has sent so far: over the star's links (what the hub's ports
+    received), or over the shared namespace's loopback."""
+    if cfg.get("star"):
+        from bench.shaped import Star
+
+        return Star(**cfg["star"]).sent_bytes()
     with open("/sys/class/net/lo/statistics/tx_bytes") as f:
         return int(f.read())
 
@@ -234,12 +260,13 @@ def inside(cfg: dict) -> dict:
     """One run, in the namespace: the lighthouse, the replicas, the kills; the summary."""
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2,
+    host = cfg["star"]["hub_address"] if cfg.get("star") else "127.0.0.1"
+    lighthouse = LighthouseServer(bind=f"{host}:0", min_replicas=2,
                                   join_timeout_ms=cfg["grace_ms"],
                                   heartbeat_timeout_ms=cfg.get("heartbeat_ms", 1000),
                                   quorum_tick_ms=cfg.get("tick_ms"))
     port = lighthouse.address().rsplit(":", 1)[1]
-    cfg = {**cfg, "lighthouse": f"http://127.0.0.1:{port}"}
+    cfg = {**cfg, "lighthouse": f"http://{host}:{port}"}
     ctx = mp.get_context("spawn")
     stop_at = ctx.Array("i", [cfg["syncs"], 0])  # the last step; r0's step (finished())
     procs, queues = {}, {}
@@ -247,14 +274,15 @@ def inside(cfg: dict) -> dict:
     phases: dict[str, list[dict]] = {}
     done: dict[str, dict] = {}
 
-    spares: list = []  # --restart standby: [(process, go queue, queue key)], warm standbys
+    spares: list = []  # --restart standby: [(process, go, queue key, machine)], in kill order
     standby_s: list[float] = []  # each standby's start to ready (before the replicas start)
 
     gate = ctx.Barrier(cfg["replicas"])  # the first replicas' start (_start)
 
     def start(name, index, restart=True):
-        if restart and spares:  # a warm standby becomes ``name``
-            proc, go, key = spares.pop()
+        if restart and spares:  # a warm standby, waiting on this replica's machine, becomes it
+            proc, go, key, on = spares.pop(0)
+            assert on == index, f"the next standby waits on r{on}'s machine, not r{index}'s"
             go.put((name, index, time.time()))
             queues[name], procs[name] = queues.pop(key), proc
             return
@@ -263,11 +291,12 @@ def inside(cfg: dict) -> dict:
                                                         None if restart else gate), daemon=True)
         procs[name].start()
 
-    def start_standby(key):
+    def start_standby(key, index):
         queues[key], go = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=standby, args=(cfg, stop_at, go, queues[key]), daemon=True)
+        proc = ctx.Process(target=standby, args=(cfg, stop_at, go, queues[key], index),
+                           daemon=True)
         proc.start()
-        spares.append((proc, go, key))
+        spares.append((proc, go, key, index))
 
     def take(kind, name, data):
         if kind == "row":
@@ -282,7 +311,7 @@ def inside(cfg: dict) -> dict:
     def pump():
         drain(queues, take)
 
-    tx0 = _lo_tx()
+    tx0 = sent_bytes(cfg)
     t0 = time.time()
     names = [f"r{i}" for i in range(cfg["replicas"])]
     if cfg.get("restart") == "standby":
@@ -291,7 +320,7 @@ def inside(cfg: dict) -> dict:
         # cores the replicas share, would slow the survivors (a harness artifact)
         every = cfg["kill_every"] // cfg["h"]
         for k in range(len(range(every, cfg["syncs"] - 1, every)) + 1 if every else 0):
-            start_standby(f"standby{k}")
+            start_standby(f"standby{k}", victim_of(k, cfg["replicas"]))
         deadline = time.monotonic() + cfg["timeout_s"] / 2
         while len(standby_s) < len(spares):
             if time.monotonic() > deadline:
@@ -300,7 +329,7 @@ def inside(cfg: dict) -> dict:
             time.sleep(0.1)
     for i, name in enumerate(names):
         start(name, i, restart=False)
-    kills, victim = [], 1
+    kills, victim = [], victim_of(0, cfg["replicas"])
     next_kill = cfg["kill_every"] // cfg["h"] if cfg["kill_every"] else None
     deadline = time.monotonic() + cfg["timeout_s"]
     try:
@@ -330,16 +359,16 @@ def inside(cfg: dict) -> dict:
                               "rows_before": len(rows.get(name, [])),
                               "phases_before": len(phases.get(name, []))})
                 start(name, victim)
-                victim = victim % (cfg["replicas"] - 1) + 1
+                victim = victim_of(len(kills), cfg["replicas"])
                 next_kill += cfg["kill_every"] // cfg["h"]
             time.sleep(0.05)
         pump()
     finally:
-        for p in [*procs.values(), *(proc for proc, _, _ in spares)]:
+        for p in [*procs.values(), *(proc for proc, *_ in spares)]:
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
-    tx = _lo_tx() - tx0
+    tx = sent_bytes(cfg) - tx0
     r0 = [r for r in rows["r0"] if r["committed"]]
     wall = r0[-1]["time"] - r0[0]["time"]
     if cfg.get("impl") == "torchft":  # rows per replica, each its own contribution
@@ -364,10 +393,15 @@ def inside(cfg: dict) -> dict:
             "r0_quorum": [r["replicas"] for r in rows["r0"]],
             "r0_quorum_s": [round(r.get("quorum_s", 0.0), 3) for r in rows["r0"]],
             "heals": {n: sum(1 for r in rs if r.get("healed")) for n, rs in sorted(rows.items())},
-            "lo_bytes": tx,
-            "lo_bytes_per_sync": tx / max(len(r0), 1), "wire": done["r0"]["wire"],
+            "sent_bytes": tx,
+            "sent_bytes_per_sync": tx / max(len(r0), 1), "wire": done["r0"]["wire"],
             "raw": done["r0"]["raw"], "held_out": done["r0"].get("held_out"),
             "total_s": time.time() - t0}
+
+
+def victim_of(k: int, replicas: int) -> int:
+    """The replica the ``k``-th kill takes: r1, r2, ... in turn, never r0 (which evaluates)."""
+    return k % (replicas - 1) + 1
 
 
 def _phase_delay(r0_rows: list[dict], cfg: dict) -> float:
@@ -401,11 +435,21 @@ def _split(kill: dict, first: dict, phases: list[dict], rows: dict) -> dict:
     return out
 
 
-def run_one(cfg: dict, rate: float | None) -> dict:
-    """``inside(cfg)`` in a fresh namespace shaped to ``rate`` Mbit/s."""
-    from bench.shaped import shaped_namespace
+def run_one(cfg: dict, rate: float | None, link: str = "star") -> dict:
+    """``inside(cfg)`` on fresh links shaped to ``rate`` Mbit/s: the hub of a star whose every
+    replica has a machine of its own (``link="star"``), or one shared namespace."""
+    import dataclasses
 
-    with shaped_namespace(rate) as ns:
+    from bench.shaped import shaped_namespace, star
+
+    with contextlib.ExitStack() as stack:
+        if link == "star":
+            net = stack.enter_context(star(cfg["replicas"], rate))
+            cfg = {**cfg, "star": dataclasses.asdict(net),
+                   "machines": [net.machine(i) for i in range(cfg["replicas"])]}
+            ns = net.hub
+        else:
+            ns = stack.enter_context(shaped_namespace(rate))
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.elastic", "--inside",
                json.dumps(cfg)]
         done = subprocess.run(cmd, check=False, capture_output=True, text=True,
@@ -422,7 +466,7 @@ def table(rows: list[dict]) -> str:
     sync against ``raw`` and against torchft's DiLoCo without failures."""
     by = {r["run"]: r for r in rows}
     out = [("| run | codec | kills | committed syncs (failed) | wall s | useful steps | goodput "
-            "(steps/s) | vs free | kill → first commit s | lo MB / sync | vs raw | vs torchft "
+            "(steps/s) | vs free | kill → first commit s | sent MB / sync | vs raw | vs torchft "
             "| ccfx wire / raw | held-out loss |"), "|" + " --- |" * 14]
     for r in rows:
         first = (f"{min(r['first_commit_s']):.1f}–{max(r['first_commit_s']):.1f}"
@@ -431,13 +475,13 @@ def table(rows: list[dict]) -> str:
         vs_free = f"{r['goodput'] / free['goodput']:.0%}" if free else "–"
         ratios = []
         for ref in ("raw", "tf_free"):
-            ratios.append(f"{by[ref]['lo_bytes_per_sync'] / r['lo_bytes_per_sync']:.2f}x"
+            ratios.append(f"{by[ref]['sent_bytes_per_sync'] / r['sent_bytes_per_sync']:.2f}x"
                           if ref in by else "–")
         wire = f"{r['wire'] / max(r['raw'], 1):.3f}" if r.get("wire") is not None else "–"
         out.append(f"| {r['run']} | {r['codec']} | {r['kills']} | {r['syncs']} "
                    f"({r['uncommitted']}) | {r['wall_s']:.1f} | {r['useful_steps']} | "
                    f"{r['goodput']:.2f} | {vs_free} | {first} | "
-                   f"{r['lo_bytes_per_sync'] / 1e6:.2f} | {ratios[0]} | {ratios[1]} | "
+                   f"{r['sent_bytes_per_sync'] / 1e6:.2f} | {ratios[0]} | {ratios[1]} | "
                    f"{wire} | {r['held_out']:.3f} |")
     return "\n".join(out)
 
@@ -447,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inside", help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--rate", type=float, default=10.0, help="Mbit/s (0: unshaped)")
+    p.add_argument("--link", choices=["star", "shared"], default="star",
+                   help="star: each replica its own link of --rate each way to a hub (as over "
+                        "the internet); shared: one loopback of --rate for every replica")
     p.add_argument("--h", type=int, default=10, help="sync_every")
     p.add_argument("--syncs", type=int, default=40,
                    help="torchft steps per run (the join included)")
@@ -509,9 +556,10 @@ def main(argv: list[str] | None = None) -> int:
                "tf_timeout_s": a.tf_timeout_s, "keep_failed_group": a.keep_failed_group,
                "gpt": MODELS[a.model]["gpt"]}
         print(f"[elastic] {cfg['run']} ...", flush=True)
-        rows.append(run_one(cfg, a.rate or None))
+        rows.append(run_one(cfg, a.rate or None, a.link))
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{a.replicas} replicas, {a.model} GPT, H={a.h}, {a.rate:g} Mbit/s, kill every "
+    print(f"\n{a.replicas} replicas, {a.model} GPT, H={a.h}, {a.rate:g} Mbit/s "
+          f"({'a link per replica' if a.link == 'star' else 'one shared loopback'}), kill every "
           f"{a.kill_every} at phase {a.kill_phase:g}, lighthouse heartbeat {a.heartbeat_ms} ms "
           f"tick {a.tick_ms or 'default'}, grace {a.grace_ms} ms"
           f"{', failed groups kept (no abort)' if a.keep_failed_group else ''}, "

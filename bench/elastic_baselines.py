@@ -71,13 +71,14 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float,
     # torchft's collective and checkpoint-lock timeout: a heal of the 10 M model (its weights
     # and AdamW's state) to 3 replicas over 10 Mbit/s takes longer than 60 s
     timeout = timedelta(seconds=cfg.get("tf_timeout_s", 60))
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # its machine's address (--link star)
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=save,
         min_replica_size=2, use_async_quorum=False, timeout=timeout,
         quorum_timeout=timedelta(seconds=300), connect_timeout=timedelta(seconds=30),
-        rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
-        lighthouse_addr=cfg["lighthouse"], replica_id=name, hostname="127.0.0.1",
+        rank=0, world_size=1, store_addr=host, store_port=store.port,
+        lighthouse_addr=cfg["lighthouse"], replica_id=name, hostname=host,
         max_retries=20)
     phases["manager"] = time.time()
     out.put(("phases", name, phases))
@@ -139,7 +140,8 @@ def _ckpt_replica(name, index, cfg, port, resume, out, started) -> None:
 
     gpt = cfg.get("gpt", GPT)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
+    master = cfg["machines"][0]["address"] if cfg.get("machines") else "127.0.0.1"
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=index,
                             world_size=cfg["replicas"], timeout=timedelta(seconds=60))
     # a restart draws other batches than the first run (its data position is not saved)
     _, held_out, vocab = _data(gpt["block_size"], 0, index, BATCH)
@@ -192,12 +194,15 @@ def _free_port() -> int:
 
 
 def _ckpt_entry(name, index, cfg, port, resume, out):
+    from bench.elastic import _become
+
+    _become(cfg, index)
     ckpt_replica(name, index, cfg, port, resume, out, time.time())
 
 
 def inside_ckpt(cfg: dict) -> dict:
     """The checkpoint-restart run, in the namespace (see the module docstring)."""
-    from bench.elastic import _lo_tx, _phase_delay
+    from bench.elastic import _phase_delay, sent_bytes
 
     ctx = mp.get_context("spawn")
     names = [f"r{i}" for i in range(cfg["replicas"])]
@@ -227,7 +232,7 @@ def inside_ckpt(cfg: dict) -> dict:
     def pump():
         drain(queues, take)
 
-    tx0 = _lo_tx()
+    tx0 = sent_bytes(cfg)
     t0 = time.time()
     start_all(None)
     kills = []
@@ -265,7 +270,7 @@ def inside_ckpt(cfg: dict) -> dict:
         for p in procs.values():
             if p.is_alive():
                 p.kill()
-    tx = _lo_tx() - tx0
+    tx = sent_bytes(cfg) - tx0
     r0 = rows["r0"]
     wall = r0[-1]["time"] - r0[0]["time"]
     per_sync = cfg["h"] * cfg["replicas"]
@@ -283,6 +288,6 @@ def inside_ckpt(cfg: dict) -> dict:
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
             "kills": len(kills), "first_commit_s": restart, "lost_steps": lost,
             "ready_s": [r["ready"] - r["started"] for r in ready[1:]],
-            "lo_bytes": tx, "lo_bytes_per_sync": tx / max(len(r0), 1),
+            "sent_bytes": tx, "sent_bytes_per_sync": tx / max(len(r0), 1),
             "wire": done["r0"]["wire"], "raw": done["r0"]["raw"],
             "held_out": done["r0"].get("held_out"), "total_s": time.time() - t0}

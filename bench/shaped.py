@@ -43,10 +43,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ccfx.runtime.launch import RankFailed as LaunchFailed
-from ccfx.runtime.launch import RankTimeout as LaunchTimeout
-from ccfx.runtime.launch import spawn
-
 NS_PREFIX = "ccfx-"
 _ns_counter = itertools.count()
 
@@ -225,6 +221,112 @@ def two_nodes(rate_mbit: float | None, delay_ms: float = 0.0, burst: str = "64kb
             _run(["ip", "netns", "del", name])
 
 
+@dataclasses.dataclass(frozen=True)
+class Star:
+    """``n`` "machines" on the internet (see :func:`star`): machine i is the namespace
+    ``namespaces[i]``, its one link ``interfaces[i]`` at ``addresses[i]``; the links meet at a
+    bridge in the ``hub`` namespace (``hub_address``), where ``ports[i]`` is link i's other end."""
+
+    hub: str
+    hub_address: str
+    namespaces: tuple[str, ...]
+    interfaces: tuple[str, ...]
+    ports: tuple[str, ...]
+    addresses: tuple[str, ...]
+
+    def machine(self, i: int) -> dict:
+        """What a process needs to become machine ``i`` (:func:`become_machine`'s argument)."""
+        return {"namespace": self.namespaces[i], "interface": self.interfaces[i],
+                "address": self.addresses[i]}
+
+    def sent_bytes(self) -> int:
+        """Bytes the machines have sent over their links so far (each byte once: what the hub's
+        ports received), read from the hub's interface counters."""
+        out = _run(["ip", "-n", self.hub, "-s", "-j", "link", "show"])
+        if out.returncode != 0:
+            raise ShapingUnavailable(f"`ip -n {self.hub} -s -j link show` failed: {out.stderr}")
+        ports = set(self.ports)
+        return sum(link["stats64"]["rx"]["bytes"] for link in json.loads(out.stdout)
+                   if link["ifname"] in ports)
+
+
+@contextlib.contextmanager
+def star(n: int, rate_mbit: float | None, burst: str = "256kb",
+         latency: str = "50ms") -> Iterator[Star]:
+    """``n`` namespaces, each joined to a hub's bridge by a veth pair limited to ``rate_mbit``
+    in each direction (a tbf on both ends: the machine's uplink and its downlink): every machine
+    has a link of its own, as replicas training over the internet do, and traffic between two
+    machines crosses the sender's uplink and the receiver's downlink. ``burst``/``latency`` are
+    :func:`shaped_namespace`'s. Everything is deleted on exit."""
+    _check_tools(need_tc=rate_mbit is not None)
+    remove_stale_namespaces()
+    pid, k = os.getpid(), next(_ns_counter)
+    hub = f"{NS_PREFIX}{pid}-{k}"
+    names = tuple(f"{NS_PREFIX}{pid}-{next(_ns_counter)}" for _ in range(n))
+    leaves = tuple(f"cxl{pid % 100000}x{k}x{i}"[:15] for i in range(n))
+    ports = tuple(f"cxp{pid % 100000}x{k}x{i}"[:15] for i in range(n))
+    subnet = f"10.79.{k % 250}"
+    addrs = tuple(f"{subnet}.{i + 1}" for i in range(n))
+    made = []
+    try:
+        for name in (hub, *names):
+            r = _run(["ip", "netns", "add", name])
+            if r.returncode != 0:
+                raise ShapingUnavailable(f"`ip netns add {name}` failed: {r.stderr.strip()}; "
+                                         "network namespaces need root with CAP_SYS_ADMIN")
+            made.append(name)
+        steps = [["ip", "-n", hub, "link", "set", "lo", "up"],
+                 ["ip", "-n", hub, "link", "add", "br0", "type", "bridge"],
+                 ["ip", "-n", hub, "addr", "add", f"{subnet}.254/24", "dev", "br0"],
+                 ["ip", "-n", hub, "link", "set", "br0", "up"]]
+        shape = (["tbf", "rate", f"{rate_mbit:g}mbit", "burst", burst, "latency", latency]
+                 if rate_mbit is not None else None)
+        for name, leaf, port, addr in zip(names, leaves, ports, addrs):
+            steps += [["ip", "link", "add", leaf, "type", "veth", "peer", "name", port],
+                      ["ip", "link", "set", leaf, "netns", name],
+                      ["ip", "link", "set", port, "netns", hub],
+                      ["ip", "-n", hub, "link", "set", port, "master", "br0"],
+                      ["ip", "-n", hub, "link", "set", port, "up"],
+                      ["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", leaf],
+                      ["ip", "-n", name, "link", "set", leaf, "up"],
+                      ["ip", "-n", name, "link", "set", "lo", "up"]]
+            if shape:
+                steps += [["tc", "-n", name, "qdisc", "add", "dev", leaf, "root", *shape],
+                          ["tc", "-n", hub, "qdisc", "add", "dev", port, "root", *shape]]
+        for cmd in steps:
+            r = _run(cmd)
+            if r.returncode != 0:
+                raise ShapingUnavailable(f"`{' '.join(cmd)}` failed: {r.stderr.strip()} (veth, "
+                                         "bridges and tbf need CAP_NET_ADMIN and the sch_tbf "
+                                         "kernel module)")
+        yield Star(hub, f"{subnet}.254", names, leaves, ports, addrs)
+    finally:
+        for name in made:
+            _run(["ip", "netns", "del", name])
+
+
+def become_machine(namespace: str, interface: str, address: str) -> None:
+    """Move this process into a :class:`Star` machine: its network namespace (setns: call it
+    first thing in a fresh process, before any thread starts, as threads keep the namespace they
+    were started in), gloo bound to its link, and its address as the one it advertises. A
+    process on one host resolves the host's name to 127.0.0.1, which inside a machine is that
+    machine itself, so ``socket.gethostname`` (torchft's checkpoint transport advertises it)
+    returns the machine's address: on real machines the name resolves to each one's own."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise ShapingUnavailable(f"setns into {namespace} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    os.environ.update(GLOO_SOCKET_IFNAME=interface, TP_SOCKET_IFNAME=interface,
+                      MASTER_ADDR=address)
+    socket.gethostname = lambda: address
+
+
 def exit_cleanly_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so that ``finally`` blocks (namespace deletion, killing the
     ranks) run when a benchmark is stopped by ``kill`` or a timeout, not only by Ctrl-C."""
@@ -315,6 +417,12 @@ def run_ranks(module: str, func: str, world_size: int, args_json: dict, *,
     stdout/stderr for that long), with the stuck ranks' Python stacks; all ranks are killed in
     every case. ``netns`` may name one namespace per rank and ``rank_env`` give each rank its own
     entries (:meth:`Nodes.launch`: ranks of two "nodes")."""
+    # imported here: a process that only becomes a machine (become_machine) must not import
+    # torch before it has entered its namespace
+    from ccfx.runtime.launch import RankFailed as LaunchFailed
+    from ccfx.runtime.launch import RankTimeout as LaunchTimeout
+    from ccfx.runtime.launch import spawn
+
     threads = str(threads_per_rank)
     base_env = {**(env or {}), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                 "CCFX_RANK_THREADS": threads}

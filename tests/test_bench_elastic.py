@@ -1,10 +1,14 @@
 """bench/elastic.py's accounting, without processes: where a kill lands in the sync interval,
-the split of one kill's time, and the table's ratios (goodput against the same
-implementation's failure-free run, bytes against raw and torchft's DiLoCo)."""
+the split of one kill's time, the table's ratios (goodput against the same
+implementation's failure-free run, bytes against raw and torchft's DiLoCo), and the star of
+links it runs on (one process per machine; needs root for network namespaces)."""
+
+import multiprocessing as mp
+import socket
 
 import pytest
 
-from bench import elastic
+from bench import elastic, shaped
 
 
 def test_kill_lands_at_the_phase_of_the_median_sync_interval():
@@ -32,7 +36,7 @@ def test_split_of_one_kill_adds_up_to_kill_to_first_commit():
 def _row(run, goodput, per_sync, wire=1, raw=4):
     return {"run": run, "codec": "x", "kills": 0, "syncs": 10, "uncommitted": 0,
             "wall_s": 10.0, "useful_steps": 100, "goodput": goodput, "first_commit_s": [],
-            "lo_bytes_per_sync": per_sync, "wire": wire, "raw": raw, "held_out": 2.5}
+            "sent_bytes_per_sync": per_sync, "wire": wire, "raw": raw, "held_out": 2.5}
 
 
 def test_table_compares_each_run_with_its_own_free_run_and_bytes_with_torchft():
@@ -44,3 +48,60 @@ def test_table_compares_each_run_with_its_own_free_run_and_bytes_with_torchft():
     assert "| 50% |" in lines["tf_failures"]  # against tf_free, not ccfx's free
     assert "| 4.00x | 5.00x |" in lines["free"]  # fewer bytes than raw, than torchft
     assert "| 0.250 |" in lines["free"] and "| – |" in lines["tf_free"]
+
+
+def test_kills_take_every_replica_but_r0_in_turn():
+    assert [elastic.victim_of(k, 4) for k in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+    assert [elastic.victim_of(k, 2) for k in range(3)] == [1, 1, 1]
+
+
+def _machine_server(machine, out):
+    shaped.become_machine(**machine)
+    srv = socket.create_server((socket.gethostname(), 0))  # the machine's own address
+    out.put(srv.getsockname())
+    conn, _ = srv.accept()
+    got = 0
+    while chunk := conn.recv(1 << 16):
+        got += len(chunk)
+    out.put(got)
+
+
+def _machine_client(machine, server, out):
+    shaped.become_machine(**machine)
+    try:  # 127.0.0.1 is this machine's own loopback, where nothing listens
+        socket.create_connection(("127.0.0.1", server[1]), timeout=5).close()
+        out.put("reached the server on 127.0.0.1")
+    except ConnectionRefusedError:
+        pass
+    with socket.create_connection(tuple(server), timeout=10) as s:
+        s.sendall(b"x" * 300_000)
+    out.put("sent")
+
+
+def test_a_star_gives_each_replica_a_machine_of_its_own_reached_through_the_hub():
+    """bench/elastic's harness (``--link star``): a process that becomes machine i sits in its
+    own namespace, advertises its link's address and reaches the others only through the hub,
+    whose counters see every byte a machine sends."""
+    ctx = mp.get_context("spawn")
+    try:
+        net_cm = shaped.star(2, None)
+        net = net_cm.__enter__()
+    except shaped.ShapingUnavailable as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    try:
+        before = net.sent_bytes()
+        out_s, out_c = ctx.Queue(), ctx.Queue()
+        server = ctx.Process(target=_machine_server, args=(net.machine(0), out_s))
+        server.start()
+        host, port = out_s.get(timeout=30)
+        assert host == net.addresses[0]
+        client = ctx.Process(target=_machine_client, args=(net.machine(1), (host, port), out_c))
+        client.start()
+        assert out_c.get(timeout=30) == "sent"
+        assert out_s.get(timeout=30) == 300_000
+        server.join(10), client.join(10)
+        assert net.sent_bytes() - before >= 300_000
+    finally:
+        for p in mp.active_children():
+            p.kill()
+        net_cm.__exit__(None, None, None)
