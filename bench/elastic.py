@@ -219,7 +219,8 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None) -> N
     outer = ccfx.local_steps(
         model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
         min_replicas=2, quorum_timeout_s=300.0, max_retries=20, sync_every=cfg["h"],
-        outer_codec=cfg["codec"], outer_lr=1.0, outer_momentum=0.0, collective_timeout_s=60.0)
+        outer_codec=cfg["codec"], outer_lr=1.0, outer_momentum=0.0,
+        collective_timeout_s=cfg.get("collective_timeout_s", 60.0))
     phases["joined"] = time.time()  # local_steps returns after the join's sync (the heal)
     out.put(("phases", name, phases))
     seen = 0
@@ -516,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-phase", type=float, default=0.5,
                    help="where in the sync interval a kill lands (0: right after a commit)")
     p.add_argument("--ckpt-every", type=int, default=1, help="syncs between checkpoints (ckpt)")
+    p.add_argument("--collective-timeout-s", type=float, default=60.0,
+                   help="ccfx's collective_timeout_s: the survivors' exchange waits for a "
+                        "joiner's heal, so it must cover the state's transfer (the 10 M "
+                        "model: 42.8 MB, 34 s at 10 Mbit/s per healer on one source's uplink)")
     p.add_argument("--tf-timeout-s", type=float, default=60,
                    help="torchft DiLoCo's manager timeout (collectives, the checkpoint lock)")
     p.add_argument("--restart", nargs="+", choices=["cold", "standby"], default=["cold"],
@@ -553,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
                "timeout_s": a.timeout_s, "impl": "torchft" if tf else "ccfx",
                "tf_outer": a.tf_outer, "ckpt_every": a.ckpt_every, "kill_phase": a.kill_phase,
                "heartbeat_ms": a.heartbeat_ms, "tick_ms": a.tick_ms,
-               "tf_timeout_s": a.tf_timeout_s, "keep_failed_group": a.keep_failed_group,
+               "tf_timeout_s": a.tf_timeout_s,
+               "collective_timeout_s": a.collective_timeout_s, "keep_failed_group": a.keep_failed_group,
                "gpt": MODELS[a.model]["gpt"]}
         print(f"[elastic] {cfg['run']} ...", flush=True)
         rows.append(run_one(cfg, a.rate or None, a.link))

@@ -223,6 +223,37 @@ def test_sync_after_a_failed_group_rebuild_is_uncommitted_not_a_crash():
     outer.close()
 
 
+class _TimedOutManager(_UnsetGroupManager):
+    """A quorum whose exchange timed out with every member alive: what the survivors see
+    while a joiner's heal outlasts ``collective_timeout_s``."""
+
+    class _Group:
+        def size(self):
+            raise RuntimeError("[gloo] Timed out waiting 60000ms for recv operation to complete")
+
+    _pg = _Group()
+
+
+def test_a_timed_out_sync_says_the_timeout_must_cover_a_joiners_heal(caplog):
+    from ccfx.runtime.elastic import Elastic
+
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = ccfx.local_steps(model, opt, sync_every=2, collective_timeout_s=60)
+    elastic = Elastic.__new__(Elastic)
+    elastic.outer, elastic.manager = outer, _TimedOutManager()
+    elastic.tokens, elastic.counts_tokens, elastic.since, elastic.commits = 0, False, 0, 0
+    elastic.history, elastic._reduces = [], {}
+    with caplog.at_level("WARNING", logger="ccfx"):
+        assert elastic.sync(list(outer.fragments)) is False
+    mb = sum(p.numel() * 4 for p in model.parameters()) / 1e6
+    assert f"{mb:.1f} MB of global parameters" in caplog.text
+    assert "collective_timeout_s=60 s must cover that transfer" in caplog.text
+    # a failure that is not a timeout gets no such hint
+    assert "must cover" not in elastic._timeout_hint("Connection closed by peer")
+    outer.close()
+
+
 @pytest.fixture
 def lighthouse2():
     from torchft.coordination import LighthouseServer

@@ -304,8 +304,8 @@ class Elastic:
             raise
         except Exception as e:  # noqa: BLE001 (a peer died or hung: this sync is not committed)
             error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            log.warning("ccfx: outer sync at inner step %d failed (%s): not committed",
-                        outer.step, error)
+            log.warning("ccfx: outer sync at inner step %d failed (%s): not committed%s",
+                        outer.step, error, self._timeout_hint(error))
             self.manager.report_error(e)
             self._leave_group()
         try:
@@ -340,6 +340,18 @@ class Elastic:
             "collectives": sorted(self.used),
             "seconds": time.monotonic() - started, "quorum_s": quorum_s})
         return committed
+
+    def _timeout_hint(self, error: str) -> str:
+        """Why a sync may time out with every replica alive: the exchange waits for a joiner's
+        heal, whose transfer ``collective_timeout_s`` must cover."""
+        if "timed out" not in error.lower() and "timeout" not in error.lower():
+            return ""
+        state = sum(g.numel() * g.element_size() for f in self.outer.fragments for g in f.global_)
+        return (f" (if a replica was joining: the others' exchange waits for its heal, "
+                f"{state / 1e6:.1f} MB of global parameters and more from one peer; "
+                f"collective_timeout_s={self.outer.config.collective_timeout_s:g} s must cover that "
+                "transfer over the slowest link, several times over at step 0, when torchft "
+                "sends every replica its copy from one)")
 
     def _meet(self, comm: TorchftComm) -> list[tuple[int, int, int]]:
         """Every member's (tokens, inner step, fingerprint as an int)."""
