@@ -48,7 +48,6 @@ def two():
     return run_scenarios(2, [
         scenario("none", w.compare, "none"),
         scenario("int8", w.compare, "int8"),
-        scenario("int8 inductor", w.compare, "int8", "inductor"),
         scenario("auto", w.compare, "auto", "eager", link_gbps=0.01, link_latency_ms=0.0),
         scenario("train int8", w.train, "int8", 6),
         scenario("train none", w.train, "none", 6),
@@ -91,11 +90,9 @@ def test_identity_codec_equals_eager_bit_for_bit(two):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["int8", "int8 inductor"])
-def test_int8_within_the_per_row_bound(two, name):
-    """Eager and inductor lowering (inductor checks the result's strides: a row padded for
-    its encode must come back contiguous)."""
-    for r in two[name]:
+def test_int8_within_the_per_row_bound(two):
+    """Eager lowering; inductor lowering is "captured inductor"'s (below)."""
+    for r in two["int8"]:
         assert 0 < r["out_err"] <= bound(r), r
         # gradients: a few quantisation steps of the largest one (measured 0.6 %)
         assert 0 < r["grad_err"] <= 0.05 * r["grad_scale"], r
@@ -176,7 +173,13 @@ def test_unbacked_split_sizes_compressed_within_the_per_row_bound_every_step(two
     for steps whose routing differs, no recompile), every payload all_to_all compressed, the
     output within the per-row bound (measured 0.0029-0.0041 against bounds of 0.021-0.024) and
     the gradients within a few int8 steps (measured 0.45-0.81 % of the largest) at every
-    step."""
+    step.
+
+    Inductor checks the strides it planned for each collective's result: a row padded for its
+    encode (16 values in a 256-value block) must come back contiguous, as the collective's
+    own. This is the module's one inductor compile: with the decode returning the padded rows'
+    view it fails ('stride 256==16'), as the capacity MoE under inductor did, so the capacity
+    MoE (the same row encode, its splits constants) is compiled with eager lowering only."""
     for r in two[name]:
         assert r["graphs"] == 1 and r["plan_graphs"] == 1, r
         assert len({tuple(s["counts"]) for s in r["steps"]}) > 1
