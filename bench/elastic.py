@@ -397,7 +397,11 @@ def inside(cfg: dict) -> dict:
             "sent_bytes": tx,
             "sent_bytes_per_sync": tx / max(len(r0), 1), "wire": done["r0"]["wire"],
             "raw": done["r0"]["raw"], "held_out": done["r0"].get("held_out"),
-            "total_s": time.time() - t0}
+            "total_s": time.time() - t0,
+            # every replica's sync rows, for reading a run afterwards (who missed which quorum)
+            "rows": {n: [{k: r.get(k) for k in ("torchft_step", "step", "replicas", "committed",
+                                                 "healed", "seconds", "quorum_s", "time")}
+                         for r in rs] for n, rs in sorted(rows.items())}}
 
 
 def victim_of(k: int, replicas: int) -> int:
