@@ -30,6 +30,14 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(scope="session")
+def shared_ranks(request):
+    """The spawns that the modules of one world size share (tests/ranks.py, ``Shared``)."""
+    from .ranks import SharedSpawns
+
+    return SharedSpawns(request.session.items)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test: tiny models gain nothing from more, and lose a lot

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ccfx.runtime.launch import RankFailed, RankTimeout, spawn
 
-__all__ = ["RankFailed", "RankTimeout", "Scenarios", "caught", "digest", "gathered",
+__all__ = ["RankFailed", "RankTimeout", "Scenarios", "Shared", "SharedSpawns", "caught", "digest", "gathered",
            "mean_over_ranks", "params", "raised", "rng", "run_scenarios", "scenario", "spawn",
            "train"]
 
@@ -100,6 +100,67 @@ def run_scenarios(world: int, scenarios: Iterable[tuple], *, timeout_s: float,
     assert len(set(names)) == len(names), f"scenario names repeat: {names}"
     return Scenarios(world, spawn(_run_scenarios, world, (scenarios,), timeout_s=timeout_s,
                                   **spawn_options))
+
+
+class Shared:
+    """A module's scenarios for the spawn that the modules of one world size share (conftest's
+    ``shared_ranks``): starting ranks costs more the more there are (an empty spawn measured
+    14 s for 4 ranks, 4 s for 2, on 2 busy cores), so every module's 4-rank scenarios run in
+    one 4-rank spawn, and every module's 3-rank ones in one 3-rank spawn. A module-level
+    constant, read by the session before the first module asks::
+
+        FOUR = ranks.Shared(4, [scenario("pp x dp", w.pipeline_dp, 2)], timeout_s=300)
+
+        @pytest.fixture(scope="module")
+        def four(shared_ranks):
+            return shared_ranks[FOUR]        # this module's scenarios, by their own names
+
+    The spawn runs the scenarios of every module with a selected ``slow`` test, module by
+    module in name order; a scenario that fails stops its ranks, so the later modules' tests
+    fail saying which scenario failed first (no scenario here breaks the group on purpose:
+    those stay in their module's own spawn)."""
+
+    def __init__(self, world: int, scenarios: Iterable[tuple], *, timeout_s: float):
+        self.world, self.scenarios, self.timeout_s = world, list(scenarios), timeout_s
+
+
+class SharedSpawns:
+    """conftest's ``shared_ranks``: per world size, one spawn of every selected module's
+    :class:`Shared` scenarios, started when a module first asks for it."""
+
+    def __init__(self, items: list):
+        modules = {getattr(i, "module", None) for i in items if i.get_closest_marker("slow")}
+        self._declared = [(m.__name__.rpartition(".")[2], v)
+                          for m in sorted(modules - {None}, key=lambda m: m.__name__)
+                          for v in vars(m).values() if isinstance(v, Shared)]
+        self._spawns: dict[int, Scenarios] = {}
+
+    def __getitem__(self, shared: Shared) -> _Prefixed:
+        declared = [(name, d) for name, d in self._declared if d.world == shared.world]
+        if not any(d is shared for _, d in declared):  # not known ahead: its own spawn
+            return _Prefixed(run_scenarios(shared.world, shared.scenarios,
+                                           timeout_s=shared.timeout_s), "")
+        if shared.world not in self._spawns:
+            self._spawns[shared.world] = run_scenarios(
+                shared.world, [(f"{name}: {s[0]}", *s[1:]) for name, d in declared
+                               for s in d.scenarios],
+                timeout_s=sum(d.timeout_s for _, d in declared))
+        (name,) = [name for name, d in declared if d is shared]
+        return _Prefixed(self._spawns[shared.world], f"{name}: ")
+
+
+class _Prefixed:
+    """One module's part of a shared spawn: its scenarios by the names it gave them."""
+
+    def __init__(self, scenarios: Scenarios, prefix: str):
+        self._scenarios, self._prefix = scenarios, prefix
+        self.world = scenarios.world
+
+    def __getitem__(self, name: str) -> list[Any]:
+        return self._scenarios[self._prefix + name]
+
+    def seconds(self, name: str) -> float:
+        return self._scenarios.seconds(self._prefix + name)
 
 
 def _run_scenarios(rank: int, world: int, scenarios: list[tuple]) -> dict:

@@ -1,7 +1,7 @@
 """ccfx.Cluster: the devices and links the layout planner plans for (issue 19, part 1).
 
-Single-process tests of the description (levels and matrix), its files and its errors; one
-3-rank spawn (module-scoped, ``slow``) for the probe, whose workers are in
+Single-process tests of the description (levels and matrix), its files and its errors; the
+3-rank spawn the modules share (tests/ranks.py, ``Shared``; ``slow``) for the probe, whose workers are in
 tests/cluster_workers.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ccfx.planner.cluster import Device, make_link
 from ccfx.wire.link import Link
 
 from . import cluster_workers as w
-from .ranks import run_scenarios, scenario
+from .ranks import Shared, scenario
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.toml"
 GIB = 1 << 30
@@ -305,12 +305,15 @@ def test_cluster_is_exported():
 # -- the probe, on 3 gloo ranks -------------------------------------------------------------------
 
 
+#: In the 3-rank spawn the modules share (tests/ranks.py, ``Shared``).
+THREE = Shared(3, [scenario("world", w.probe_world, 0.02),
+                   scenario("subgroup", w.probe_subgroup, [1, 2], 0.02),
+                   scenario("probe_link", w.link_between_0_and_1, 0.02)], timeout_s=120)
+
+
 @pytest.fixture(scope="module")
-def three():
-    return run_scenarios(3, [scenario("world", w.probe_world, 0.02),
-                             scenario("subgroup", w.probe_subgroup, [1, 2], 0.02),
-                             scenario("probe_link", w.link_between_0_and_1, 0.02)],
-                         timeout_s=120)
+def three(shared_ranks):
+    return shared_ranks[THREE]
 
 
 @pytest.mark.slow

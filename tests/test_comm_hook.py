@@ -1,5 +1,6 @@
 """ccfx.ddp_comm_hook on eager DDP, on real gloo ranks (127.0.0.1). The 2-rank scenarios run
-in one spawn (the module-scoped fixture ``two``, tests/ranks.py), the 3-rank ring in another.
+in one spawn (the module-scoped fixture ``two``, tests/ranks.py), the 3-rank ring in the 3-rank
+spawn the modules share (``ranks.Shared``).
 The workers live in tests/comm_hook_workers.py; they return data, the assertions are here."""
 
 import pytest
@@ -7,7 +8,6 @@ import torch
 
 import ccfx
 from ccfx.runtime.comm_hook import CommHookState
-from ccfx.runtime.launch import spawn
 
 from . import comm_hook_workers as workers
 from . import ranks
@@ -55,9 +55,19 @@ def test_training_keeps_ranks_identical_through_ddps_bucket_rebuild(two):
     assert len(results[0]["buckets"]) >= 2
 
 
+#: In the 3-rank spawn the modules share (tests/ranks.py, ``Shared``).
+THREE = ranks.Shared(3, [scenario("ring", workers.train_steps, "int8", 3, "ring")],
+                     timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def three(shared_ranks):
+    return shared_ranks[THREE]
+
+
 @pytest.mark.slow
-def test_ring_collective_keeps_three_ranks_identical():
-    results = spawn(workers.train_steps, 3, ("int8", 3, "ring"), timeout_s=180)
+def test_ring_collective_keeps_three_ranks_identical(three):
+    results = three["ring"]
     assert results[0]["params"] == results[1]["params"] == results[2]["params"]
     assert "ring" in results[0]["collectives"]  # biases' small buckets may all-reduce raw
     assert results[0]["losses"][-1] < results[0]["losses"][0]

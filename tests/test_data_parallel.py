@@ -50,10 +50,14 @@ def two(tmp_path_factory):
     ], timeout_s=600)
 
 
+#: In the 4-rank spawn the modules share (tests/ranks.py, ``Shared``).
+FOUR = ranks.Shared(4, [scenario("codecs", dp_workers.grads_by_codec, CODECS_ON_FOUR)],
+                    timeout_s=300)
+
+
 @pytest.fixture(scope="module")
-def four():
-    return ranks.run_scenarios(4, [scenario("codecs", dp_workers.grads_by_codec, CODECS_ON_FOUR)],
-                               timeout_s=300)
+def four(shared_ranks):
+    return shared_ranks[FOUR]
 
 
 @pytest.mark.slow

@@ -25,6 +25,9 @@ from ccfx.planner.layout import exchange_wire_s, predict_layout
 from ccfx.planner.layout_search import make_layout
 from ccfx.wire.link import PAIR_GATHER_WAIT, Link, pair_gather_wait_s
 
+from . import links_runtime_workers as w
+from .ranks import Shared, scenario
+
 #: codec work priced at a fixed rate: the same answer on any machine at any load
 TIMER = CodecTimer(throughput=1e10)
 SLOW = Link(0.0481, 0.05)  # bench.layouts' link between its two "nodes"
@@ -236,15 +239,15 @@ def test_the_plan_names_the_link_each_collective_was_priced_on():
 # -- on 4 real ranks (one spawn for the module) ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ranks4():
-    from . import links_runtime_workers as w
-    from .ranks import run_scenarios, scenario
+#: In the 4-rank spawn the modules share (tests/ranks.py, ``Shared``).
+FOUR = Shared(4, [scenario("dp_inside", w.dp_on_cluster, list(INSIDE4)),
+                  scenario("dp_across", w.dp_on_cluster, list(ACROSS4)),
+                  scenario("ppdp_across", w.pp_dp_on_cluster, None)], timeout_s=300)
 
-    return run_scenarios(4, [scenario("dp_inside", w.dp_on_cluster, list(INSIDE4)),
-                             scenario("dp_across", w.dp_on_cluster, list(ACROSS4)),
-                             scenario("ppdp_across", w.pp_dp_on_cluster, None)],
-                         timeout_s=300)
+
+@pytest.fixture(scope="module")
+def ranks4(shared_ranks):
+    return shared_ranks[FOUR]
 
 
 @pytest.mark.slow

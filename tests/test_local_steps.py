@@ -164,17 +164,23 @@ def two():
     ], timeout_s=500)
 
 
-@pytest.fixture(scope="module")
-def three():
-    return ranks.run_scenarios(3, [scenario("ring", w.replicas_after_sync, RING_CODECS, 4,
-                                            {"sync_every": 2, "outer_collective": "ring"})],
-                               timeout_s=240)
+#: In the 3-rank spawn the modules share (tests/ranks.py, ``Shared``).
+THREE = ranks.Shared(3, [scenario("ring", w.replicas_after_sync, RING_CODECS, 4,
+                                 {"sync_every": 2, "outer_collective": "ring"})], timeout_s=240)
 
 
 @pytest.fixture(scope="module")
-def four():
-    return ranks.run_scenarios(4, [scenario("pp x dp", w.pipeline_dp_local_steps, 4, 2)],
-                               timeout_s=300)
+def three(shared_ranks):
+    return shared_ranks[THREE]
+
+
+#: In the 4-rank spawn the modules share (tests/ranks.py, ``Shared``).
+FOUR = ranks.Shared(4, [scenario("pp x dp", w.pipeline_dp_local_steps, 4, 2)], timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def four(shared_ranks):
+    return shared_ranks[FOUR]
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from . import pipeline_workers as pw
-from .ranks import raised, run_scenarios, scenario
+from .ranks import Shared, raised, run_scenarios, scenario
 
 N_MICRO, STEPS = 4, 3
 
@@ -63,23 +63,31 @@ def two():
     ], timeout_s=900)
 
 
-@pytest.fixture(scope="module")
-def three():
-    return run_scenarios(3, [
-        *_case_scenarios(3),
-        scenario("overrides", pw.pipeline, "skip", 3, "none", None, N_MICRO, STEPS,
-                 "Schedule1F1B", 0.05, "eager", OVERRIDES),
-        scenario("epilogue", pw.epilogue_pairs, N_MICRO, EPILOGUE_SCHEDULES),
-    ], timeout_s=700)
+#: In the 3-rank spawn the modules share (tests/ranks.py, ``Shared``).
+THREE = Shared(3, [
+    *_case_scenarios(3),
+    scenario("overrides", pw.pipeline, "skip", 3, "none", None, N_MICRO, STEPS,
+             "Schedule1F1B", 0.05, "eager", OVERRIDES),
+    scenario("epilogue", pw.epilogue_pairs, N_MICRO, EPILOGUE_SCHEDULES),
+], timeout_s=700)
 
 
 @pytest.fixture(scope="module")
-def four():
-    return run_scenarios(4, [
-        scenario("pp x dp mlp", pw.pipeline_dp, "mlp", "int8", "none", 2, STEPS),
-        scenario("pp x dp gpt", pw.pipeline_dp, "gpt", "int8", "powersgd:rank=2,ef", 2, STEPS),
-        scenario("selective", pw.selective_stages, 2, 2),
-    ], timeout_s=700)
+def three(shared_ranks):
+    return shared_ranks[THREE]
+
+
+#: In the 4-rank spawn the modules share (tests/ranks.py, ``Shared``).
+FOUR = Shared(4, [
+    scenario("pp x dp mlp", pw.pipeline_dp, "mlp", "int8", "none", 2, STEPS),
+    scenario("pp x dp gpt", pw.pipeline_dp, "gpt", "int8", "powersgd:rank=2,ef", 2, STEPS),
+    scenario("selective", pw.selective_stages, 2, 2),
+], timeout_s=700)
+
+
+@pytest.fixture(scope="module")
+def four(shared_ranks):
+    return shared_ranks[FOUR]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:

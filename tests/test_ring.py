@@ -3,7 +3,8 @@
 Starting ranks is what costs here (each imports torch), so one spawn of 4 ranks (a
 module-scoped fixture) runs every eager case on all 4 and on the 3 ranks of a subgroup (ranks
 1, 2, 3: group ranks are not global ranks there), and the tests assert on parts of what the
-ranks returned; a second spawn of 3 ranks trains through the compiled backward. Workers are in
+ranks returned; the 3-rank spawn the modules share (tests/ranks.py, ``Shared``) trains through
+the compiled backward. Workers are in
 tests/ring_workers.py.
 
 Error bounds. A blockwise codec's encode errs by at most half a step: ``absmax / 254`` for int8
@@ -25,6 +26,7 @@ from ccfx.errors import ConfigError
 from ccfx.runtime.launch import spawn
 
 from . import ring_workers
+from .ranks import Shared, scenario
 
 SPECS = ["none", "int8", "int4", "fp8", "topk:ratio=0.1,ef", "sign", "qsgd"]
 HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14, "fp8": 1 / 16}
@@ -128,10 +130,20 @@ def test_the_op_passes_opcheck_and_is_the_round_trip_on_one_rank(spawned):
     assert all(r["alone"]["single_residual_exact"] for r in spawned)
 
 
+#: In the 3-rank spawn the modules share (tests/ranks.py, ``Shared``).
+THREE = Shared(3, [scenario("compiled training", ring_workers.compiled_ring_training, 2)],
+               timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def three(shared_ranks):
+    return shared_ranks[THREE]
+
+
 @pytest.mark.slow
-def test_compiled_data_parallel_backward_on_the_ring_keeps_ranks_identical():
+def test_compiled_data_parallel_backward_on_the_ring_keeps_ranks_identical(three):
     world = 3
-    results = spawn(ring_workers.compiled_ring_training, world, (2,), timeout_s=240)
+    results = three["compiled training"]
     assert len({tuple(r["digests"]) for r in results}) == 1
     assert len({r["params"] for r in results}) == 1
     buckets = results[0]["buckets"]

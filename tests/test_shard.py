@@ -25,7 +25,7 @@ import torch
 import ccfx
 
 from . import shard_workers as w
-from .ranks import run_scenarios, scenario
+from .ranks import Shared, run_scenarios, scenario
 
 EAGER_BOUND = 1e-6
 COMPILED_BOUND = 1e-5
@@ -58,12 +58,16 @@ def two(tmp_path_factory):
     ], timeout_s=600)
 
 
+#: In the 4-rank spawn the modules share (tests/ranks.py, ``Shared``).
+FOUR = Shared(4, [
+    scenario("tp_eager", w.tensor_parallel, None),
+    scenario("tp_ccfx", w.tensor_parallel, "ccfx"),
+], timeout_s=400)
+
+
 @pytest.fixture(scope="module")
-def four():
-    return run_scenarios(4, [
-        scenario("tp_eager", w.tensor_parallel, None),
-        scenario("tp_ccfx", w.tensor_parallel, "ccfx"),
-    ], timeout_s=400)
+def four(shared_ranks):
+    return shared_ranks[FOUR]
 
 
 def _check_training(rows_per_rank, bound):

@@ -4,8 +4,9 @@ all-gather, reduce-scatter and all-to-all through a codec.
 Single-process tests: refuse()'s reasons, the phases traced with make_fx over FunctionalComm
 (fake tensors need no process group: the graph's collectives and their input bytes are read
 off the trace), the packing of a chunk's payload, LocalComm's new methods. Multi-rank tests:
-one spawn of 2 ranks and one of 3 (module-scoped fixtures), every case run eagerly over
-ProcessGroupComm and traced over FunctionalComm then run; workers in
+in the 3-rank spawn the modules share (tests/ranks.py, ``Shared``), the 2-rank cases on a
+subgroup of it, every case run eagerly over ProcessGroupComm and traced over FunctionalComm
+then run; workers in
 tests/wire_collectives_workers.py.
 
 Error bounds (A: the largest input magnitude over every rank; e: the codec's relative half
@@ -28,7 +29,7 @@ from ccfx.wire.collectives import KINDS, CollectiveCall, CompressedCollective, r
 from ccfx.wire.comm import FunctionalComm, LocalComm
 
 from . import wire_collectives_workers as w
-from .ranks import run_scenarios, scenario
+from .ranks import Shared, scenario
 from .unbacked_graphs import traced_with_unbacked_sizes, unbacked_rows
 
 SPECS = ["none", "int8", "int4", "fp8", "bf16", "topk:ratio=0.25"]
@@ -93,10 +94,9 @@ ROW_CASES = [(s, row) for s in ROW_SPECS for row in (7, 300, 256)]
 ROW_TRACED = [("none", 7), ("int8", 7), ("int8", 300), ("bf16", 256)]
 
 
-@pytest.fixture(scope="module")
-def spawned():
-    """One spawn of 3 ranks: the 3-rank cases on all of them, the 2-rank cases on the subgroup
-    of ranks 1 and 2 (group ranks 0 and 1: not the global ones)."""
+def _scenarios() -> list[tuple]:
+    """The 3-rank cases on all 3 ranks, the 2-rank cases on the subgroup of ranks 1 and 2
+    (group ranks 0 and 1: not the global ones)."""
     scenarios = []
     for world, members in ((2, [1, 2]), (3, [0, 1, 2])):
         scenarios += [
@@ -109,7 +109,16 @@ def spawned():
             scenario(f"non_finite{world}", w.non_finite, members),
             scenario(f"rows{world}", w.unequal_rows, members, ROW_CASES, ROW_TRACED)]
     scenarios.append(scenario("int8_error", w.int8_all_reduce_error, (192, 1000)))
-    return run_scenarios(3, scenarios, timeout_s=240)
+    return scenarios
+
+
+#: In the 3-rank spawn the modules share (tests/ranks.py, ``Shared``).
+THREE = Shared(3, _scenarios(), timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def spawned(shared_ranks):
+    return shared_ranks[THREE]
 
 
 class _Group:
