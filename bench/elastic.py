@@ -11,8 +11,9 @@ to a hub's bridge, as replicas on the internet each have an uplink and a downlin
 shared`` puts every replica in one namespace whose loopback is limited to ``--rate`` (one
 medium for every byte: how the rows before session 13 were measured). The torchft lighthouse
 runs in the driver, in the hub (min_replicas 2, join_timeout_ms
-``--grace-ms``, 1000 by default, heartbeat timeout ``--heartbeat-ms``, 300 by default: the
-settings README recommends). Every replica stops after the same committed sync
+``--grace-ms``, 1000 by default, heartbeat timeout ``--heartbeat-ms``, 300 by default: enough
+for the tiny GPT, whose syncs never keep a link full; README recommends 3000 over slow links
+that stay full, as the 10 M model's do). Every replica stops after the same committed sync
 (``--syncs`` torchft steps, the join's included); r0, never killed, ends the run (a replica
 restarted just before the end, with no sync left to join, is stopped).
 
