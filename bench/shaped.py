@@ -168,6 +168,14 @@ class Nodes:
                   "TP_SOCKET_IFNAME": self.interfaces[n]} for n in node_of_rank])
 
 
+def _run_all(steps: list[list[str]], needs: str) -> None:
+    """Run each command; the first that fails is a :class:`ShapingUnavailable` quoting it."""
+    for cmd in steps:
+        r = _run(cmd)
+        if r.returncode != 0:
+            raise ShapingUnavailable(f"`{' '.join(cmd)}` failed: {r.stderr.strip()} ({needs})")
+
+
 @contextlib.contextmanager
 def two_nodes(rate_mbit: float | None, delay_ms: float = 0.0, burst: str = "64kb",
               latency: str = "400ms") -> Iterator[Nodes]:
@@ -209,12 +217,8 @@ def two_nodes(rate_mbit: float | None, delay_ms: float = 0.0, burst: str = "64kb
                 steps.append(["tc", "-n", name, "qdisc", "add", "dev", iface, *parent, "handle",
                               "10:", "tbf", "rate", f"{rate_mbit:g}mbit", "burst", burst,
                               "latency", latency])
-        for cmd in steps:
-            r = _run(cmd)
-            if r.returncode != 0:
-                raise ShapingUnavailable(f"`{' '.join(cmd)}` failed: {r.stderr.strip()} (veth, "
-                                         "netem and tbf need CAP_NET_ADMIN and the sch_netem / "
-                                         "sch_tbf kernel modules)")
+        _run_all(steps, "veth, netem and tbf need CAP_NET_ADMIN and the sch_netem / sch_tbf "
+                 "kernel modules")
         yield Nodes(names, ifaces, addrs)
     finally:
         for name in made:
@@ -293,12 +297,7 @@ def star(n: int, rate_mbit: float | None, burst: str = "256kb",
             if shape:
                 steps += [["tc", "-n", name, "qdisc", "add", "dev", leaf, "root", *shape],
                           ["tc", "-n", hub, "qdisc", "add", "dev", port, "root", *shape]]
-        for cmd in steps:
-            r = _run(cmd)
-            if r.returncode != 0:
-                raise ShapingUnavailable(f"`{' '.join(cmd)}` failed: {r.stderr.strip()} (veth, "
-                                         "bridges and tbf need CAP_NET_ADMIN and the sch_tbf "
-                                         "kernel module)")
+        _run_all(steps, "veth, bridges and tbf need CAP_NET_ADMIN and the sch_tbf kernel module")
         yield Star(hub, f"{subnet}.254", names, leaves, ports, addrs)
     finally:
         for name in made:
