@@ -274,7 +274,9 @@ def inside_ckpt(cfg: dict) -> dict:
     r0 = rows["r0"]
     wall = r0[-1]["time"] - r0[0]["time"]
     per_sync = cfg["h"] * cfg["replicas"]
-    useful = per_sync * (r0[-1]["syncs"] - r0[0]["syncs"] + 1)
+    # the syncs after r0's first row: the wall starts at that row, so the steps before it do
+    # not count (as ccfx's runs, whose first row is the join, weight 0)
+    useful = per_sync * (r0[-1]["syncs"] - r0[0]["syncs"])
     restart = []
     for k in kills:
         after = r0[k["rows_before"]:]
