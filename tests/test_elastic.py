@@ -203,6 +203,9 @@ class _UnsetGroupManager:
     def current_step(self):
         return 3
 
+    def state_dict(self):
+        return {"step": 3, "batches_committed": 6}
+
 
 def test_sync_after_a_failed_group_rebuild_is_uncommitted_not_a_crash():
     from ccfx.runtime.elastic import Elastic

@@ -69,6 +69,7 @@ import torch
 
 from ..errors import CollectiveError, ConfigError
 from ..wire.collectives import element_state_layout
+from .heal import HealTransport, Pending
 
 log = logging.getLogger("ccfx")
 
@@ -163,6 +164,24 @@ class TorchftComm:
         return result()
 
 
+def _cloned(state):
+    """``state`` with its tensors cloned (an optimizer's ``state_dict()`` holds its live
+    buffers, which the next outer step changes in place while a heal may still be reading)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _cloned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_cloned(v) for v in state)
+    return state
+
+
+def _is_residual(name: str) -> bool:
+    """A codec state tensor that is this replica's own (error feedback's residuals): zeroed
+    on a heal, never taken from a peer."""
+    return name.rsplit(".", 1)[-1].startswith("residual")
+
+
 def _reachable(address: str, timeout_s: float = 2.0) -> bool:
     url = urlparse(address if "://" in address else f"http://{address}")
     try:
@@ -175,6 +194,11 @@ def _reachable(address: str, timeout_s: float = 2.0) -> bool:
 class Elastic:
     """The torchft side of one replica's :class:`~ccfx.runtime.local_steps.LocalSteps` (see the
     module docstring). Made by ``LocalSteps`` when ``fault_tolerant=True``; joins at once."""
+
+    _pending: Pending | None = None  # a lazy heal's tensors, until _finish_heal
+    catching_up = False  # healed lazily: sync at the peers' next sync (catch_up_due)
+    _catch_up_at: float | None = None
+    _last_end: float | None = None  # when this replica's last sync ended
 
     def __init__(self, outer, opts: ElasticOptions, options: dict):
         try:
@@ -206,6 +230,9 @@ class Elastic:
         self.history: list[dict] = []  # one row per sync: step, quorum, committed, ...
         self._healed = False
         self._refused: str | None = None  # a healer's peer's fingerprint, when it differs
+        # a heal's tensors, fetched after the exchange it joins (_finish_heal); only when every
+        # codec state is a residual, which a heal zeroes (the exchange needs nothing from it)
+        self._lazy = all(_is_residual(name) for name in outer._codec_state())
         self._reduces: dict = {}  # (part, quorum size) -> CompressedCollective (_reduce_for)
         self.used: set[str] = set()  # the collectives the exchanges ran
         timeout = timedelta(seconds=config.collective_timeout_s)
@@ -219,6 +246,7 @@ class Elastic:
                 pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=self._load,
                 state_dict=self._recovery_state, min_replica_size=opts.min_replicas,
                 use_async_quorum=False, timeout=timeout,
+                checkpoint_transport=HealTransport(host, timeout),
                 quorum_timeout=timedelta(seconds=opts.quorum_timeout_s),
                 connect_timeout=timedelta(seconds=min(opts.quorum_timeout_s, 30.0)),
                 rank=0, world_size=1, store_addr=host, store_port=self._store.port,
@@ -245,13 +273,35 @@ class Elastic:
         outer = self.outer
         return {"fingerprint": self.fingerprint, "step": outer.step, "syncs": outer.syncs,
                 "global": [[g.clone() for g in f.global_] for f in outer.fragments],
-                "outer": [f.outer.state_dict() for f in outer.fragments],
+                "outer": [_cloned(f.outer.state_dict()) for f in outer.fragments],
                 "codec": {k: t.clone() for k, t in outer._codec_state().items()}}
 
-    def _load(self, state: dict) -> None:
-        if state["fingerprint"] != self.fingerprint:
-            self._refused = state["fingerprint"]  # raised after the all-gather (step 2)
+    def _load(self, state) -> None:
+        """torchft's load function: ``state`` is a :class:`~ccfx.runtime.heal.Pending` (its
+        ``head`` now, its tensors on request) or, from another transport, the whole state."""
+        pending = state if isinstance(state, Pending) else None
+        head = pending.head if pending is not None else state
+        if head["fingerprint"] != self.fingerprint:
+            self._refused = head["fingerprint"]  # raised after the all-gather (step 2)
             return
+        outer = self.outer
+        with torch.no_grad():
+            for name, t in outer._codec_state().items():
+                if _is_residual(name):
+                    t.zero_()
+        outer.step, outer.syncs = int(head["step"]), int(head["syncs"])
+        self.since, self.tokens = outer.step, 0
+        self._healed = True
+        if pending is None:
+            self._apply(state)
+        elif self._lazy:
+            self._pending = pending  # fetched after the exchange: _finish_heal
+        else:  # a shared codec state (PowerSGD's Q, a codec's step) the exchange needs now
+            self._apply(pending.result(self.outer.config.collective_timeout_s))
+
+    def _apply(self, state: dict) -> None:
+        """The healed tensors: global parameters (and the local ones), the outer optimizers'
+        state, the codecs' shared state (residuals were zeroed in :meth:`_load`)."""
         outer = self.outer
         with torch.no_grad():
             for frag, saved, opt_state in zip(outer.fragments, state["global"], state["outer"]):
@@ -260,11 +310,35 @@ class Elastic:
                     p.copy_(s)
                 frag.outer.load_state_dict(opt_state)
             for name, t in outer._codec_state().items():
-                residual = name.rsplit(".", 1)[-1].startswith("residual")
-                t.copy_(torch.zeros_like(t) if residual else state["codec"][name])
-        outer.step, outer.syncs = int(state["step"]), int(state["syncs"])
-        self.since, self.tokens = outer.step, 0
-        self._healed = True
+                if not _is_residual(name):
+                    t.copy_(state["codec"][name])
+
+    def _finish_heal(self, torchft_state: dict) -> str | None:
+        """Fetch and apply a lazy heal's tensors (after the exchange, so the serving peer's
+        uplink carries them while its replica trains, not while the quorum exchanges); None,
+        or why it failed. A failed fetch leaves this replica's parameters unhealed: torchft's
+        step is put back (``torchft_state``, from before the quorum) so the next quorum heals
+        it again."""
+        pending, self._pending = self._pending, None
+        try:
+            self._apply(pending.result(self.outer.config.collective_timeout_s))
+            return None
+        except Exception as e:  # noqa: BLE001 (the source died or the link timed out)
+            self.manager.load_state_dict(torchft_state)
+            error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            log.warning("ccfx: fetching the healed state failed (%s): healing again at the "
+                        "next sync", error)
+            return f"heal: {error}"
+
+    def catch_up_due(self) -> bool:
+        """After a lazy heal, whether to sync now rather than at this replica's own next sync
+        step: it spent the fetch's seconds not training, and at its own count of steps it
+        would reach the sync that long after its peers (who would wait for it, up to the
+        lighthouse's join timeout, and then go on without it). It syncs when its peers' last
+        interval between syncs has passed since the exchange it healed in, and takes their
+        inner step there (:meth:`sync`)."""
+        return (self.catching_up and self._catch_up_at is not None
+                and time.monotonic() >= self._catch_up_at)
 
     # -- one sync -----------------------------------------------------------------------------
 
@@ -273,8 +347,10 @@ class Elastic:
         was committed."""
         outer = self.outer
         started = time.monotonic()
+        interval = started - self._last_end if self._last_end is not None else None
         self.used = set()
         self._healed, self._refused = False, None
+        torchft_state = self.manager.state_dict()  # put back if a lazy heal's fetch fails
         try:
             self.manager.start_quorum()
         except Exception as e:
@@ -288,16 +364,18 @@ class Elastic:
                    if outer.step > 0 and outer.step % outer.sync_every == f.offset]
         comm = None
         averaged: dict[int, list[torch.Tensor]] = {}
-        total, own, error = 0, self._weight(), None
+        total, own, error, rows = 0, self._weight(), None, []
         try:
             # inside the try: when the group's rebuild failed in the quorum (torchft reports it
             # and leaves the group unset), this sync is uncommitted like any failed exchange
             comm = TorchftComm(self.manager._pg)
-            rows = self._meet(comm)
+            rows = self._meet(comm, own, interval)
             self._check_fingerprints(rows, comm)
+            if self.catching_up:
+                due = self._adopt_step(rows, due)
             total = sum(r[0] for r in rows)
             if total > 0:
-                scale = self._weight() * comm.world / total
+                scale = own * comm.world / total
                 for frag in due:
                     averaged[frag.index] = self._exchange(frag, scale, comm)
         except ConfigError:
@@ -317,6 +395,15 @@ class Elastic:
                 "keep dying or fewer than min_replicas="
                 f"{self.opts.min_replicas} are alive") from e
         world = comm.world if comm is not None else 0
+        exchanged = time.monotonic()
+        heal_s = None
+        if self._pending is not None:
+            heal_error = self._finish_heal(torchft_state)
+            heal_s = time.monotonic() - exchanged
+            if heal_error is not None:
+                committed, error = False, error or heal_error
+            else:
+                self._start_catch_up(rows, exchanged)
         if committed:
             for frag in due:
                 if frag.index in averaged:
@@ -338,7 +425,9 @@ class Elastic:
             "error": error,  # why the exchange failed (the first line), else None
             "fragments": [f.index for f in due if f.index in averaged],
             "collectives": sorted(self.used),
-            "seconds": time.monotonic() - started, "quorum_s": quorum_s})
+            "seconds": time.monotonic() - started, "quorum_s": quorum_s,
+            "heal_s": heal_s})  # a lazy heal's fetch, after the exchange
+        self._last_end = time.monotonic()
         return committed
 
     def _timeout_hint(self, error: str) -> str:
@@ -353,15 +442,37 @@ class Elastic:
                 "transfer over the slowest link, several times over at step 0, when torchft "
                 "sends every replica its copy from one)")
 
-    def _meet(self, comm: TorchftComm) -> list[tuple[int, int, int]]:
-        """Every member's (tokens, inner step, fingerprint as an int)."""
-        mine = torch.tensor([self._weight(), self.outer.step,
-                             int(self.fingerprint, 16) - (1 << 63)], dtype=torch.int64)
-        rows = comm.wait(comm.all_gather(mine)).view(comm.world, 3)
-        return [(int(a), int(b), int(c)) for a, b, c in rows.tolist()]
+    def _meet(self, comm: TorchftComm, own: int, interval: float | None) -> list[tuple]:
+        """Every member's (tokens, inner step, fingerprint as an int, milliseconds from its
+        previous sync's end to this one's start or -1, whether it is catching up)."""
+        mine = torch.tensor([own, self.outer.step, int(self.fingerprint, 16) - (1 << 63),
+                             -1 if interval is None else int(interval * 1000),
+                             int(self.catching_up)], dtype=torch.int64)
+        rows = comm.wait(comm.all_gather(mine)).view(comm.world, 5)
+        return [tuple(int(x) for x in row) for row in rows.tolist()]
+
+    def _start_catch_up(self, rows, exchanged: float) -> None:
+        """After a lazy heal: sync next when the earliest of the peers that trained through
+        the last interval will (their interval, counted from the exchange's end), whatever
+        this replica's own step count (:meth:`catch_up_due`)."""
+        intervals = [r[3] for r in rows if r[0] > 0 and r[3] >= 0 and not r[4]]
+        self.catching_up = True
+        self._catch_up_at = exchanged + min(intervals) / 1000 if intervals else None
+
+    def _adopt_step(self, rows, due: list) -> list:
+        """A replica catching up takes the inner step of the members that are not (they agree:
+        they synced in step) and syncs the fragments due there; its own steps since the heal
+        still count as its weight."""
+        self.catching_up, self._catch_up_at = False, None
+        steps = {r[1] for r in rows if not r[4]}
+        outer = self.outer
+        if len(steps) != 1 or steps == {outer.step}:
+            return due
+        (outer.step,) = steps
+        return [f for f in outer.fragments if outer.step % outer.sync_every == f.offset]
 
     def _check_fingerprints(self, rows, comm) -> None:
-        prints = [f"{c + (1 << 63):016x}" for _, _, c in rows]
+        prints = [f"{r[2] + (1 << 63):016x}" for r in rows]
         if len(set(prints)) == 1 and self._refused is None:
             return
         counts = {p: prints.count(p) for p in prints}
@@ -379,7 +490,11 @@ class Elastic:
 
     def _exchange(self, frag, scale: float, comm) -> list[torch.Tensor]:
         with torch.no_grad():
-            delta = [(g - p.detach().float()) * scale for g, p in zip(frag.global_, frag.local)]
+            if self._pending is not None:  # healing: nothing of its own to send, and its
+                delta = [torch.zeros_like(g) for g in frag.global_]  # parameters are stale
+            else:
+                delta = [(g - p.detach().float()) * scale
+                         for g, p in zip(frag.global_, frag.local)]
         out: list[torch.Tensor | None] = [None] * len(delta)
         for part in frag.parts:
             grads = [delta[i] for i in part.members]

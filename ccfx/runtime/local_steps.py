@@ -211,7 +211,7 @@ class LocalSteps:
         self.step += 1
         if self.elastic is not None:
             due = [f for f in self.fragments if self.step % self.sync_every == f.offset]
-            if due:
+            if due or self.elastic.catch_up_due():
                 self.elastic.sync(due)
             return
         for frag in self.fragments:

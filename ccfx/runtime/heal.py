@@ -1,0 +1,200 @@
+"""Live recovery that the serving replicas do not wait for: a torchft checkpoint transport.
+
+torchft's HTTP transport serves a healing replica the whole state in the quorum, and the
+serving peer's ``should_commit`` blocks until that download ends (it takes a write lock that
+an in-flight read holds), while the other replicas' exchange waits for the healer to arrive.
+Over a 10 Mbit/s link a 10 M-parameter model's 43 MB heal stalled every survivor ~35 s per
+join (bench/README: elastic). This transport splits what it serves in two:
+
+* the **head**: everything but the tensors (the fingerprint, the steps, torchft's own state,
+  the optimizer's hyper-parameters), a few kB, received in the quorum as torchft expects;
+* the **body**: the tensors, received when the healer asks for them
+  (:meth:`Pending.result`), after the exchange it joins with nothing to send.
+
+A staged state is the serving replica's clone (:meth:`Elastic._recovery_state`), never
+touched again, so :meth:`disallow_checkpoint` has nothing to wait for; a request for a step not
+yet staged waits for it (the healer can ask before its source's quorum thread has staged).
+The last two steps stay staged. Both parts travel as ``torch.save`` bytes and are read with
+``weights_only=True``: a peer sends tensors and plain containers, nothing that runs code.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+log = logging.getLogger("ccfx")
+
+_SLOT = "__ccfx_body__"  # a head's placeholder for the body's tensor i: (_SLOT, i)
+_KEEP = 2  # staged steps kept (a late request for the previous step still finds it)
+
+
+def split(state):
+    """(head, tensors): ``state`` with each tensor replaced by ``(_SLOT, i)``."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return (_SLOT, len(tensors) - 1)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(state), tensors
+
+
+def join(head, tensors: list[torch.Tensor]):
+    """The inverse of :func:`split`."""
+    if isinstance(head, tuple) and len(head) == 2 and head[0] == _SLOT:
+        return tensors[head[1]]
+    if isinstance(head, dict):
+        return {k: join(v, tensors) for k, v in head.items()}
+    if isinstance(head, (list, tuple)):
+        return type(head)(join(v, tensors) for v in head)
+    return head
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class _Staged:
+    """One step's state as served: the head's bytes at once, the body's on first request."""
+
+    def __init__(self, state):
+        head, self.tensors = split(state)
+        self.head = _dumps(head)
+        self._body: bytes | None = None
+        self._lock = threading.Lock()
+
+    def body(self) -> bytes:
+        with self._lock:
+            if self._body is None:
+                self._body = _dumps(self.tensors)
+            return self._body
+
+
+class Pending:
+    """What a healing replica's load function gets in place of a user state: the ``head``
+    now (tensors as ``(_SLOT, i)``), the whole state from :meth:`result`, which downloads the
+    body (at most once, on a background thread from :meth:`start`)."""
+
+    def __init__(self, head, body: "_Body"):
+        self.head, self._body = head, body
+
+    def start(self) -> None:
+        self._body.start()
+
+    def result(self, timeout_s: float):
+        return join(self.head, self._body.result(timeout_s))
+
+
+class _Body:
+    def __init__(self, url: str, timeout_s: float):
+        self.url, self.timeout_s = url, timeout_s
+        self._future: Future | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._future is None:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="ccfx-heal")
+                self._future = pool.submit(lambda: _loads(_get(self.url, self.timeout_s)))
+                pool.shutdown(wait=False)
+
+    def result(self, timeout_s: float) -> list[torch.Tensor]:
+        self.start()
+        return self._future.result(timeout=timeout_s)
+
+
+def _get(url: str, timeout_s: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read()
+
+
+class HealTransport:
+    """A torchft ``CheckpointTransport`` (``send_checkpoint``, ``recv_checkpoint``,
+    ``metadata``, ``disallow_checkpoint``, ``shutdown``) serving ``http://host:port/<step>/head``
+    and ``/<step>/body`` (see the module docstring). ``host`` is the address the other replicas
+    reach this one at."""
+
+    def __init__(self, host: str, timeout: timedelta):
+        self.host, self.timeout_s = host, timeout.total_seconds()
+        self._staged: dict[int, _Staged] = {}
+        self._changed = threading.Condition()
+        transport = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                try:
+                    step, part = self.path.strip("/").split("/")
+                    data = transport._serve(int(step), part)
+                except (ValueError, KeyError, TimeoutError) as e:
+                    self.send_error(404, str(e))
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):  # quiet: the default writes every request to stderr
+                pass
+
+        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="ccfx-heal-server")
+        self._thread.start()
+
+    def metadata(self) -> str:
+        return f"http://{self.host}:{self._server.server_address[1]}"
+
+    def _serve(self, step: int, part: str) -> bytes:
+        with self._changed:
+            if not self._changed.wait_for(lambda: step in self._staged or self._newer(step),
+                                          timeout=self.timeout_s):
+                raise TimeoutError(f"step {step} was not staged within {self.timeout_s:g} s")
+            staged = self._staged[step]  # KeyError (404) when a newer step replaced it
+        return {"head": lambda: staged.head, "body": staged.body}[part]()
+
+    def _newer(self, step: int) -> bool:
+        return any(s > step for s in self._staged)
+
+    def send_checkpoint(self, dst_ranks, step: int, state_dict, timeout) -> None:
+        staged = _Staged(state_dict)
+        with self._changed:
+            self._staged[step] = staged
+            for old in sorted(self._staged)[:-_KEEP]:
+                del self._staged[old]
+            self._changed.notify_all()
+
+    def disallow_checkpoint(self) -> None:
+        """Nothing to wait for: a staged state is a clone nobody writes to."""
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout):
+        timeout_s = timeout.total_seconds()
+        head = _loads(_get(f"{metadata}/{step}/head", timeout_s))
+        body = _Body(f"{metadata}/{step}/body", timeout_s)
+        return {"torchft": head["torchft"],  # torchft's step counters: no tensors
+                "user": {key: Pending(value, body) for key, value in head["user"].items()}}
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._server.shutdown()
+        self._server.server_close()
