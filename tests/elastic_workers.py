@@ -335,3 +335,44 @@ def straggler_replica(k: int, lighthouse: str, delay_s: float, stop_at: int,
     rows = list(outer.elastic.history)
     outer.close()
     return rows
+
+
+def late_joiner_replica(k: int, lighthouse: str, start_after_s: float, step_s: float,
+                        stop_at: int, finished) -> list[tuple[dict, str]]:
+    """Replica ``k`` of the lazy-heal scenario: it starts ``start_after_s`` late, takes an
+    inner step every ``step_s`` and trains until its torchft step reaches ``stop_at`` (or a
+    peer got there: ``finished``). Its sync rows, each with the digest of the global
+    parameters after it."""
+    import ccfx
+
+    model = mlp(k)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    time.sleep(start_after_s)
+    outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
+                             replica_id=f"j{k}", quorum_timeout_s=20.0, max_retries=5,
+                             **{**OPTIONS, "sync_every": 4, "collective_timeout_s": 20.0})
+    out, seen = [], 0
+
+    def report():
+        nonlocal seen
+        digest = ranks.digest(outer.global_parameters().values())
+        out.extend((row, digest) for row in outer.elastic.history[seen:])
+        seen = len(outer.elastic.history)
+
+    report()
+    i = 0
+    while outer.elastic.manager.current_step() < stop_at and not finished.is_set() and i < 60:
+        loss_of(model, k, i).backward()
+        time.sleep(step_s)
+        try:
+            opt.step()
+        except ccfx.CollectiveError:
+            if not finished.is_set():
+                raise
+            break  # its peers stopped: the run is over
+        opt.zero_grad()
+        report()
+        i += 1
+    finished.set()
+    outer.close()
+    return out

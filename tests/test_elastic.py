@@ -382,3 +382,66 @@ def test_grace_window_for_a_straggler_is_the_lighthouse_join_timeout(grace_ms, w
         # a 300 ms window a peer slowed by the machine's load may miss that quorum as well
         late = [r for r in rows[2][1:] if r["healed"]]
         assert late and late[0]["replicas"] >= 2 and late[0]["committed"], rows[2]
+
+
+@pytest.mark.slow
+def test_a_joiners_heal_is_fetched_after_the_exchange_and_it_catches_up(monkeypatch):
+    """r0 and r1 train (a step every 0.8 s, a sync every 4 steps: ~3.2 s between syncs); j2
+    starts 8 s later and heals from a live peer. Every staged body (the heal's tensors) is
+    served ``delay`` = 3 s late: a big model over a slow link.
+
+    * The survivors do not wait for the fetch: their sync in which j2 heals takes less than
+      ``delay`` once its quorum has formed (with torchft's own transport the healer fetched
+      inside the quorum, before the exchange the survivors wait in, so that part took at least
+      ``delay``; 3 s is ~10x the tiny model's sync on a loaded 2-core machine).
+    * j2 fetches after that exchange (``heal_s`` >= ``delay``), then syncs at its peers' next
+      sync although its own count of steps since the heal is short of 4 (it spent 3 of the
+      3.2 s fetching): it takes the peers' inner step there, its own steps weighted as they are.
+    * The global parameters are bit-identical at every committed sync."""
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    from ccfx.runtime import heal
+
+    delay = 3.0
+    body = heal._Staged.body
+
+    def slow_body(self):
+        time.sleep(delay)
+        return body(self)
+
+    monkeypatch.setattr(heal._Staged, "body", slow_body)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000,
+                                  quorum_tick_ms=20, heartbeat_timeout_ms=3000)
+    finished = threading.Event()
+    try:
+        out = w.in_threads([lambda k=k: w.late_joiner_replica(
+            k, lighthouse.address(), 8.0 if k == 2 else 0.0, 0.8, 6, finished)
+            for k in range(3)], timeout_s=150)
+    finally:
+        lighthouse.shutdown()
+    committed = {k: {row["torchft_step"]: (row, d) for row, d in out[k] if row["committed"]}
+                 for k in range(3)}
+    for step in set().union(*committed.values()):
+        assert len({committed[k][step][1] for k in range(3) if step in committed[k]}) == 1, step
+
+    rows = [row for row, _ in out[2]]
+    heals = [i for i, row in enumerate(rows)
+             if row["healed"] and row["committed"] and row["heal_s"] is not None]
+    assert heals, rows
+    caught_up = False
+    for i in heals:
+        healed = rows[i]
+        assert healed["heal_s"] >= delay and healed["own"] == 0, healed
+        for k in (0, 1):
+            peer, _ = committed[k].get(healed["torchft_step"], (None, None))
+            if peer is not None:  # it synced with j2 there: it did not wait for the fetch
+                assert peer["seconds"] - peer["quorum_s"] < delay, (peer, healed)
+        nxt = rows[i + 1] if i + 1 < len(rows) else None
+        if nxt is not None and nxt["committed"] and not nxt["healed"]:
+            peer, _ = committed[0].get(nxt["torchft_step"], (None, None))
+            assert 0 < nxt["own"] < 4 and nxt["replicas"] == 3, nxt
+            assert peer is not None and peer["step"] == nxt["step"], (peer, nxt)
+            caught_up = True
+    assert caught_up, rows

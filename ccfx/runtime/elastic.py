@@ -199,6 +199,7 @@ class Elastic:
     catching_up = False  # healed lazily: sync at the peers' next sync (catch_up_due)
     _catch_up_at: float | None = None
     _last_end: float | None = None  # when this replica's last sync ended
+    _last_step_end: float | None = None  # when catch_up_due was last asked (an inner step)
 
     def __init__(self, outer, opts: ElasticOptions, options: dict):
         try:
@@ -336,9 +337,14 @@ class Elastic:
         would reach the sync that long after its peers (who would wait for it, up to the
         lighthouse's join timeout, and then go on without it). It syncs when its peers' last
         interval between syncs has passed since the exchange it healed in, and takes their
-        inner step there (:meth:`sync`)."""
-        return (self.catching_up and self._catch_up_at is not None
-                and time.monotonic() >= self._catch_up_at)
+        inner step there (:meth:`sync`). Called once per inner step: it syncs at the step
+        that ends nearest that time (a step earlier when less than half a step is left)."""
+        now, last = time.monotonic(), self._last_step_end
+        self._last_step_end = now
+        if not self.catching_up or self._catch_up_at is None:
+            return False
+        half_step = (now - last) / 2 if last is not None else 0.0
+        return now + half_step >= self._catch_up_at
 
     # -- one sync -----------------------------------------------------------------------------
 

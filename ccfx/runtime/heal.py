@@ -95,7 +95,7 @@ class Pending:
     now (tensors as ``(_SLOT, i)``), the whole state from :meth:`result`, which downloads the
     body (at most once, on a background thread from :meth:`start`)."""
 
-    def __init__(self, head, body: "_Body"):
+    def __init__(self, head, body: _Body):
         self.head, self._body = head, body
 
     def start(self) -> None:
@@ -141,7 +141,7 @@ class HealTransport:
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
+            def do_GET(self):
                 try:
                     step, part = self.path.strip("/").split("/")
                     data = transport._serve(int(step), part)

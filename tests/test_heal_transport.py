@@ -1,0 +1,150 @@
+"""ccfx's torchft checkpoint transport (ccfx/runtime/heal.py): a healing replica gets the small
+head in the quorum and the tensors when it asks; the serving replica never waits for a reader.
+One process, the transport's HTTP server on 127.0.0.1; every wait bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from ccfx.runtime import heal
+
+
+def _state():
+    return {"torchft": {"step": 3, "batches_committed": 9},
+            "user": {"default": {
+                "fingerprint": "0123456789abcdef", "step": 12, "syncs": 4,
+                "global": [[torch.arange(6.0).reshape(2, 3), torch.ones(5)]],
+                "outer": [{"state": {0: {"momentum_buffer": torch.full((2, 3), 0.5)}},
+                           "param_groups": [{"lr": 0.7, "betas": (0.9, 0.99), "params": [0, 1],
+                                             "nesterov": True, "foreach": None}]}],
+                "codec": {"frag0.part0.residual": torch.zeros(11)}}}}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b) and a.dtype == b.dtype
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+class Gadget:
+    """Not plain data: pickled by reference to this module."""
+
+
+@pytest.fixture
+def transport():
+    t = heal.HealTransport("127.0.0.1", timedelta(seconds=10))
+    yield t
+    t.shutdown()
+
+
+def test_split_and_join_are_inverse_and_the_head_holds_no_tensor():
+    state = _state()
+    head, tensors = heal.split(state)
+    assert len(tensors) == 4
+    assert "Tensor" not in repr(head)
+    assert _equal(heal.join(head, tensors), state)
+
+
+def test_a_healer_gets_the_head_at_once_and_the_same_tensors_when_it_asks(transport):
+    state = _state()
+    transport.send_checkpoint([1], step=3, state_dict=state, timeout=timedelta(seconds=10))
+    got = transport.recv_checkpoint(0, transport.metadata(), 3, timedelta(seconds=10))
+    assert got["torchft"] == state["torchft"]
+    pending = got["user"]["default"]
+    assert isinstance(pending, heal.Pending)
+    assert pending.head["step"] == 12 and pending.head["fingerprint"] == "0123456789abcdef"
+    assert _equal(pending.result(10), state["user"]["default"])
+
+
+def test_a_request_for_a_step_not_yet_staged_waits_for_it(transport):
+    """The healer asks when its quorum has formed; its source stages in its own quorum
+    thread, which may come later."""
+    stage = threading.Timer(0.5, transport.send_checkpoint,
+                            args=([1], 5, _state(), timedelta(seconds=10)))
+    stage.start()
+    got = transport.recv_checkpoint(0, transport.metadata(), 5, timedelta(seconds=10))
+    assert got["user"]["default"].head["syncs"] == 4
+    stage.join()
+
+
+def test_the_server_does_not_wait_for_a_reader_to_finish(transport, monkeypatch):
+    """torchft's HTTP transport takes a write lock in ``disallow_checkpoint`` (called by the
+    serving replica's ``should_commit``) that waits for an in-flight download. Here the body's
+    serving is held until released, and ``disallow_checkpoint`` and a new step's staging
+    return while it is in flight; the reader then gets the step it asked for."""
+    release = threading.Event()
+    body = heal._Staged.body
+
+    def held(self):
+        assert release.wait(10)
+        return body(self)
+
+    monkeypatch.setattr(heal._Staged, "body", held)
+    state = _state()
+    transport.send_checkpoint([1], step=3, state_dict=state, timeout=timedelta(seconds=10))
+    pending = transport.recv_checkpoint(0, transport.metadata(), 3,
+                                        timedelta(seconds=10))["user"]["default"]
+    pending.start()
+    time.sleep(0.2)  # the GET is in the server now, held
+    started = time.monotonic()
+    transport.disallow_checkpoint()
+    newer = _state()
+    newer["user"]["default"]["step"] = 16
+    transport.send_checkpoint([1], step=4, state_dict=newer, timeout=timedelta(seconds=10))
+    assert time.monotonic() - started < 1.0
+    release.set()
+    assert _equal(pending.result(10), state["user"]["default"])
+
+
+def test_only_the_last_two_steps_stay_staged(transport):
+    for step in (1, 2, 3):
+        transport.send_checkpoint([1], step=step, state_dict=_state(),
+                                  timeout=timedelta(seconds=10))
+    with pytest.raises(Exception, match="404"):
+        transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=2))
+    transport.recv_checkpoint(0, transport.metadata(), 2, timedelta(seconds=2))
+
+
+def test_a_head_that_is_not_plain_data_is_refused(transport):
+    """Both parts are read with ``weights_only=True``: a peer's bytes cannot run code."""
+    state = _state()
+    state["user"]["default"]["extra"] = Gadget()
+    transport.send_checkpoint([1], step=3, state_dict=state, timeout=timedelta(seconds=10))
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        transport.recv_checkpoint(0, transport.metadata(), 3, timedelta(seconds=10))
+
+
+def test_the_served_state_shares_no_storage_with_the_live_one():
+    """What a replica stages for a healer is read after the replica's next outer step (the
+    heal's tensors are fetched after the exchange): every tensor of it is a copy, the outer
+    optimizer's momentum included (``state_dict()`` returns the live buffers)."""
+    import ccfx
+    from ccfx.runtime.elastic import Elastic
+
+    from . import elastic_workers as w
+
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = ccfx.local_steps(model, opt, sync_every=1, outer_momentum=0.9,
+                             outer_codec="int8:ef", compress_min_numel=0)
+    w.loss_of(model, 0, 0).backward()
+    opt.step()  # a sync: the outer optimizer has a momentum buffer now
+    elastic = Elastic.__new__(Elastic)
+    elastic.outer, elastic.fingerprint = outer, "0" * 16
+    served = heal.split(elastic._recovery_state())[1]
+    live = [t for f in outer.fragments for t in f.global_]
+    live += [t for f in outer.fragments for s in f.outer.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    live += list(outer._codec_state().values())
+    assert any(f.outer.state for f in outer.fragments)
+    assert not {t.data_ptr() for t in served} & {t.data_ptr() for t in live}
+    outer.close()
