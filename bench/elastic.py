@@ -395,14 +395,28 @@ def inside(cfg: dict) -> dict:
             "r0_quorum": [r["replicas"] for r in rows["r0"]],
             "r0_quorum_s": [round(r.get("quorum_s", 0.0), 3) for r in rows["r0"]],
             "heals": {n: sum(1 for r in rs if r.get("healed")) for n, rs in sorted(rows.items())},
+            # r0's sync time at the torchft steps where another replica healed (with torchft's
+            # transport the survivors waited there for the heal's transfer), and the heals'
+            # fetch after the exchange (ccfx's lazy heal)
+            "r0_sync_s_with_heal": [round(r.get("seconds", 0.0), 3) for r in rows["r0"]
+                                    if r["torchft_step"] in _heal_steps(rows, "r0")],
+            "heal_fetch_s": [round(r["heal_s"], 3) for rs in rows.values() for r in rs
+                             if r.get("heal_s") is not None],
             "sent_bytes": tx,
             "sent_bytes_per_sync": tx / max(len(r0), 1), "wire": done["r0"]["wire"],
             "raw": done["r0"]["raw"], "held_out": done["r0"].get("held_out"),
             "total_s": time.time() - t0,
             # every replica's sync rows, for reading a run afterwards (who missed which quorum)
             "rows": {n: [{k: r.get(k) for k in ("torchft_step", "step", "replicas", "committed",
-                                                 "healed", "seconds", "quorum_s", "time")}
+                                                 "healed", "own", "seconds", "quorum_s",
+                                                 "heal_s", "time")}
                          for r in rs] for n, rs in sorted(rows.items())}}
+
+
+def _heal_steps(rows: dict, but: str) -> set[int]:
+    """The torchft steps at which a replica other than ``but`` healed and committed."""
+    return {r["torchft_step"] for n, rs in rows.items() if n != but for r in rs
+            if r.get("healed") and r["committed"]}
 
 
 def victim_of(k: int, replicas: int) -> int:

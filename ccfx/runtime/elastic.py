@@ -6,15 +6,21 @@ Each replica (one process; its own torchft replica group of size 1) owns a torch
 ``Manager`` with a reconfigurable gloo process group. Every outer sync is one torchft step:
 
 1. ``start_quorum()`` (synchronous): the lighthouse forms a quorum of the replicas alive now;
-   a replica behind the others (restarted, or one that missed a commit) *heals* in it: it
-   receives, from a live peer over torchft's HTTP checkpoint transport, what
-   :meth:`Elastic._recovery_state` holds (the global parameters, the outer optimizer's
-   momentum, every codec state tensor, the inner step) and takes the global parameters as its
-   own. The peer's error-feedback residuals arrive with it and are zeroed on load: a residual
-   is what *that* replica has not sent yet, and counting it twice would bias the average;
-   shared state (PowerSGD's Q, a random codec's step) is kept.
+   a replica behind the others (restarted, or one that missed a commit) *heals* in it from a
+   live peer, over ccfx's checkpoint transport (:mod:`ccfx.runtime.heal`), what
+   :meth:`Elastic._recovery_state` holds: the global parameters (which become its own), the
+   outer optimizer's momentum, every codec state tensor, the inner step. Error-feedback
+   residuals are zeroed, never taken: a residual is what *its* replica has not sent yet, and
+   counting it twice would bias the average. In the quorum the healer gets only the head (the
+   steps, the fingerprint: a few kB); when every codec state is a residual it joins the
+   exchange with nothing to send and fetches the tensors *after* it (the survivors train on
+   meanwhile: they never wait for a heal's megabytes), then merges the same averaged
+   pseudo-gradient onto them, bit-identical to its peers. A shared codec state (PowerSGD's Q,
+   a random codec's step) is needed by the exchange, so those codecs fetch it in the quorum,
+   before the exchange, as torchft's own transport does.
 2. One small all-gather on the quorum's group: each replica's tokens since its last committed
-   sync, its inner step and the fingerprint of what it syncs (the parameters' names, shapes
+   sync, its inner step, its last interval between syncs, whether it is catching up, and the
+   fingerprint of what it syncs (the parameters' names, shapes
    and dtypes and the outer options). A replica whose fingerprint is not the quorum's (the one
    most replicas hold; ties: the one at the highest step, then the lowest quorum rank) raises
    :class:`~ccfx.ConfigError` naming both fingerprints and leaves; the others do not commit
@@ -39,7 +45,12 @@ Each replica (one process; its own torchft replica group of size 1) owns a torch
 
 Joining is a sync at :func:`~ccfx.local_steps` time with nothing to send: a replica started
 late waits there (up to ``quorum_timeout_s``) for the others' next sync, heals in it and trains
-from its result. Stragglers: the lighthouse's ``join_timeout_ms`` is the grace window (a quorum
+from its result. After a heal that fetched after the exchange it *catches up*: having spent
+the fetch's seconds not training, it syncs next when its peers' last interval between syncs
+has passed since that exchange (each member reports its interval in the all-gather of step 2),
+whatever its own count of steps, and takes its peers' inner step there; at its own count it
+would arrive the fetch's length late, and the others would wait for it up to the grace
+window, then go on without it (it would heal again). Stragglers: the lighthouse's ``join_timeout_ms`` is the grace window (a quorum
 waits that long for replicas that are alive but not yet at the sync); a straggler that misses
 it joins the next quorum and heals there, its local steps since its last sync discarded.
 
