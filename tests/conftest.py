@@ -31,11 +31,11 @@ def _fresh_dynamo():
 
 
 @pytest.fixture(scope="session")
-def shared_ranks(request):
+def shared_ranks(request, tmp_path_factory):
     """The spawns that the modules of one world size share (tests/ranks.py, ``Shared``)."""
     from .ranks import SharedSpawns
 
-    return SharedSpawns(request.session.items)
+    return SharedSpawns(request.session.items, tmp_path_factory)
 
 
 @pytest.fixture

@@ -105,9 +105,11 @@ def run_scenarios(world: int, scenarios: Iterable[tuple], *, timeout_s: float,
 class Shared:
     """A module's scenarios for the spawn that the modules of one world size share (conftest's
     ``shared_ranks``): starting ranks costs more the more there are (an empty spawn measured
-    14 s for 4 ranks, 4 s for 2, on 2 busy cores), so every module's 4-rank scenarios run in
-    one 4-rank spawn, and every module's 3-rank ones in one 3-rank spawn. A module-level
-    constant, read by the session before the first module asks::
+    14 s for 4 ranks, 4 s for 2, on 2 busy cores), and each rank's first compile costs seconds
+    more, so every module's 4-rank scenarios run in one 4-rank spawn, every module's 3-rank
+    ones in one 3-rank spawn, and the 2-rank ones of the modules that break nothing on purpose
+    in one 2-rank spawn. A module-level constant, read by the session before the first module
+    asks::
 
         FOUR = ranks.Shared(4, [scenario("pp x dp", w.pipeline_dp, 2)], timeout_s=300)
 
@@ -115,37 +117,65 @@ class Shared:
         def four(shared_ranks):
             return shared_ranks[FOUR]        # this module's scenarios, by their own names
 
+    Scenarios that need a folder are given as a function of pytest's ``tmp_path_factory``,
+    called once, when the spawn starts::
+
+        TWO = ranks.Shared(2, lambda tmp: [scenario("resume", w.resume,
+                                                    str(tmp.mktemp("resume")))], timeout_s=300)
+
     The spawn runs the scenarios of every module with a selected ``slow`` test, module by
     module in name order; a scenario that fails stops its ranks, so the later modules' tests
     fail saying which scenario failed first (no scenario here breaks the group on purpose:
     those stay in their module's own spawn)."""
 
-    def __init__(self, world: int, scenarios: Iterable[tuple], *, timeout_s: float):
-        self.world, self.scenarios, self.timeout_s = world, list(scenarios), timeout_s
+    def __init__(self, world: int, scenarios: Iterable[tuple] | Callable[[Any], Iterable[tuple]],
+                 *, timeout_s: float):
+        self.world, self.timeout_s = world, timeout_s
+        self._given = scenarios if callable(scenarios) else list(scenarios)
+        self._made: list[tuple] | None = None
+
+    def scenarios(self, tmp_path_factory) -> list[tuple]:
+        """The scenarios (a function given for them called once, with ``tmp_path_factory``)."""
+        if self._made is None:
+            self._made = (list(self._given(tmp_path_factory)) if callable(self._given)
+                          else self._given)
+        return self._made
 
 
 class SharedSpawns:
     """conftest's ``shared_ranks``: per world size, one spawn of every selected module's
-    :class:`Shared` scenarios, started when a module first asks for it."""
+    :class:`Shared` scenarios, started when a module first asks for it. A spawn that raises
+    (a rank died, the deadline passed) is not started again for the next module: its error is
+    raised again there, saying which module's setup started it."""
 
-    def __init__(self, items: list):
+    def __init__(self, items: list, tmp_path_factory=None):
         modules = {getattr(i, "module", None) for i in items if i.get_closest_marker("slow")}
         self._declared = [(m.__name__.rpartition(".")[2], v)
                           for m in sorted(modules - {None}, key=lambda m: m.__name__)
                           for v in vars(m).values() if isinstance(v, Shared)]
+        self._tmp = tmp_path_factory
         self._spawns: dict[int, Scenarios] = {}
+        self._failed: dict[int, tuple[str, BaseException]] = {}
 
     def __getitem__(self, shared: Shared) -> _Prefixed:
         declared = [(name, d) for name, d in self._declared if d.world == shared.world]
         if not any(d is shared for _, d in declared):  # not known ahead: its own spawn
-            return _Prefixed(run_scenarios(shared.world, shared.scenarios,
+            return _Prefixed(run_scenarios(shared.world, shared.scenarios(self._tmp),
                                            timeout_s=shared.timeout_s), "")
-        if shared.world not in self._spawns:
-            self._spawns[shared.world] = run_scenarios(
-                shared.world, [(f"{name}: {s[0]}", *s[1:]) for name, d in declared
-                               for s in d.scenarios],
-                timeout_s=sum(d.timeout_s for _, d in declared))
         (name,) = [name for name, d in declared if d is shared]
+        if shared.world in self._failed:
+            first, error = self._failed[shared.world]
+            raise RuntimeError(f"the shared {shared.world}-rank spawn (started by {first}'s "
+                               f"setup) failed: {type(error).__name__}: {error}") from error
+        if shared.world not in self._spawns:
+            try:
+                self._spawns[shared.world] = run_scenarios(
+                    shared.world, [(f"{n}: {s[0]}", *s[1:]) for n, d in declared
+                                   for s in d.scenarios(self._tmp)],
+                    timeout_s=sum(d.timeout_s for _, d in declared))
+            except Exception as e:
+                self._failed[shared.world] = (name, e)
+                raise
         return _Prefixed(self._spawns[shared.world], f"{name}: ")
 
 

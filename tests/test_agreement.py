@@ -4,7 +4,10 @@ A model compiled on one rank only (an eval copy, a rank-0-only evaluation that r
 training model) publishes other fingerprints and never shifts the keys, groups or broadcasts
 the training waits on; ranks that truly diverge fail with a ConfigError naming both
 fingerprints and what differs, within seconds. One spawn (tests/ranks.py); the diverging
-scenarios last."""
+scenarios last. Its own spawn, not the 2-rank one the modules share (``ranks.Shared``): that
+one runs the modules in name order, this one's first, and its diverging scenarios make ranks
+give up at agreements on purpose (what a rank gave up on stays in the store, where later
+agreements' waits read it): they stay last, with no other module's scenarios after them."""
 
 import re
 

@@ -1,6 +1,6 @@
 """Compressed collectives in the compiled graphs (issue 18): the pass, the options, the plan,
-the ledger, and (2 gloo ranks, one spawn) a DTensor tensor-parallel model compiled with
-``backend="ccfx"``.
+the ledger, and (2 gloo ranks, in the 2-rank spawn the modules share) a DTensor
+tensor-parallel model compiled with ``backend="ccfx"``.
 
 The single-process tests run the pass on graphs traced by hand with ``make_fx`` (functional
 collectives on a group that does not exist: fake tracing needs none) and execute the result
@@ -260,31 +260,35 @@ def test_a_failed_compressed_collective_is_a_collective_error_naming_it():
 # -- 2 gloo ranks: a DTensor tensor-parallel model compiled with backend="ccfx" ----------------
 
 
+#: In the 2-rank spawn the modules share (tests/ranks.py, ``Shared``).
+TWO = ranks.Shared(W, [
+    scenario("none", w.tp_compare, "none", "eager"),
+    scenario("int8 eager", w.tp_compare, "int8", "eager"),
+    scenario("int8 inductor", w.tp_compare, "int8", "inductor"),
+    scenario("train", w.tp_train, "int8", 6),
+    scenario("overrides", w.tp_plan, "int8",
+             {"collective 1": "none", "all_reduce": "fp8"}),
+    scenario("funcol", w.funcol_kinds, "int8"),
+    scenario("ef state", w.funcol_ef_state, "int4:ef"),
+    scenario("shard", w.sharded_zero_pp, 4),
+    scenario("data parallel", w.with_data_parallel, "int8"),
+    scenario("mismatch", w.mismatched_codecs),
+    scenario("only rank 0 compiles", w.only_rank0_compiles),
+    scenario("drawn", w.tp_drawn, "int8"),
+    # auto on a 10 kbit/s link (the 512-byte all-reduces take 0.4 s raw: int8 beats bf16
+    # by ~0.1 s of bytes, far more than their codec times differ) and on a 100 Gbit/s one
+    # (latency and codec time dominate: raw)
+    scenario("auto slow", w.tp_plan, "auto", {}, link_gbps=0.00001),
+    scenario("auto fast", w.tp_plan, "auto", {}, link_gbps=100.0),
+    # the link from a cluster description instead of link_gbps: 2 devices, 10 kbit/s
+    scenario("auto cluster", w.tp_plan, "auto", {}, cluster=ccfx.Cluster.homogeneous(
+        2, 0.00001, 0.05, "1GiB").to_dict()),
+], timeout_s=400)
+
+
 @pytest.fixture(scope="module")
-def two():
-    return ranks.run_scenarios(2, [
-        scenario("none", w.tp_compare, "none", "eager"),
-        scenario("int8 eager", w.tp_compare, "int8", "eager"),
-        scenario("int8 inductor", w.tp_compare, "int8", "inductor"),
-        scenario("train", w.tp_train, "int8", 6),
-        scenario("overrides", w.tp_plan, "int8",
-                 {"collective 1": "none", "all_reduce": "fp8"}),
-        scenario("funcol", w.funcol_kinds, "int8"),
-        scenario("ef state", w.funcol_ef_state, "int4:ef"),
-        scenario("shard", w.sharded_zero_pp, 4),
-        scenario("data parallel", w.with_data_parallel, "int8"),
-        scenario("mismatch", w.mismatched_codecs),
-        scenario("only rank 0 compiles", w.only_rank0_compiles),
-        scenario("drawn", w.tp_drawn, "int8"),
-        # auto on a 10 kbit/s link (the 512-byte all-reduces take 0.4 s raw: int8 beats bf16
-        # by ~0.1 s of bytes, far more than their codec times differ) and on a 100 Gbit/s one
-        # (latency and codec time dominate: raw)
-        scenario("auto slow", w.tp_plan, "auto", {}, link_gbps=0.00001),
-        scenario("auto fast", w.tp_plan, "auto", {}, link_gbps=100.0),
-        # the link from a cluster description instead of link_gbps: 2 devices, 10 kbit/s
-        scenario("auto cluster", w.tp_plan, "auto", {}, cluster=ccfx.Cluster.homogeneous(
-            2, 0.00001, 0.05, "1GiB").to_dict()),
-    ], timeout_s=400)
+def two(shared_ranks):
+    return shared_ranks[TWO]
 
 
 @pytest.mark.slow

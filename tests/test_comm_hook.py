@@ -1,6 +1,6 @@
 """ccfx.ddp_comm_hook on eager DDP, on real gloo ranks (127.0.0.1). The 2-rank scenarios run
-in one spawn (the module-scoped fixture ``two``, tests/ranks.py), the 3-rank ring in the 3-rank
-spawn the modules share (``ranks.Shared``).
+in the 2-rank spawn the modules share, the 3-rank ring in the 3-rank one (``ranks.Shared``,
+tests/ranks.py).
 The workers live in tests/comm_hook_workers.py; they return data, the assertions are here."""
 
 import pytest
@@ -18,17 +18,25 @@ SPECS = ["none", "fp16", "int8", "topk:ratio=0.1,ef", "powersgd:rank=4"]
 BOUND = {"none": 1e-6, "fp16": 2e-3}
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
+def _two(tmp_path_factory):
     folder = tmp_path_factory.mktemp("comm-hook")
-    return ranks.run_scenarios(2, [
+    return [
         scenario("codecs", workers.one_step_per_codec, SPECS),
         scenario("train", workers.train_steps, "powersgd:rank=4,ef", 4),
         scenario("resume fixed", workers.checkpoint_resume, "powersgd:rank=4,ef",
                  str(folder / "fixed"), {"find_unused_parameters": True}),
         scenario("resume rebuilt", workers.checkpoint_resume, "powersgd:rank=4,ef",
                  str(folder / "rebuilt"), {}),
-    ], timeout_s=400)
+    ]
+
+
+#: In the 2-rank spawn the modules share (tests/ranks.py, ``Shared``).
+TWO = ranks.Shared(2, _two, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def two(shared_ranks):
+    return shared_ranks[TWO]
 
 
 @pytest.mark.slow

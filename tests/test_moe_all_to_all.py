@@ -1,6 +1,6 @@
 """Expert all-to-all with unequal split sizes, compressed (issue 18): an expert-parallel MoE layer
 (2 experts, one per rank, top-1 routing; tests/moe_workers.py) compiled with ``backend="ccfx"`` on
-2 gloo ranks, one spawn.
+2 gloo ranks, in the 2-rank spawn the modules share (tests/ranks.py, ``Shared``).
 
 What the compiled graphs hold (torch 2.13): with split sizes given as Python ints (fixed
 capacities), the forward graph has the dispatch and the combine ``all_to_all_single`` with the
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from . import moe_workers as w
-from .ranks import run_scenarios, scenario
+from .ranks import Shared, scenario
 
 E = 1 / 254
 #: Bytes of one row's int8 message: HIDDEN codes, one fp32 scale (HIDDEN < a block of 256).
@@ -43,29 +43,33 @@ def bound(r) -> float:
     return 1.1 * (r["w_inf"] * E * r["h_max"] + E)
 
 
+#: In the 2-rank spawn the modules share (tests/ranks.py, ``Shared``).
+TWO = Shared(2, [
+    scenario("none", w.compare, "none"),
+    scenario("int8", w.compare, "int8"),
+    scenario("auto", w.compare, "auto", "eager", link_gbps=0.01, link_latency_ms=0.0),
+    scenario("train int8", w.train, "int8", 6),
+    scenario("train none", w.train, "none", 6),
+    scenario("counted", w.counted, "int8", 1),
+    scenario("captured", w.counted, "int8", 4, True),
+    scenario("captured inductor", w.counted, "int8", 2, True, "inductor"),
+    scenario("captured none", w.counted, "none", 3, True),
+    scenario("captured ef", w.counted, "int4:ef", 1, True),
+    scenario("captured auto", w.counted, "auto", 1, True, link_gbps=0.01,
+             link_latency_ms=0.0),
+    scenario("captured train int8", w.train_counted, "int8", 6),
+    scenario("captured train none", w.train_counted, "none", 6),
+    # uncompressed, the counts' graph break recompiles on one rank only (step 2 here):
+    # ccfx adds no compile-time agreement that would wait for the other rank
+    scenario("counted none", w.counted, "none", 4),
+    # and compressed: the graph one rank recompiles runs the collectives the group met on
+    scenario("counted int8 steps", w.counted, "int8", 4, hold_rank0=True),
+], timeout_s=240)
+
+
 @pytest.fixture(scope="module")
-def two():
-    return run_scenarios(2, [
-        scenario("none", w.compare, "none"),
-        scenario("int8", w.compare, "int8"),
-        scenario("auto", w.compare, "auto", "eager", link_gbps=0.01, link_latency_ms=0.0),
-        scenario("train int8", w.train, "int8", 6),
-        scenario("train none", w.train, "none", 6),
-        scenario("counted", w.counted, "int8", 1),
-        scenario("captured", w.counted, "int8", 4, True),
-        scenario("captured inductor", w.counted, "int8", 2, True, "inductor"),
-        scenario("captured none", w.counted, "none", 3, True),
-        scenario("captured ef", w.counted, "int4:ef", 1, True),
-        scenario("captured auto", w.counted, "auto", 1, True, link_gbps=0.01,
-                 link_latency_ms=0.0),
-        scenario("captured train int8", w.train_counted, "int8", 6),
-        scenario("captured train none", w.train_counted, "none", 6),
-        # uncompressed, the counts' graph break recompiles on one rank only (step 2 here):
-        # ccfx adds no compile-time agreement that would wait for the other rank
-        scenario("counted none", w.counted, "none", 4),
-        # and compressed: the graph one rank recompiles runs the collectives the group met on
-        scenario("counted int8 steps", w.counted, "int8", 4, hold_rank0=True),
-    ], timeout_s=240)
+def two(shared_ranks):
+    return shared_ranks[TWO]
 
 
 def _rows(r, *keys):

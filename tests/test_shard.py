@@ -1,8 +1,9 @@
 """ccfx.shard: sharded data parallel whose collectives are graph nodes (issue 18 part 3).
 
-One spawn of 2 ranks feeds most tests, one of 4 ranks the (dp, tp) mesh. The reference of every
-training comparison is the unsharded model trained with DDP's arithmetic (gradients summed over
-the ranks and divided by the world size, then the same AdamW step).
+The 2-rank spawn the modules share feeds most tests, the 4-rank one the (dp, tp) mesh
+(tests/ranks.py, ``Shared``). The reference of every training comparison is the unsharded model
+trained with DDP's arithmetic (gradients summed over the ranks and divided by the world size,
+then the same AdamW step).
 
 Float bounds: eagerly the sharded step runs the same kernels on the same values as the
 reference except the gradient average (DTensor's ``Partial("avg")`` reduce-scatter against an
@@ -25,7 +26,7 @@ import torch
 import ccfx
 
 from . import shard_workers as w
-from .ranks import Shared, run_scenarios, scenario
+from .ranks import Shared, scenario
 
 EAGER_BOUND = 1e-6
 COMPILED_BOUND = 1e-5
@@ -37,10 +38,9 @@ ZERO_PP = {"lowering": "eager",
            "collective_overrides": {"all_gather": "int8", "reduce_scatter": "int4:ef"}}
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
+def _two(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("shard_ckpt")
-    return run_scenarios(2, [
+    return [
         scenario("mlp_eager", w.train_vs_reference, "mlp", None, "adamw"),
         scenario("mlp_ccfx", w.train_vs_reference, "mlp", "ccfx"),
         scenario("mlp_inductor", w.train_vs_reference, "mlp", "inductor"),
@@ -55,7 +55,16 @@ def two(tmp_path_factory):
                  ZERO_PP),
         scenario("rank0", w.rank0_values),
         scenario("errors", w.errors),
-    ], timeout_s=600)
+    ]
+
+
+#: In the 2-rank spawn the modules share (tests/ranks.py, ``Shared``).
+TWO = Shared(2, _two, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def two(shared_ranks):
+    return shared_ranks[TWO]
 
 
 #: In the 4-rank spawn the modules share (tests/ranks.py, ``Shared``).

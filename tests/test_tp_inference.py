@@ -1,6 +1,7 @@
-"""Tensor-parallel inference with compressed all-reduces (issue 18, part 5), 2 gloo ranks, one
-spawn: a Hugging Face Llama from a config, parallelized with torch's ColwiseParallel /
-RowwiseParallel per its ``base_model_tp_plan``, compiled with ``backend="ccfx"`` and
+"""Tensor-parallel inference with compressed all-reduces (issue 18, part 5), 2 gloo ranks (the
+2-rank spawn the modules share, tests/ranks.py): a Hugging Face Llama from a config,
+parallelized with torch's ColwiseParallel / RowwiseParallel per its ``base_model_tp_plan``,
+compiled with ``backend="ccfx"`` and
 ``collective_codec`` none / int8 / fp8, greedy-decoding 32 tokens with the KV cache from a
 held-out prompt (64 bytes of the corpus).
 
@@ -31,15 +32,19 @@ NEW = 32
 PPL_REL = 5e-3
 
 
+#: In the 2-rank spawn the modules share (tests/ranks.py, ``Shared``).
+TWO = ranks.Shared(W, [
+    scenario("unsharded", w.generate, "eager", NEW, sharded=False),
+    scenario("tp eager", w.generate, "eager", NEW),
+    scenario("none", w.generate, "none", NEW),
+    scenario("int8", w.generate, "int8", NEW),
+    scenario("fp8", w.generate, "fp8", NEW),
+], timeout_s=400)
+
+
 @pytest.fixture(scope="module")
-def two():
-    return ranks.run_scenarios(W, [
-        scenario("unsharded", w.generate, "eager", NEW, sharded=False),
-        scenario("tp eager", w.generate, "eager", NEW),
-        scenario("none", w.generate, "none", NEW),
-        scenario("int8", w.generate, "int8", NEW),
-        scenario("fp8", w.generate, "fp8", NEW),
-    ], timeout_s=400)
+def two(shared_ranks):
+    return shared_ranks[TWO]
 
 
 def agree(a: list[int], b: list[int]) -> int:
