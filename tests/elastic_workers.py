@@ -57,8 +57,10 @@ def replica(name: str, seed: int, lighthouse: str, options: dict, stop_at, event
 
         def report():
             nonlocal seen
-            for row in outer.elastic.history[seen:]:
-                digest = ranks.digest(outer.global_parameters().values())
+            rows = outer.elastic.history[seen:]
+            for i, row in enumerate(rows):  # the parameters now are those after the last row
+                digest = (ranks.digest(outer.global_parameters().values())
+                          if i == len(rows) - 1 else None)
                 events.put(("sync", name, {**row, "since_start": time.monotonic() - started},
                             digest))
             seen = len(outer.elastic.history)
@@ -342,7 +344,8 @@ def late_joiner_replica(k: int, lighthouse: str, start_after_s: float, step_s: f
     """Replica ``k`` of the lazy-heal scenario: it starts ``start_after_s`` late, takes an
     inner step every ``step_s`` and trains until its torchft step reaches ``stop_at`` (or a
     peer got there: ``finished``). Its sync rows, each with the digest of the global
-    parameters after it."""
+    parameters after it (None for a row that the same inner step's call followed with
+    another: a heal that spanned several syncs merges them all at its end)."""
     import ccfx
 
     model = mlp(k)
@@ -355,8 +358,9 @@ def late_joiner_replica(k: int, lighthouse: str, start_after_s: float, step_s: f
 
     def report():
         nonlocal seen
+        rows = outer.elastic.history[seen:]  # the parameters now are those after the last
         digest = ranks.digest(outer.global_parameters().values())
-        out.extend((row, digest) for row in outer.elastic.history[seen:])
+        out.extend((row, digest if i == len(rows) - 1 else None) for i, row in enumerate(rows))
         seen = len(outer.elastic.history)
 
     report()

@@ -69,16 +69,21 @@ def test_survivors_keep_committing_after_a_sigkill(run):
 def test_restarted_replica_heals_bit_identical_at_its_first_sync(run):
     reps = run["reps"]
     rows = reps.syncs["r2"][run["killed_rows"]:]
-    first = next((row, digest) for row, digest in rows if row["committed"])
-    assert first[0]["healed"]  # it took the state from a live peer, not its own seed-7 model
-    assert first[0]["own"] == 0 < first[0]["weight"]  # its own steps count from here on
+    healed = next(row for row, _ in rows if row["committed"])
+    assert healed["healed"]  # it took the state from a live peer, not its own seed-7 model
+    assert healed["own"] == 0 < healed["weight"]  # its own steps count from here on
     # it joined the peers' sync of one streamed fragment, and synced that same fragment
-    assert len(first[0]["fragments"]) == 1, first[0]
+    assert len(healed["fragments"]) == 1, healed
+    # the first parameters it trained from (after the heal, and any syncs the heal's fetch
+    # spanned: merged at its end) are its peers' after the same sync, bit for bit
+    first = next((row, digest) for row, digest in rows if digest is not None)
+    assert first[0]["committed"] and first[0]["torchft_step"] >= healed["torchft_step"], first
     for name in ("r0", "r1"):
         peer = {row["torchft_step"]: (row, d) for row, d in reps.syncs[name] if row["committed"]}
+        row, digest = peer[healed["torchft_step"]]
+        assert row["fragments"] == healed["fragments"] and row["replicas"] == 3, row
         row, digest = peer[first[0]["torchft_step"]]
         assert digest == first[1], name
-        assert row["fragments"] == first[0]["fragments"] and row["replicas"] == 3, row
 
 
 @pytest.mark.slow
@@ -87,7 +92,7 @@ def test_globals_equal_after_every_committed_sync(run):
     by_step: dict[int, set[str]] = {}
     for name in ("r0", "r1", "r2"):
         for row, digest in reps.syncs[name]:
-            if row["committed"]:
+            if row["committed"] and digest is not None:
                 by_step.setdefault(row["torchft_step"], set()).add(digest)
     assert len(by_step) >= 6
     assert all(len(d) == 1 for d in by_step.values()), by_step
@@ -385,26 +390,31 @@ def test_grace_window_for_a_straggler_is_the_lighthouse_join_timeout(grace_ms, w
 
 
 @pytest.mark.slow
-def test_a_joiners_heal_is_fetched_after_the_exchange_and_it_catches_up(monkeypatch):
+@pytest.mark.parametrize("delay, spans", [(3.0, False), (7.0, True)])
+def test_a_joiners_heal_is_fetched_after_the_exchange_and_it_catches_up(monkeypatch, delay,
+                                                                       spans):
     """r0 and r1 train (a step every 0.8 s, a sync every 4 steps: ~3.2 s between syncs); j2
     starts 8 s later and heals from a live peer. Every staged body (the heal's tensors) is
-    served ``delay`` = 3 s late: a big model over a slow link.
+    served ``delay`` s late: a big model over a slow link.
 
     * The survivors do not wait for the fetch: their sync in which j2 heals takes less than
       ``delay`` once its quorum has formed (with torchft's own transport the healer fetched
       inside the quorum, before the exchange the survivors wait in, so that part took at least
       ``delay``; 3 s is ~10x the tiny model's sync on a loaded 2-core machine).
-    * j2 fetches after that exchange (``heal_s`` >= ``delay``), then syncs at its peers' next
-      sync although its own count of steps since the heal is short of 4 (it spent 3 of the
-      3.2 s fetching): it takes the peers' inner step there, its own steps weighted as they are.
-    * The global parameters are bit-identical at every committed sync."""
+    * j2 fetches after that exchange (``heal_s`` >= ``delay``). A fetch longer than the
+      peers' interval (7 s) spans their next syncs: j2 is in those quorums with nothing to
+      send (own 0, committed, all 3 replicas) and merges their averages once the state is
+      here. Then it syncs at its peers' next sync although its own count of steps since is
+      short of 4: it takes the peers' inner step there, its own steps weighted as they are.
+    * The global parameters are bit-identical at every committed sync (after a spanning
+      heal: at the last sync it spanned, when the merges are done)."""
+    import itertools
     import threading
 
     from torchft.coordination import LighthouseServer
 
     from ccfx.runtime import heal
 
-    delay = 3.0
     body = heal._Staged.body
 
     def slow_body(self):
@@ -417,20 +427,21 @@ def test_a_joiners_heal_is_fetched_after_the_exchange_and_it_catches_up(monkeypa
     finished = threading.Event()
     try:
         out = w.in_threads([lambda k=k: w.late_joiner_replica(
-            k, lighthouse.address(), 8.0 if k == 2 else 0.0, 0.8, 6, finished)
-            for k in range(3)], timeout_s=150)
+            k, lighthouse.address(), 8.0 if k == 2 else 0.0, 0.8, 7, finished)
+            for k in range(3)], timeout_s=180)
     finally:
         lighthouse.shutdown()
     committed = {k: {row["torchft_step"]: (row, d) for row, d in out[k] if row["committed"]}
                  for k in range(3)}
     for step in set().union(*committed.values()):
-        assert len({committed[k][step][1] for k in range(3) if step in committed[k]}) == 1, step
+        digests = {committed[k][step][1] for k in range(3) if step in committed[k]} - {None}
+        assert len(digests) == 1, step
 
     rows = [row for row, _ in out[2]]
     heals = [i for i, row in enumerate(rows)
              if row["healed"] and row["committed"] and row["heal_s"] is not None]
     assert heals, rows
-    caught_up = False
+    caught_up = spanned = False
     for i in heals:
         healed = rows[i]
         assert healed["heal_s"] >= delay and healed["own"] == 0, healed
@@ -438,10 +449,17 @@ def test_a_joiners_heal_is_fetched_after_the_exchange_and_it_catches_up(monkeypa
             peer, _ = committed[k].get(healed["torchft_step"], (None, None))
             if peer is not None:  # it synced with j2 there: it did not wait for the fetch
                 assert peer["seconds"] - peer["quorum_s"] < delay, (peer, healed)
-        nxt = rows[i + 1] if i + 1 < len(rows) else None
+        ghosts = list(itertools.takewhile(lambda r: r["own"] == 0 and not r["healed"],
+                                          rows[i + 1:]))
+        if ghosts:
+            assert all(g["committed"] and g["replicas"] == 3 for g in ghosts), ghosts
+            spanned = True
+        nxt = rows[i + 1 + len(ghosts)] if i + 1 + len(ghosts) < len(rows) else None
         if nxt is not None and nxt["committed"] and not nxt["healed"]:
             peer, _ = committed[0].get(nxt["torchft_step"], (None, None))
             assert 0 < nxt["own"] < 4 and nxt["replicas"] == 3, nxt
             assert peer is not None and peer["step"] == nxt["step"], (peer, nxt)
             caught_up = True
     assert caught_up, rows
+    if spans:
+        assert spanned, rows

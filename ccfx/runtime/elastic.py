@@ -207,6 +207,10 @@ class Elastic:
     module docstring). Made by ``LocalSteps`` when ``fault_tolerant=True``; joins at once."""
 
     _pending: Pending | None = None  # a lazy heal's tensors, until _finish_heal
+    _replay: list | tuple = ()  # the averages of the syncs committed while _pending (merged after)
+    _in_heal = False  # inside _heal's syncs
+    _last_rows: list | tuple = ()  # the last sync's all-gathered rows, and when its exchange ended
+    _last_exchanged = 0.0
     catching_up = False  # healed lazily: sync at the peers' next sync (catch_up_due)
     _catch_up_at: float | None = None
     _last_end: float | None = None  # when this replica's last sync ended
@@ -307,7 +311,8 @@ class Elastic:
         if pending is None:
             self._apply(state)
         elif self._lazy:
-            self._pending = pending  # fetched after the exchange: _finish_heal
+            self._pending = pending  # fetched after the exchange: _heal
+            self._replay = []  # averages kept for an earlier heal's state: superseded
         else:  # a shared codec state (PowerSGD's Q, a codec's step) the exchange needs now
             self._apply(pending.result(self.outer.config.collective_timeout_s))
 
@@ -332,15 +337,18 @@ class Elastic:
         step is put back (``torchft_state``, from before the quorum) so the next quorum heals
         it again."""
         pending, self._pending = self._pending, None
+        replay, self._replay = self._replay, []
         try:
             self._apply(pending.result(self.outer.config.collective_timeout_s))
-            return None
         except Exception as e:  # noqa: BLE001 (the source died or the link timed out)
             self.manager.load_state_dict(torchft_state)
             error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             log.warning("ccfx: fetching the healed state failed (%s): healing again at the "
                         "next sync", error)
             return f"heal: {error}"
+        for merged in replay:
+            self._merge(merged)
+        return None
 
     def catch_up_due(self) -> bool:
         """After a lazy heal, whether to sync now rather than at this replica's own next sync
@@ -412,23 +420,14 @@ class Elastic:
                 "keep dying or fewer than min_replicas="
                 f"{self.opts.min_replicas} are alive") from e
         world = comm.world if comm is not None else 0
-        exchanged = time.monotonic()
-        heal_s = None
-        if self._pending is not None:
-            heal_error = self._finish_heal(torchft_state)
-            heal_s = time.monotonic() - exchanged
-            if heal_error is not None:
-                committed, error = False, error or heal_error
-            else:
-                self._start_catch_up(rows, exchanged)
+        exchanged = self._last_exchanged = time.monotonic()
+        self._last_rows = rows
+        merged = {f.index: averaged[f.index] for f in due if f.index in averaged}
         if committed:
-            for frag in due:
-                if frag.index in averaged:
-                    from .local_steps import _InFlight
-
-                    frag.in_flight = _InFlight(outer.step, outer.step,
-                                               averaged=averaged[frag.index])
-                    outer._merge(frag)
+            if self._pending is not None:  # merged once the healed state is here (_heal)
+                self._replay.append(merged)
+            else:
+                self._merge(merged)
             self.commits += 1
             self.since, self.tokens = outer.step, 0
         else:
@@ -443,9 +442,53 @@ class Elastic:
             "fragments": [f.index for f in due if f.index in averaged],
             "collectives": sorted(self.used),
             "seconds": time.monotonic() - started, "quorum_s": quorum_s,
-            "heal_s": heal_s})  # a lazy heal's fetch, after the exchange
+            "heal_s": None})  # a lazy heal's fetch after the exchange (set by _heal)
         self._last_end = time.monotonic()
+        if self._pending is not None and not self._in_heal:
+            committed = self._heal(torchft_state, rows, exchanged) and committed
         return committed
+
+    def _merge(self, merged: dict[int, list[torch.Tensor]]) -> None:
+        """The outer step of each fragment in ``merged`` with its averaged pseudo-gradient."""
+        from .local_steps import _InFlight
+
+        outer = self.outer
+        for frag in outer.fragments:
+            if frag.index in merged:
+                frag.in_flight = _InFlight(outer.step, outer.step, averaged=merged[frag.index])
+                outer._merge(frag)
+
+    def _heal(self, torchft_state: dict, rows, exchanged: float) -> bool:
+        """A lazy heal after its exchange: wait for the tensors, and if they are not here by
+        the peers' next sync, take part in it with nothing to send (its average kept for
+        later), as many syncs as the fetch takes; then apply the state and merge the kept
+        averages in order: the same outer steps on the same values as the peers, so the same
+        bits. The joiner stays in every quorum meanwhile, and the peers never wait for it
+        longer than its arrival at a sync. Whether the heal succeeded (when the fetch fails,
+        the syncs since are not this replica's: uncommitted, and it heals again)."""
+        first, started = len(self.history) - 1, exchanged
+        self._in_heal = True
+        try:
+            while True:
+                at = self._next_sync_at(rows, exchanged)
+                wait = None if at is None else max(0.0, at - time.monotonic())
+                if self._pending.done(wait):
+                    break
+                self.catching_up = True  # take the peers' step and fragments (_adopt_step)
+                self.sync([])
+                rows, exchanged = self._last_rows, self._last_exchanged
+            error = self._finish_heal(torchft_state)
+        finally:
+            self._in_heal = False
+        self.history[first]["heal_s"] = time.monotonic() - started
+        if error is not None:
+            for row in self.history[first:]:
+                if row["committed"]:
+                    row["committed"], row["error"] = False, error
+                    self.commits -= 1
+            return False
+        self._start_catch_up(rows, exchanged)
+        return True
 
     def _timeout_hint(self, error: str) -> str:
         """Why a sync may time out with every replica alive: the exchange waits for a joiner's
@@ -469,12 +512,17 @@ class Elastic:
         return [tuple(int(x) for x in row) for row in rows.tolist()]
 
     def _start_catch_up(self, rows, exchanged: float) -> None:
-        """After a lazy heal: sync next when the earliest of the peers that trained through
-        the last interval will (their interval, counted from the exchange's end), whatever
-        this replica's own step count (:meth:`catch_up_due`)."""
-        intervals = [r[3] for r in rows if r[0] > 0 and r[3] >= 0 and not r[4]]
+        """After a lazy heal: sync next when the peers do, whatever this replica's own step
+        count (:meth:`catch_up_due`)."""
         self.catching_up = True
-        self._catch_up_at = exchanged + min(intervals) / 1000 if intervals else None
+        self._catch_up_at = self._next_sync_at(rows, exchanged)
+
+    @staticmethod
+    def _next_sync_at(rows, exchanged: float) -> float | None:
+        """When the earliest of the peers that trained through their last interval will reach
+        the next sync: that interval, counted from this sync's exchange; None if unknown."""
+        intervals = [r[3] for r in rows if r[0] > 0 and r[3] >= 0 and not r[4]]
+        return exchanged + min(intervals) / 1000 if intervals else None
 
     def _adopt_step(self, rows, due: list) -> list:
         """A replica catching up takes the inner step of the members that are not (they agree:
@@ -483,10 +531,11 @@ class Elastic:
         self.catching_up, self._catch_up_at = False, None
         steps = {r[1] for r in rows if not r[4]}
         outer = self.outer
-        if len(steps) != 1 or steps == {outer.step}:
+        if len(steps) != 1:
             return due
         (outer.step,) = steps
-        return [f for f in outer.fragments if outer.step % outer.sync_every == f.offset]
+        return [f for f in outer.fragments
+                if outer.step > 0 and outer.step % outer.sync_every == f.offset]
 
     def _check_fingerprints(self, rows, comm) -> None:
         prints = [f"{r[2] + (1 << 63):016x}" for r in rows]

@@ -24,7 +24,7 @@ import io
 import logging
 import threading
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -104,6 +104,11 @@ class Pending:
     def result(self, timeout_s: float):
         return join(self.head, self._body.result(timeout_s))
 
+    def done(self, timeout_s: float | None) -> bool:
+        """Whether the tensors are here (or their fetch failed: :meth:`result` raises), after
+        waiting up to ``timeout_s`` (None: until then)."""
+        return self._body.done(timeout_s)
+
 
 class _Body:
     def __init__(self, url: str, timeout_s: float):
@@ -121,6 +126,11 @@ class _Body:
     def result(self, timeout_s: float) -> list[torch.Tensor]:
         self.start()
         return self._future.result(timeout=timeout_s)
+
+    def done(self, timeout_s: float | None) -> bool:
+        self.start()
+        wait([self._future], timeout=timeout_s)
+        return self._future.done()
 
 
 def _get(url: str, timeout_s: float) -> bytes:
