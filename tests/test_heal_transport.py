@@ -148,3 +148,70 @@ def test_the_served_state_shares_no_storage_with_the_live_one():
     assert any(f.outer.state for f in outer.fragments)
     assert not {t.data_ptr() for t in served} & {t.data_ptr() for t in live}
     outer.close()
+
+
+def test_a_cancelled_fetch_does_not_deliver(transport, monkeypatch):
+    """A newer heal replaces one still fetching: the old fetch stops (checked every MB)
+    instead of filling the link to the end."""
+    release = threading.Event()
+    body = heal._Staged.body
+
+    def held(self):
+        assert release.wait(10)
+        return body(self)
+
+    monkeypatch.setattr(heal._Staged, "body", held)
+    transport.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=10))
+    pending = transport.recv_checkpoint(0, transport.metadata(), 3,
+                                        timedelta(seconds=10))["user"]["default"]
+    pending.start()
+    pending.cancel()
+    release.set()
+    assert pending.done(10)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        pending.result(10)
+
+
+def _elastic_of(outer):
+    from ccfx.runtime.elastic import Elastic
+
+    elastic = Elastic.__new__(Elastic)  # its state, without torchft's manager and lighthouse
+    elastic.outer, elastic.fingerprint = outer, "0" * 16
+    elastic.tokens, elastic.since, elastic._healed = 0, 0, False
+    return elastic
+
+
+def test_a_replica_still_healing_serves_no_state_and_its_healer_heals_later():
+    """torchft may pick as a heal's source a replica whose own heal is still fetching (it is
+    at the quorum's step). That replica has no state to give: it says so, and the healer
+    keeps its parameters, drops a fetch of its own in flight, sends nothing and does not
+    commit (``_unhealed``): it heals at the next quorum."""
+    import ccfx
+
+    from . import elastic_workers as w
+
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = ccfx.local_steps(model, opt, sync_every=2, outer_codec="int8:ef",
+                             compress_min_numel=0)
+    source = _elastic_of(outer)
+
+    class Fetching:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    source._pending = Fetching()
+    served = source._recovery_state()
+    assert served == {"fingerprint": "0" * 16, "unavailable": True}
+
+    healer = _elastic_of(outer)
+    own = Fetching()
+    healer._pending, healer._replay = own, [{0: []}]
+    before = {k: v.clone() for k, v in outer.global_parameters().items()}
+    healer._load(heal.Pending(served, body=None))
+    assert healer._unhealed and healer._pending is None and healer._replay == []
+    assert own.cancelled and not healer._healed
+    assert all(torch.equal(before[k], v) for k, v in outer.global_parameters().items())
+    outer.close()

@@ -209,6 +209,7 @@ class Elastic:
     _pending: Pending | None = None  # a lazy heal's tensors, until _finish_heal
     _replay: list | tuple = ()  # the averages of the syncs committed while _pending (merged after)
     _in_heal = False  # inside _heal's syncs
+    _unhealed = False  # this sync's heal came from a replica still healing (_load)
     _last_rows: list | tuple = ()  # the last sync's all-gathered rows, and when its exchange ended
     _last_exchanged = 0.0
     catching_up = False  # healed lazily: sync at the peers' next sync (catch_up_due)
@@ -285,8 +286,12 @@ class Elastic:
     # -- recovery (torchft calls these) -------------------------------------------------------
 
     def _recovery_state(self) -> dict:
-        """What a healing peer takes from this replica (clones: served while we go on)."""
+        """What a healing peer takes from this replica (clones: served while we go on). A
+        replica whose own heal is still fetching has no state to give (torchft may pick it: it
+        is at the quorum's step): it says so, and the peer heals at the next quorum."""
         outer = self.outer
+        if self._pending is not None:
+            return {"fingerprint": self.fingerprint, "unavailable": True}
         return {"fingerprint": self.fingerprint, "step": outer.step, "syncs": outer.syncs,
                 "global": [[g.clone() for g in f.global_] for f in outer.fragments],
                 "outer": [_cloned(f.outer.state_dict()) for f in outer.fragments],
@@ -301,6 +306,14 @@ class Elastic:
             self._refused = head["fingerprint"]  # raised after the all-gather (step 2)
             return
         outer = self.outer
+        if head.get("unavailable"):
+            self._unhealed = True  # not committed; behind, it heals at the next quorum
+            if self._pending is not None:  # an earlier heal's fetch: torchft says it is stale
+                self._pending.cancel()
+                self._pending, self._replay = None, []
+            log.info("ccfx: the replica torchft chose to heal this one from is itself still "
+                     "healing: healing at the next quorum")
+            return
         with torch.no_grad():
             for name, t in outer._codec_state().items():
                 if _is_residual(name):
@@ -311,6 +324,8 @@ class Elastic:
         if pending is None:
             self._apply(state)
         elif self._lazy:
+            if self._pending is not None:  # an earlier heal still fetching: superseded
+                self._pending.cancel()
             self._pending = pending  # fetched after the exchange: _heal
             self._replay = []  # averages kept for an earlier heal's state: superseded
         else:  # a shared codec state (PowerSGD's Q, a codec's step) the exchange needs now
@@ -374,7 +389,7 @@ class Elastic:
         started = time.monotonic()
         interval = started - self._last_end if self._last_end is not None else None
         self.used = set()
-        self._healed, self._refused = False, None
+        self._healed, self._refused, self._unhealed = False, None, False
         torchft_state = self.manager.state_dict()  # put back if a lazy heal's fetch fails
         try:
             self.manager.start_quorum()
@@ -389,7 +404,7 @@ class Elastic:
                    if outer.step > 0 and outer.step % outer.sync_every == f.offset]
         comm = None
         averaged: dict[int, list[torch.Tensor]] = {}
-        total, own, error, rows = 0, self._weight(), None, []
+        total, own, error, rows = 0, 0 if self._unhealed else self._weight(), None, []
         try:
             # inside the try: when the group's rebuild failed in the quorum (torchft reports it
             # and leaves the group unset), this sync is uncommitted like any failed exchange
@@ -411,8 +426,13 @@ class Elastic:
                         outer.step, error, self._timeout_hint(error))
             self.manager.report_error(e)
             self._leave_group()
+        if self._unhealed:  # its heal's source was healing: it must not count this sync
+            error = error or "its heal's source was itself healing"
+            self.manager.report_error(RuntimeError(error))
         try:
             committed = self.manager.should_commit()
+            if self._unhealed:  # behind again (torchft set the quorum's step at the heal)
+                self.manager.load_state_dict(torchft_state)
         except RuntimeError as e:
             raise CollectiveError(
                 f"replica {self.manager._replica_id}: {self.opts.max_retries + 1} outer syncs in "
@@ -466,7 +486,7 @@ class Elastic:
         bits. The joiner stays in every quorum meanwhile, and the peers never wait for it
         longer than its arrival at a sync. Whether the heal succeeded (when the fetch fails,
         the syncs since are not this replica's: uncommitted, and it heals again)."""
-        first, started = len(self.history) - 1, exchanged
+        first, started, error = len(self.history) - 1, exchanged, None
         self._in_heal = True
         try:
             while True:
@@ -475,9 +495,14 @@ class Elastic:
                 if self._pending.done(wait):
                     break
                 self.catching_up = True  # take the peers' step and fragments (_adopt_step)
-                self.sync([])
+                self.sync([])  # may heal again: a newer fetch replaces this one (_load)
+                if self._pending is None:  # told to heal from a replica still healing:
+                    self.manager.load_state_dict(torchft_state)  # start over, behind
+                    error = "heal: its source was itself healing"
+                    break
                 rows, exchanged = self._last_rows, self._last_exchanged
-            error = self._finish_heal(torchft_state)
+            if error is None:
+                error = self._finish_heal(torchft_state)
         finally:
             self._in_heal = False
         self.history[first]["heal_s"] = time.monotonic() - started
@@ -556,8 +581,8 @@ class Elastic:
 
     def _exchange(self, frag, scale: float, comm) -> list[torch.Tensor]:
         with torch.no_grad():
-            if self._pending is not None:  # healing: nothing of its own to send, and its
-                delta = [torch.zeros_like(g) for g in frag.global_]  # parameters are stale
+            if self._pending is not None or self._unhealed:  # healing: nothing of its own to
+                delta = [torch.zeros_like(g) for g in frag.global_]  # send; stale parameters
             else:
                 delta = [(g - p.detach().float()) * scale
                          for g, p in zip(frag.global_, frag.local)]

@@ -109,19 +109,36 @@ class Pending:
         waiting up to ``timeout_s`` (None: until then)."""
         return self._body.done(timeout_s)
 
+    def cancel(self) -> None:
+        """Stop the fetch (a newer heal replaced it): the link is not spent on it."""
+        self._body.cancel()
+
 
 class _Body:
     def __init__(self, url: str, timeout_s: float):
         self.url, self.timeout_s = url, timeout_s
         self._future: Future | None = None
         self._lock = threading.Lock()
+        self._cancelled = threading.Event()
 
     def start(self) -> None:
         with self._lock:
             if self._future is None:
                 pool = ThreadPoolExecutor(1, thread_name_prefix="ccfx-heal")
-                self._future = pool.submit(lambda: _loads(_get(self.url, self.timeout_s)))
+                self._future = pool.submit(self._fetch)
                 pool.shutdown(wait=False)
+
+    def _fetch(self) -> list[torch.Tensor]:
+        chunks = []
+        with urllib.request.urlopen(self.url, timeout=self.timeout_s) as response:
+            while chunk := response.read(1 << 20):  # checked between chunks: cancel()
+                if self._cancelled.is_set():
+                    raise RuntimeError(f"the fetch of {self.url} was cancelled")
+                chunks.append(chunk)
+        return _loads(b"".join(chunks))
+
+    def cancel(self) -> None:
+        self._cancelled.set()
 
     def result(self, timeout_s: float) -> list[torch.Tensor]:
         self.start()
