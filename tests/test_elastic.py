@@ -182,6 +182,43 @@ def test_fault_tolerance_options_are_checked():
     outer.close()
 
 
+def _members(step, catching_up=False):
+    """What :meth:`Elastic._adopt_step` reads of a replica: its inner step, two streamed
+    fragments (synced at steps 0 and 25 mod 50) and whether it is catching up after a heal."""
+    from types import SimpleNamespace
+
+    frags = [SimpleNamespace(offset=0, index=0), SimpleNamespace(offset=25, index=1)]
+    outer = SimpleNamespace(step=step, sync_every=50, fragments=frags)
+    return SimpleNamespace(outer=outer, catching_up=catching_up, _catch_up_at=1.0)
+
+
+@pytest.mark.parametrize("rows, want_step, want_fragment", [
+    # in step: nothing changes (its own due fragments are the others')
+    ([(5, 150, 0, 1, 0), (5, 150, 0, 1, 0)], 150, [0]),
+    # catching up after a heal: it takes the step of the members in step
+    ([(5, 150, 0, 1, 0), (3, 137, 0, 1, 1)], 150, [0]),
+    # healed from a peer that was itself catching up (it reported that peer's step 122, the
+    # 10 M bench's cascade): the step of the members in step wins, fragments agree
+    ([(5, 150, 0, 1, 0), (0, 122, 0, 1, 1), (4, 150, 0, 1, 0)], 150, [0]),
+    # in-step members that disagree all take the highest, so every member exchanges the same
+    ([(5, 175, 0, 1, 0), (5, 150, 0, 1, 0)], 175, [1]),
+    # everyone catching up: the highest step of all
+    ([(0, 100, 0, 1, 1), (0, 125, 0, 1, 1)], 125, [1]),
+])
+def test_every_member_leaves_the_meet_at_one_step_and_one_set_of_fragments(rows, want_step,
+                                                                         want_fragment):
+    from ccfx.runtime.elastic import Elastic
+
+    results = set()
+    for i, row in enumerate(rows):
+        me = _members(row[1], catching_up=bool(row[4]))
+        own_due = [f for f in me.outer.fragments if row[1] % 50 == f.offset]
+        due = Elastic._adopt_step(me, rows, own_due if not row[4] else [])
+        results.add((me.outer.step, tuple(f.index for f in due)))
+        assert not me.catching_up and me._catch_up_at is None
+    assert results == {(want_step, tuple(want_fragment))}
+
+
 class _UnsetGroupManager:
     """torchft's manager after a quorum whose process-group rebuild failed: torchft reported
     the error and left the group unset (``size()`` asserts), so this sync cannot commit."""

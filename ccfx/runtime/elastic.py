@@ -321,6 +321,7 @@ class Elastic:
         outer.step, outer.syncs = int(head["step"]), int(head["syncs"])
         self.since, self.tokens = outer.step, 0
         self._healed = True
+        self.catching_up = True  # the source's step may be one it was catching up from
         if pending is None:
             self._apply(state)
         elif self._lazy:
@@ -411,8 +412,7 @@ class Elastic:
             comm = TorchftComm(self.manager._pg)
             rows = self._meet(comm, own, interval)
             self._check_fingerprints(rows, comm)
-            if self.catching_up:
-                due = self._adopt_step(rows, due)
+            due = self._adopt_step(rows, due)
             total = sum(r[0] for r in rows)
             if total > 0:
                 scale = own * comm.world / total
@@ -550,15 +550,19 @@ class Elastic:
         return exchanged + min(intervals) / 1000 if intervals else None
 
     def _adopt_step(self, rows, due: list) -> list:
-        """A replica catching up takes the inner step of the members that are not (they agree:
-        they synced in step) and syncs the fragments due there; its own steps since the heal
-        still count as its weight."""
+        """Every member leaves the meet at one inner step and so exchanges the same fragments:
+        the step of the members in step (not catching up; the highest should they differ),
+        else the highest of all. A member elsewhere takes it: one catching up after a heal,
+        one healed from a peer that was itself catching up (it reports that peer's step), one
+        whose ghost sync passed no fragments. Its own steps since the heal still count as its
+        weight. Every member computes the same rule on the same rows: no extra round."""
+        catching_up = self.catching_up
         self.catching_up, self._catch_up_at = False, None
-        steps = {r[1] for r in rows if not r[4]}
+        steps = [r[1] for r in rows if not r[4]] or [r[1] for r in rows]
         outer = self.outer
-        if len(steps) != 1:
+        if outer.step == max(steps) and not catching_up:
             return due
-        (outer.step,) = steps
+        outer.step = max(steps)
         return [f for f in outer.fragments
                 if outer.step > 0 and outer.step % outer.sync_every == f.offset]
 
