@@ -190,10 +190,14 @@ def _build(cfg: dict, index: int, vocab: int):
 
 def _start(gate, timeout_s: float) -> None:
     """The first replicas meet before their first sync: started together, they reach the join
-    seconds apart (imports and models built on shared cores); past the grace window, the join
-    forms without the late ones, which heal at the next sync (a full model through the shaped
-    link each), and the run starts out of step. A deployment starts its replicas ahead of the
-    job the same way; a restarted replica joins alone, as it would."""
+    seconds apart (imports and models built on shared cores), and the join forms without the
+    late ones, which heal at the next sync (a full model through the shaped link each): the
+    run starts out of step. They meet once torchft's manager exists (ccfx's replicas: in
+    ``Elastic``, just before the join), because the lighthouse waits ``join_timeout_ms`` only
+    for replicas whose manager already heartbeats: meeting before ``ccfx.local_steps`` left
+    the first quorum to whichever two managers started first (the 10 M model, session 14: r0
+    and r3 missed the join and healed together at the next sync). A deployment starts its
+    replicas ahead of the job the same way; a restarted replica joins alone, as it would."""
     if gate is not None:
         gate.wait(timeout_s)
 
@@ -216,7 +220,16 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None) -> N
     phases["data"] = time.time()
     model, opt = warm or _build(cfg, index, vocab)
     phases["model"] = time.time()
-    _start(gate, cfg["timeout_s"])
+    if gate is not None:  # meet once torchft's manager heartbeats, just before the join
+        from ccfx.runtime.elastic import Elastic
+
+        keep = Elastic._keep_state_per_element
+
+        def keep_then_meet(self):
+            keep(self)
+            _start(gate, cfg["timeout_s"])
+
+        Elastic._keep_state_per_element = keep_then_meet
     outer = ccfx.local_steps(
         model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
         min_replicas=2, quorum_timeout_s=300.0, max_retries=20, sync_every=cfg["h"],
@@ -409,7 +422,7 @@ def inside(cfg: dict) -> dict:
             # every replica's sync rows, for reading a run afterwards (who missed which quorum)
             "rows": {n: [{k: r.get(k) for k in ("torchft_step", "step", "replicas", "committed",
                                                  "healed", "own", "seconds", "quorum_s",
-                                                 "heal_s", "time")}
+                                                 "heal_s", "error", "time")}
                          for r in rs] for n, rs in sorted(rows.items())}}
 
 
@@ -455,9 +468,10 @@ def _split(kill: dict, first: dict, phases: list[dict], rows: dict) -> dict:
     return out
 
 
-def run_one(cfg: dict, rate: float | None, link: str = "star") -> dict:
+def run_one(cfg: dict, rate: float | None, link: str = "star", log: str | None = None) -> dict:
     """``inside(cfg)`` on fresh links shaped to ``rate`` Mbit/s: the hub of a star whose every
-    replica has a machine of its own (``link="star"``), or one shared namespace."""
+    replica has a machine of its own (``link="star"``), or one shared namespace. ``log``: a
+    file for the run's stderr (the replicas' warnings: failed syncs, failed heals)."""
     import dataclasses
 
     from bench.shaped import shaped_namespace, star
@@ -474,6 +488,9 @@ def run_one(cfg: dict, rate: float | None, link: str = "star") -> dict:
                json.dumps(cfg)]
         done = subprocess.run(cmd, check=False, capture_output=True, text=True,
                               timeout=cfg["timeout_s"] + 60, env={**os.environ, "RUST_LOG": "error"})
+    if log:
+        with open(log, "w") as f:
+            f.write(done.stderr)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"run {cfg['run']} failed:\n{done.stderr[-3000:]}")
@@ -484,11 +501,14 @@ def table(rows: list[dict]) -> str:
     """Goodput against the failure-free run of the same implementation (torchft's DiLoCo
     against ``tf_free``; ccfx's runs and the checkpoint restart against ``free``); bytes per
     sync against ``raw`` and against torchft's DiLoCo without failures."""
-    by = {r["run"]: r for r in rows}
+    by = {r["run"]: r for r in rows if "failed" not in r}
     out = [("| run | codec | kills | committed syncs (failed) | wall s | useful steps | goodput "
             "(steps/s) | vs free | kill → first commit s | sent MB / sync | vs raw | vs torchft "
             "| ccfx wire / raw | held-out loss |"), "|" + " --- |" * 14]
     for r in rows:
+        if "failed" in r:
+            out.append(f"| {r['run']} | failed: {r['failed']} |")
+            continue
         first = (f"{min(r['first_commit_s']):.1f}–{max(r['first_commit_s']):.1f}"
                  if r["first_commit_s"] else "–")
         free = by.get("tf_free" if r["run"].startswith("tf_") else "free")
@@ -581,7 +601,12 @@ def main(argv: list[str] | None = None) -> int:
                "collective_timeout_s": a.collective_timeout_s, "keep_failed_group": a.keep_failed_group,
                "gpt": MODELS[a.model]["gpt"]}
         print(f"[elastic] {cfg['run']} ...", flush=True)
-        rows.append(run_one(cfg, a.rate or None, a.link))
+        log = f"{a.json}.{cfg['run']}.log" if a.json else None
+        try:
+            rows.append(run_one(cfg, a.rate or None, a.link, log))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other runs still run
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            rows.append({"run": cfg["run"], "failed": lines[-1][:300] if lines else repr(e)})
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{a.replicas} replicas, {a.model} GPT, H={a.h}, {a.rate:g} Mbit/s "
           f"({'a link per replica' if a.link == 'star' else 'one shared loopback'}), kill every "

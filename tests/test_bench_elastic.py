@@ -50,6 +50,15 @@ def test_table_compares_each_run_with_its_own_free_run_and_bytes_with_torchft():
     assert "| 0.250 |" in lines["free"] and "| – |" in lines["tf_free"]
 
 
+def test_a_failed_run_is_a_row_that_says_why_and_the_others_are_still_compared():
+    rows = [{"run": "free", "failed": "CollectiveError: no quorum formed within 300 s"},
+            _row("failures", 8.0, 1e6), _row("raw", 3.0, 4e6)]
+    lines = {line.split(" | ")[0][2:]: line for line in elastic.table(rows).splitlines()[2:]}
+    assert "failed: CollectiveError: no quorum" in lines["free"]
+    assert "| – |" in lines["failures"]  # no free run to compare with: no ratio, no crash
+    assert "| 4.00x |" in lines["failures"]
+
+
 def test_kills_take_every_replica_but_r0_in_turn():
     assert [elastic.victim_of(k, 4) for k in range(7)] == [1, 2, 3, 1, 2, 3, 1]
     assert [elastic.victim_of(k, 2) for k in range(3)] == [1, 1, 1]
