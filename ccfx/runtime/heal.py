@@ -131,10 +131,16 @@ class _Body:
     def _fetch(self) -> list[torch.Tensor]:
         chunks = []
         with urllib.request.urlopen(self.url, timeout=self.timeout_s) as response:
+            expected = int(response.headers.get("Content-Length", -1))
             while chunk := response.read(1 << 20):  # checked between chunks: cancel()
                 if self._cancelled.is_set():
                     raise RuntimeError(f"the fetch of {self.url} was cancelled")
                 chunks.append(chunk)
+        got = sum(len(c) for c in chunks)
+        if 0 <= expected != got:  # http.client ends a cut-off body quietly: say so here
+            raise ConnectionError(f"the heal's state from {self.url} ended after {got} of "
+                                  f"{expected} bytes: its source closed the connection (it "
+                                  "stopped or died)")
         return _loads(b"".join(chunks))
 
     def cancel(self) -> None:
