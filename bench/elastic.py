@@ -29,7 +29,12 @@ Runs (each in a fresh namespace):
              once; both join and heal the same way. The run starts one standby per kill it
              will make, all ready before the replicas start (a deployment's spares run on
              machines of their own; starting one on the cores the replicas share would slow
-             the survivors, which a replacement on its own machine does not)
+             the survivors, which a replacement on its own machine does not); ``spare`` (row
+             ``failures_spare``): ``trainers=R`` and one hot spare more, on a machine of its
+             own, in every quorum from the start with nothing to send: at the first sync
+             after a kill it takes the dead replica's training place (and reads its shard)
+             with no heal; the victim's machine's warm standby then joins as the next spare
+             (it heals, off the trainers' path). R + 1 machines against the free run's R
   raw        no failures, outer codec none (bytes and loss against the codec)
   tf_free, tf_failures   torchft's own DiLoCo, uncompressed (bench/elastic_baselines.py)
   ckpt       the checkpoint-restart floor: on a kill every replica restarts from the last
@@ -102,7 +107,7 @@ def finished(index: int, step: int, stop_at) -> bool:
     return stop_at[1] >= stop_at[0]
 
 
-def replica(name: str, index: int, cfg: dict, stop_at, out, gate=None) -> None:
+def replica(name: str, index: int, cfg: dict, stop_at, out, gate=None, spare=False) -> None:
     """One replica: trains until :func:`finished` says so; ``gate``: a barrier the first
     replicas pass together once each has imported and built its model (see :func:`_start`;
     a restarted one has none); puts
@@ -116,7 +121,7 @@ def replica(name: str, index: int, cfg: dict, stop_at, out, gate=None) -> None:
 
             tf_replica(name, index, cfg, stop_at, out, started, gate)
         else:
-            _replica(name, index, cfg, stop_at, out, started, gate=gate)
+            _replica(name, index, cfg, stop_at, out, started, gate=gate, spare=spare)
     except Exception:  # noqa: BLE001 (the driver reports it)
         import traceback
 
@@ -160,10 +165,10 @@ def standby(cfg: dict, stop_at, go, out, index: int = 1) -> None:
         model.zero_grad(set_to_none=True)
         opt = _adamw(model)  # a fresh optimizer: the throwaway step leaves no state behind
         out.put(("standby", None, {"started": started, "ready": time.time()}))
-        name, taken, sent = go.get()
+        name, taken, sent, spare = go.get()
         if taken != index:
             raise RuntimeError(f"standby on r{index}'s machine asked to be r{taken}")
-        _replica(name, index, cfg, stop_at, out, sent, warm=(model, opt))
+        _replica(name, index, cfg, stop_at, out, sent, warm=(model, opt), spare=spare)
     except Exception:  # noqa: BLE001 (the driver reports it)
         import traceback
 
@@ -202,7 +207,10 @@ def _start(gate, timeout_s: float) -> None:
         gate.wait(timeout_s)
 
 
-def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None) -> None:
+def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None,
+             spare=False) -> None:
+    """Replica ``index`` (its data shard; with ``--restart spare``, its training place, or
+    none for a ``spare``, which reads the shard of the place it takes once it has one)."""
     import torch
 
     import ccfx
@@ -230,12 +238,16 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None) -> N
             _start(gate, cfg["timeout_s"])
 
         Elastic._keep_state_per_element = keep_then_meet
+    places = ({"trainers": cfg["replicas"], "slot": None if spare else index}
+              if cfg.get("restart") == "spare" else {})
     outer = ccfx.local_steps(
         model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
         min_replicas=2, quorum_timeout_s=300.0, max_retries=20, sync_every=cfg["h"],
         outer_codec=cfg["codec"], outer_lr=1.0, outer_momentum=0.0,
-        collective_timeout_s=cfg.get("collective_timeout_s", 60.0))
+        collective_timeout_s=cfg.get("collective_timeout_s", 60.0), **places)
     phases["joined"] = time.time()  # local_steps returns after the join's sync (the heal)
+    if spare:  # ... and a spare's once it holds a place: that place's shard
+        train, held_out, vocab = _data(gpt["block_size"], 0, outer.slot, BATCH)
     out.put(("phases", name, phases))
     seen = 0
     while True:
@@ -291,14 +303,18 @@ def inside(cfg: dict) -> dict:
 
     spares: list = []  # --restart standby: [(process, go, queue key, machine)], in kill order
     standby_s: list[float] = []  # each standby's start to ready (before the replicas start)
+    # --restart spare: a hot spare in the quorum from the start, on a machine of its own; the
+    # replicas hold the training places 0 .. R-1 (who holds which: from their sync rows)
+    hot = cfg.get("restart") == "spare"
+    holder = {i: f"r{i}" for i in range(cfg["replicas"])}
 
-    gate = ctx.Barrier(cfg["replicas"])  # the first replicas' start (_start)
+    gate = ctx.Barrier(cfg["replicas"] + hot)  # the first replicas' start (_start)
 
     def start(name, index, restart=True):
         if restart and spares:  # a warm standby, waiting on this replica's machine, becomes it
-            proc, go, key, on = spares.pop(0)
+            proc, go, key, on = spares.pop(0)  # (with --restart spare: a new spare)
             assert on == index, f"the next standby waits on r{on}'s machine, not r{index}'s"
-            go.put((name, index, time.time()))
+            go.put((name, index, time.time(), hot))
             queues[name], procs[name] = queues.pop(key), proc
             return
         queues[name] = ctx.Queue()  # one per replica: a SIGKILL mid-write would block a shared one
@@ -316,6 +332,8 @@ def inside(cfg: dict) -> dict:
     def take(kind, name, data):
         if kind == "row":
             rows.setdefault(name, []).append(data)
+            if data.get("slot") is not None and data["committed"]:
+                holder[data["slot"]] = name
         elif kind == "phases":
             phases.setdefault(name, []).append(data)
         elif kind == "standby":
@@ -329,7 +347,7 @@ def inside(cfg: dict) -> dict:
     tx0 = sent_bytes(cfg)
     t0 = time.time()
     names = [f"r{i}" for i in range(cfg["replicas"])]
-    if cfg.get("restart") == "standby":
+    if cfg.get("restart") in ("standby", "spare"):
         # one warm standby per kill the run will make, all ready before any replica starts: a
         # deployment's spares run on machines of their own, and starting one here, on the
         # cores the replicas share, would slow the survivors (a harness artifact)
@@ -344,6 +362,11 @@ def inside(cfg: dict) -> dict:
             time.sleep(0.1)
     for i, name in enumerate(names):
         start(name, i, restart=False)
+    if hot:
+        queues["spare0"] = ctx.Queue()
+        procs["spare0"] = ctx.Process(target=replica, args=(
+            "spare0", cfg["replicas"], cfg, stop_at, queues["spare0"], gate, True), daemon=True)
+        procs["spare0"].start()
     kills, victim = [], victim_of(0, cfg["replicas"])
     next_kill = cfg["kill_every"] // cfg["h"] if cfg["kill_every"] else None
     deadline = time.monotonic() + cfg["timeout_s"]
@@ -351,7 +374,7 @@ def inside(cfg: dict) -> dict:
         # r0 (never killed) ends the run; a replica restarted near the end may have no sync
         # left to join: it is given a few seconds, then stopped
         r0_done_at = kill_at = None
-        while not all(n in done for n in names):
+        while not all(n in done for n in (holder.values() if hot else names)):
             if "r0" in done:
                 r0_done_at = r0_done_at or time.monotonic()
                 if time.monotonic() - r0_done_at > 10:
@@ -365,15 +388,19 @@ def inside(cfg: dict) -> dict:
                 kill_at = kill_at or time.time() + _phase_delay(r0, cfg)
             if kill_at and time.time() >= kill_at:
                 kill_at = None
-                name = names[victim]
+                name = holder[victim] if hot else names[victim]
                 killed_at = time.time()
                 os.kill(procs[name].pid, signal.SIGKILL)
                 procs[name].join(10)
                 queues.pop(name)
-                kills.append({"name": name, "at_sync": step, "time": killed_at,
+                kills.append({"name": name, "place": victim, "at_sync": step, "time": killed_at,
                               "rows_before": len(rows.get(name, [])),
                               "phases_before": len(phases.get(name, []))})
-                start(name, victim)
+                if hot:  # a spare takes the place; the machine's standby becomes a new spare
+                    assert name == f"r{victim}", f"place {victim} is held by {name}"
+                    start(f"spare{len(kills)}", victim)
+                else:
+                    start(name, victim)
                 victim = victim_of(len(kills), cfg["replicas"])
                 next_kill += cfg["kill_every"] // cfg["h"]
             time.sleep(0.05)
@@ -394,6 +421,14 @@ def inside(cfg: dict) -> dict:
         useful = sum(r["weight"] for r in r0)
     first_commit, splits = [], []
     for k in kills:
+        if hot:  # the first committed sync in which another replica holds the place
+            taken = sorted((r["time"], r) for n, rs in rows.items() if n != k["name"]
+                           for r in rs if r["committed"] and r.get("slot") == k["place"]
+                           and r["time"] > k["time"])
+            if taken:
+                first_commit.append(taken[0][0] - k["time"])
+                splits.append(_split(k, taken[0][1], [], rows))
+            continue
         later = [r for r in rows.get(k["name"], [])[k["rows_before"]:] if r["committed"]]
         if later:
             first_commit.append(later[0]["time"] - later[0]["started"])
@@ -421,7 +456,7 @@ def inside(cfg: dict) -> dict:
             "total_s": time.time() - t0,
             # every replica's sync rows, for reading a run afterwards (who missed which quorum)
             "rows": {n: [{k: r.get(k) for k in ("torchft_step", "step", "replicas", "committed",
-                                                 "healed", "own", "seconds", "quorum_s",
+                                                 "healed", "own", "slot", "seconds", "quorum_s",
                                                  "heal_s", "error", "time")}
                          for r in rs] for n, rs in sorted(rows.items())}}
 
@@ -478,9 +513,10 @@ def run_one(cfg: dict, rate: float | None, link: str = "star", log: str | None =
 
     with contextlib.ExitStack() as stack:
         if link == "star":
-            net = stack.enter_context(star(cfg["replicas"], rate))
+            machines = cfg["replicas"] + (cfg.get("restart") == "spare")  # the spare's own
+            net = stack.enter_context(star(machines, rate))
             cfg = {**cfg, "star": dataclasses.asdict(net),
-                   "machines": [net.machine(i) for i in range(cfg["replicas"])]}
+                   "machines": [net.machine(i) for i in range(machines)]}
             ns = net.hub
         else:
             ns = stack.enter_context(shaped_namespace(rate))
@@ -562,10 +598,13 @@ def main(argv: list[str] | None = None) -> int:
                         "model: 42.8 MB, 34 s at 10 Mbit/s per healer on one source's uplink)")
     p.add_argument("--tf-timeout-s", type=float, default=60,
                    help="torchft DiLoCo's manager timeout (collectives, the checkpoint lock)")
-    p.add_argument("--restart", nargs="+", choices=["cold", "standby"], default=["cold"],
+    p.add_argument("--restart", nargs="+", choices=["cold", "standby", "spare"],
+                   default=["cold"],
                    help="how a killed replica comes back in ccfx's failures run (one run per "
                         "choice): cold, a new process (imports, model); standby, a warm "
-                        "process started ahead that takes its place")
+                        "process started ahead that takes its place; spare, a hot spare in "
+                        "every quorum (trainers=R) takes the place at the next sync, and the "
+                        "machine's warm standby joins as the next spare")
     p.add_argument("--keep-failed-group", action="store_true",
                    help="a replica whose exchange failed does not abort the quorum's group "
                         "(ccfx before session 11: measures what the abort buys)")

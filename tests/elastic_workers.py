@@ -380,3 +380,58 @@ def late_joiner_replica(k: int, lighthouse: str, start_after_s: float, step_s: f
     finished.set()
     outer.close()
     return out
+
+
+def spare_scenario_replica(k: int, lighthouse: str, spare: bool, step_s: float,
+                           leave_at: int | None, stop_at: int, finished) -> dict:
+    """Replica ``k`` of the hot-spare scenario (two training places): a trainer claims place
+    ``k``; a spare (started 2 s late, so the trainers hold both places) blocks in
+    ``local_steps`` until a place is free. A replica with ``leave_at`` leaves once its torchft
+    step reaches it (its manager stops: to the lighthouse, a death after the heartbeat timeout);
+    the others train until ``stop_at`` (or a peer got there: ``finished``). Its sync rows, each
+    with the digest of the global parameters after it (None where a later row of the same call
+    followed), and, for the spare, when ``local_steps`` returned and the place it took."""
+    import ccfx
+
+    model = mlp(k)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if spare:
+        time.sleep(2.0)
+    outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
+                             replica_id=f"p{k}", quorum_timeout_s=20.0, max_retries=5,
+                             trainers=2, slot=None if spare else k,
+                             **{**OPTIONS, "collective_timeout_s": 20.0})
+    out = {"rows": [], "placed_at": time.monotonic(), "slot": outer.slot, "left_at": None}
+    seen = 0
+
+    def report():
+        nonlocal seen
+        rows = outer.elastic.history[seen:]
+        digest = ranks.digest(outer.global_parameters().values())
+        out["rows"].extend((row, digest if i == len(rows) - 1 else None)
+                           for i, row in enumerate(rows))
+        seen = len(outer.elastic.history)
+
+    report()
+    i = 0
+    while not finished.is_set() and i < 80:
+        step = outer.elastic.manager.current_step()
+        if step >= stop_at or (leave_at is not None and step >= leave_at):
+            break
+        loss_of(model, 10 + (outer.slot or 0), i).backward()  # the place's data, not k's
+        time.sleep(step_s)
+        try:
+            opt.step()
+        except ccfx.CollectiveError:
+            if not finished.is_set():
+                raise
+            break  # its peers stopped: the run is over
+        opt.zero_grad()
+        report()
+        i += 1
+    if outer.elastic.manager.current_step() >= stop_at:
+        finished.set()
+    else:
+        out["left_at"] = time.monotonic()
+    outer.close()
+    return out

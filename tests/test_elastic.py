@@ -219,6 +219,54 @@ def test_every_member_leaves_the_meet_at_one_step_and_one_set_of_fragments(rows,
     assert results == {(want_step, tuple(want_fragment))}
 
 
+def _placing(trainers):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(opts=SimpleNamespace(trainers=trainers))
+
+
+# a meet's rows as _assign_slots reads them: (tokens, step, fingerprint, interval, where it
+# stands: 0 in step / 1 catching up or spare / 2 healing, the place it claims or -1)
+@pytest.mark.parametrize("stands_claims, want", [
+    # every trainer holds its place; the spare stays one
+    ([(0, 0), (0, 1), (1, -1)], [0, 1, None]),
+    # trainer 1 died (absent from the meet): the spare takes place 1
+    ([(0, 0), (1, -1)], [0, 1]),
+    # two spares, one place free: the first in quorum order takes it
+    ([(1, -1), (0, 0), (1, -1)], [1, 0, None]),
+    # a ready spare before one still healing, whatever their quorum order
+    ([(2, -1), (0, 0), (1, -1)], [None, 0, 1]),
+    # a trainer that missed a quorum (healing) claims the place a spare took meanwhile: the
+    # member in step keeps it, the late one becomes a spare
+    ([(0, 0), (0, 1), (2, 1)], [0, 1, None]),
+    # at the first join nobody holds a place: claims first, then quorum order
+    ([(0, -1), (0, 1), (0, -1), (0, -1)], [0, 1, None, None]),
+    # a claim beyond the places (another job's slot) is not a place
+    ([(0, 5), (0, -1)], [0, 1]),
+])
+def test_training_places_go_to_claims_in_step_then_to_ready_spares(stands_claims, want):
+    from ccfx.runtime.elastic import Elastic
+
+    rows = [(0, 10, 0, 1, stands, claim) for stands, claim in stands_claims]
+    got = [Elastic._assign_slots(_placing(2), rows, rank) for rank in range(len(rows))]
+    assert got == want
+    held = [s for s in got if s is not None]
+    assert len(held) == len(set(held)), "a place is held once"
+
+
+def test_trainers_and_slot_are_checked():
+    from ccfx.runtime.elastic import split_options
+
+    with pytest.raises(ccfx.ConfigError, match="pass trainers=N"):
+        split_options({"fault_tolerant": True, "slot": 0})
+    with pytest.raises(ccfx.ConfigError, match="slot in 0 .. trainers - 1"):
+        split_options({"fault_tolerant": True, "trainers": 2, "slot": 2})
+    with pytest.raises(ccfx.ConfigError, match="trainers >= 1"):
+        split_options({"fault_tolerant": True, "trainers": 0})
+    _, opts = split_options({"fault_tolerant": True, "trainers": 4})
+    assert opts.trainers == 4 and opts.slot is None
+
+
 class _UnsetGroupManager:
     """torchft's manager after a quorum whose process-group rebuild failed: torchft reported
     the error and left the group unset (``size()`` asserts), so this sync cannot commit."""
@@ -250,7 +298,7 @@ class _UnsetGroupManager:
 
 
 def test_sync_after_a_failed_group_rebuild_is_uncommitted_not_a_crash():
-    from ccfx.runtime.elastic import Elastic
+    from ccfx.runtime.elastic import Elastic, ElasticOptions
 
     model = w.mlp(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -260,6 +308,7 @@ def test_sync_after_a_failed_group_rebuild_is_uncommitted_not_a_crash():
     elastic.outer, elastic.manager = outer, _UnsetGroupManager()
     elastic.tokens, elastic.counts_tokens, elastic.since, elastic.commits = 0, False, 0, 0
     elastic.history, elastic._reduces = [], {}
+    elastic.opts, elastic.slot = ElasticOptions(), None
     assert elastic.sync(list(outer.fragments)) is False
     assert len(elastic.manager.errors) == 1 and elastic.commits == 0
     row = elastic.history[-1]
@@ -280,7 +329,7 @@ class _TimedOutManager(_UnsetGroupManager):
 
 
 def test_a_timed_out_sync_says_the_timeout_must_cover_a_joiners_heal(caplog):
-    from ccfx.runtime.elastic import Elastic
+    from ccfx.runtime.elastic import Elastic, ElasticOptions
 
     model = w.mlp(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -289,6 +338,7 @@ def test_a_timed_out_sync_says_the_timeout_must_cover_a_joiners_heal(caplog):
     elastic.outer, elastic.manager = outer, _TimedOutManager()
     elastic.tokens, elastic.counts_tokens, elastic.since, elastic.commits = 0, False, 0, 0
     elastic.history, elastic._reduces = [], {}
+    elastic.opts, elastic.slot = ElasticOptions(), None
     with caplog.at_level("WARNING", logger="ccfx"):
         assert elastic.sync(list(outer.fragments)) is False
     mb = sum(p.numel() * 4 for p in model.parameters()) / 1e6
@@ -500,3 +550,51 @@ def test_a_joiners_heal_is_fetched_after_the_exchange_and_it_catches_up(monkeypa
     assert caught_up, rows
     if spans:
         assert spanned, rows
+
+
+@pytest.mark.slow
+def test_a_hot_spare_takes_a_dead_trainers_place_at_the_next_sync_without_a_heal():
+    """Two training places (``trainers=2``): p0 and p1 train (a step every 0.3 s, a sync every
+    2 steps); p2, started 2 s later, heals lazily at its join and finds both places held: a
+    spare. It syncs with the trainers, sending nothing (own 0) and applying every average.
+    p1 leaves at torchft step 5 (its manager stops, as a dead replica's heartbeat does).
+
+    * At the first sync without p1, p2 takes place 1 (its ``local_steps`` returns) and from
+      then on trains: its next committed syncs carry its own steps; it never heals after its
+      join (it had the state all along).
+    * Its global parameters are the trainers' bit for bit at every committed sync it shares
+      with them, the one in which it took the place included.
+    * The place is taken within the lighthouse's heartbeat timeout (1 s) and two sync
+      intervals (1.2 s) of p1's leaving, with 3 s of slack for a loaded 2-core machine."""
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000,
+                                  quorum_tick_ms=20, heartbeat_timeout_ms=1000)
+    finished = threading.Event()
+    try:
+        out = w.in_threads([lambda k=k: w.spare_scenario_replica(
+            k, lighthouse.address(), k == 2, 0.3, 5 if k == 1 else None, 12, finished)
+            for k in range(3)], timeout_s=180)
+    finally:
+        lighthouse.shutdown()
+    trainer, leaver, spare = out
+    assert trainer["slot"] == 0 and leaver["slot"] == 1 and spare["slot"] == 1
+    assert leaver["left_at"] is not None
+    rows = [row for row, _ in spare["rows"]]
+    placed = next(i for i, row in enumerate(rows) if row["slot"] == 1)
+    assert placed > 0 and rows[placed]["committed"], rows
+    assert all(row["own"] == 0 and row["slot"] is None for row in rows[1:placed]), rows
+    assert not any(row["healed"] for row in rows[1:]), rows
+    assert any(row["committed"] and row["own"] > 0 for row in rows[placed + 1:]), rows
+    assert spare["placed_at"] - leaver["left_at"] < 1.0 + 1.2 + 3.0
+
+    committed = [{row["torchft_step"]: d for row, d in r["rows"] if row["committed"]}
+                 for r in out]
+    shared = set(committed[0]) & set(committed[2])
+    assert rows[placed]["torchft_step"] in shared
+    for step in shared:
+        if committed[0][step] is not None and committed[2][step] is not None:
+            assert committed[0][step] == committed[2][step], step
+    assert committed[2][rows[placed]["torchft_step"]] is not None

@@ -54,6 +54,15 @@ window, then go on without it (it would heal again). Stragglers: the lighthouse'
 waits that long for replicas that are alive but not yet at the sync); a straggler that misses
 it joins the next quorum and heals there, its local steps since its last sync discarded.
 
+Hot spares (``trainers=N``): N training places; a replica joins claiming ``slot`` (or any free
+place), and one that finds every place held is a spare. A spare is in every quorum with nothing
+to send (weight 0) and applies every committed average, so its global parameters, outer
+optimizer and codec state stay the trainers' bit for bit; it blocks in ``local_steps`` until a
+sync's meet finds a place free (a trainer died or missed the quorum), takes it there and trains
+from that sync on, with no heal. Places are assigned at every meet from the all-gathered claims
+(:meth:`Elastic._assign_slots`), so every member decides the same. What a spare costs: a
+member's share of each exchange's traffic on its own link, and its wait at every sync.
+
 Addresses: each replica serves a TCP store (the quorum's process group meets in one of them)
 and its manager at ``MASTER_ADDR`` (default 127.0.0.1, replicas on one machine); across
 machines set it to an address the other replicas reach (torchft's checkpoint transport
@@ -86,7 +95,7 @@ log = logging.getLogger("ccfx")
 
 #: ``ccfx.local_steps`` keywords that configure fault tolerance (not torch.compile options).
 KEYS = ("fault_tolerant", "lighthouse", "replica_id", "min_replicas", "quorum_timeout_s",
-        "max_retries")
+        "max_retries", "trainers", "slot")
 
 
 @dataclass(frozen=True)
@@ -95,13 +104,18 @@ class ElasticOptions:
     ``replica_id``: this replica's name (else ``REPLICA_ID``, else a fresh one);
     ``min_replicas``: the fewest replicas a sync may commit with; ``quorum_timeout_s``: how long
     a sync waits for a quorum (longer than the inner steps between two syncs);
-    ``max_retries``: consecutive uncommitted syncs before giving up."""
+    ``max_retries``: consecutive uncommitted syncs before giving up; ``trainers``: how many
+    replicas train (the training places, 0 .. trainers - 1): the others are hot spares
+    (:meth:`Elastic.wait_while_spare`); None: every replica trains; ``slot``: the training
+    place this replica claims when it joins (None: a free one, else it waits as a spare)."""
 
     lighthouse: str | None = None
     replica_id: str | None = None
     min_replicas: int = 1
     quorum_timeout_s: float = 300.0
     max_retries: int = 3
+    trainers: int | None = None
+    slot: int | None = None
 
 
 def split_options(options: dict) -> tuple[dict, ElasticOptions | None]:
@@ -117,6 +131,14 @@ def split_options(options: dict) -> tuple[dict, ElasticOptions | None]:
     if opts.min_replicas < 1 or opts.max_retries < 0 or opts.quorum_timeout_s <= 0:
         raise ConfigError(f"fault tolerance options {opts}: min_replicas >= 1, max_retries >= 0 "
                           "and quorum_timeout_s > 0")
+    if opts.trainers is None and opts.slot is not None:
+        raise ConfigError(f"slot={opts.slot} names a training place: pass trainers=N (how many "
+                          "replicas train; the others wait as hot spares)")
+    if opts.trainers is not None and (opts.trainers < 1 or not (
+            opts.slot is None or 0 <= opts.slot < opts.trainers)):
+        raise ConfigError(f"trainers={opts.trainers}, slot={opts.slot}: trainers >= 1 and a "
+                          "slot in 0 .. trainers - 1 (or None: take a free place, else wait "
+                          "as a spare)")
     return rest, opts
 
 
@@ -239,7 +261,10 @@ class Elastic:
                               "TORCHFT_LIGHTHOUSE")
         self.outer = outer
         self.opts = opts
+        if opts.trainers is not None:  # every member must count the same places
+            options = {**options, "trainers": opts.trainers}
         self.fingerprint = fingerprint(outer.fragments, options)
+        self.slot = opts.slot  # the training place held (trainers=N), None: a spare
         self.tokens = 0  # reported since the last committed sync (add_tokens)
         self.counts_tokens = False
         self.since = 0  # inner step of the last committed sync (or of the heal)
@@ -273,6 +298,56 @@ class Elastic:
             raise self._no_quorum(e, "starting torchft's manager") from e
         self._keep_state_per_element()  # before the join: a heal sends it
         self.sync([])  # join: heal from a live peer if the others are ahead
+        self.wait_while_spare()
+
+    # -- hot spares (trainers=N) --------------------------------------------------------------
+
+    @property
+    def spare(self) -> bool:
+        """A hot spare: in every quorum with nothing to send, applying every committed average
+        (so its global parameters, outer optimizer and codec state are the trainers', bit for
+        bit), until a training place is free; then it trains at once, with no heal."""
+        return self.opts.trainers is not None and self.slot is None
+
+    def wait_while_spare(self) -> None:
+        """Sync with the trainers until this replica holds a training place. Each sync is
+        joined when the earliest trainer is due (their last interval after the last exchange,
+        as a replica catching up does; at once while that is unknown, right after the first
+        join): the lighthouse counts its grace window from the first replica to arrive, and
+        one waiting there an interval early would let a quorum after a death form without
+        the trainers that arrive later than a majority."""
+        if not self.spare:
+            return
+        log.info("ccfx: replica %s is a hot spare (the %d training places are held): it syncs "
+                 "with nothing to send until one is free", self.manager._replica_id,
+                 self.opts.trainers)
+        while self.spare:
+            at = self._next_sync_at(self._last_rows, self._last_exchanged)
+            if at is not None:
+                time.sleep(max(0.0, at - time.monotonic()))
+            self.sync([])
+        self.since, self.tokens = self.outer.step, 0  # it trains from here
+        log.info("ccfx: replica %s takes training place %d at inner step %d",
+                 self.manager._replica_id, self.slot, self.outer.step)
+
+    def _assign_slots(self, rows, rank: int) -> int | None:
+        """The training place of quorum member ``rank`` after this meet; every member computes
+        it from the same rows. A place claimed by several members stays with the first in
+        step (not catching up or healing), in quorum order: a trainer that missed a quorum,
+        whose place a spare took meanwhile, comes back as a spare. Free places go to the
+        members holding none, ready spares first (in quorum order)."""
+        trainers = self.opts.trainers
+        holder: dict[int, int] = {}
+        for i in sorted(range(len(rows)), key=lambda i: (rows[i][4], i)):
+            claim = rows[i][5]
+            if 0 <= claim < trainers and claim not in holder:
+                holder[claim] = i
+        placed = set(holder.values())
+        waiting = sorted((i for i in range(len(rows)) if i not in placed),
+                         key=lambda i: (rows[i][4] == 2, i))
+        free = [s for s in range(trainers) if s not in holder]
+        holder.update(zip(free, waiting))
+        return next((s for s, i in holder.items() if i == rank), None)
 
     # -- tokens -------------------------------------------------------------------------------
 
@@ -391,6 +466,8 @@ class Elastic:
         interval = started - self._last_end if self._last_end is not None else None
         self.used = set()
         self._healed, self._refused, self._unhealed = False, None, False
+        if self.spare:  # its step is stale: it takes the trainers' (_adopt_step)
+            self.catching_up = True
         torchft_state = self.manager.state_dict()  # put back if a lazy heal's fetch fails
         try:
             self.manager.start_quorum()
@@ -405,7 +482,8 @@ class Elastic:
                    if outer.step > 0 and outer.step % outer.sync_every == f.offset]
         comm = None
         averaged: dict[int, list[torch.Tensor]] = {}
-        total, own, error, rows = 0, 0 if self._unhealed else self._weight(), None, []
+        own = 0 if self._unhealed or self.spare else self._weight()
+        total, error, rows = 0, None, []
         try:
             # inside the try: when the group's rebuild failed in the quorum (torchft reports it
             # and leaves the group unset), this sync is uncommitted like any failed exchange
@@ -413,6 +491,8 @@ class Elastic:
             rows = self._meet(comm, own, interval)
             self._check_fingerprints(rows, comm)
             due = self._adopt_step(rows, due)
+            if self.opts.trainers is not None:
+                self.slot = self._assign_slots(rows, comm.rank)
             total = sum(r[0] for r in rows)
             if total > 0:
                 scale = own * comm.world / total
@@ -458,6 +538,7 @@ class Elastic:
             "replicas": world, "committed": committed, "healed": self._healed,
             "weight": total,  # the quorum's tokens (or inner steps) in this sync
             "own": own,  # this replica's part of it (0 for a replica that has just healed)
+            "slot": self.slot,  # its training place after this sync (trainers=N; None: spare)
             "error": error,  # why the exchange failed (the first line), else None
             "fragments": [f.index for f in due if f.index in averaged],
             "collectives": sorted(self.used),
@@ -529,11 +610,15 @@ class Elastic:
 
     def _meet(self, comm: TorchftComm, own: int, interval: float | None) -> list[tuple]:
         """Every member's (tokens, inner step, fingerprint as an int, milliseconds from its
-        previous sync's end to this one's start or -1, whether it is catching up)."""
+        previous sync's end to this one's start or -1, where it stands: 0 in step, 1 catching
+        up or a spare, 2 healing (its state not here yet), the training place it claims or
+        -1)."""
+        healing = self._pending is not None or self._unhealed
         mine = torch.tensor([own, self.outer.step, int(self.fingerprint, 16) - (1 << 63),
                              -1 if interval is None else int(interval * 1000),
-                             int(self.catching_up)], dtype=torch.int64)
-        rows = comm.wait(comm.all_gather(mine)).view(comm.world, 5)
+                             2 if healing else int(self.catching_up),
+                             -1 if self.slot is None else self.slot], dtype=torch.int64)
+        rows = comm.wait(comm.all_gather(mine)).view(comm.world, 6)
         return [tuple(int(x) for x in row) for row in rows.tolist()]
 
     def _start_catch_up(self, rows, exchanged: float) -> None:

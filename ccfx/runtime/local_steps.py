@@ -46,9 +46,11 @@ world size is a :class:`~ccfx.ConfigError`; one saved before ccfx recorded them 
 that check), the fragments' parameter names and shapes.
 
 Fault tolerant (``fault_tolerant=True``, with ``lighthouse``, ``replica_id``, ``min_replicas``,
-``quorum_timeout_s``, ``max_retries``): each sync is a step of a torchft ``Manager`` among the
-replicas alive now, and a replica that joins late recovers from a live peer; see
-:mod:`ccfx.runtime.elastic`. ``outer.add_tokens(n)`` weights the average by tokens.
+``quorum_timeout_s``, ``max_retries``, ``trainers``, ``slot``): each sync is a step of a
+torchft ``Manager`` among the replicas alive now, and a replica that joins late recovers from a
+live peer; with ``trainers=N`` the replicas beyond N are hot spares that take a dead trainer's
+place (:attr:`LocalSteps.slot`) at the next sync; see :mod:`ccfx.runtime.elastic`.
+``outer.add_tokens(n)`` weights the average by tokens.
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ class LocalSteps:
             due = [f for f in self.fragments if self.step % self.sync_every == f.offset]
             if due or self.elastic.catch_up_due():
                 self.elastic.sync(due)
+                self.elastic.wait_while_spare()  # a trainer whose place a spare took
             return
         for frag in self.fragments:
             flight = frag.in_flight
@@ -321,6 +324,14 @@ class LocalSteps:
         self.elastic.add_tokens(n)
 
     # -- inspection -----------------------------------------------------------------------------
+
+    @property
+    def slot(self) -> int | None:
+        """Fault tolerant with ``trainers=N``: the training place this replica holds (0 .. N-1:
+        which shard of the data to read, from inner step :attr:`step`); it may change after
+        an optimizer step (a replica that lost its place waits there as a spare until it holds
+        another). None without ``trainers``."""
+        return self.elastic.slot if self.elastic is not None else None
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The fp32 global parameters every replica agrees on, by name."""
