@@ -182,13 +182,15 @@ def _adamw(model):
 
 
 def _build(cfg: dict, index: int, vocab: int):
-    """The replica's model (seeded by ``index``: a joiner must take the others' parameters, not
-    its own) and its AdamW (whose first construction imports torch._dynamo)."""
+    """The replica's model and its AdamW (whose first construction imports torch._dynamo).
+    Every replica builds it from seed 0 (``init_sync=False``: no heal at step 0; a replica
+    that joins later still heals), or with ``--init-sync`` from seed ``index`` (torchft sends
+    every replica the first one's state at step 0, and a joiner must take the others')."""
     import torch
 
     from ccfx.models import GPTConfig, TinyGPT
 
-    torch.manual_seed(index)
+    torch.manual_seed(index if cfg.get("init_sync") else 0)
     model = TinyGPT(GPTConfig(vocab_size=vocab, **cfg.get("gpt", GPT)))
     return model, _adamw(model)
 
@@ -244,7 +246,8 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None,
         model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
         min_replicas=2, quorum_timeout_s=300.0, max_retries=20, sync_every=cfg["h"],
         outer_codec=cfg["codec"], outer_lr=1.0, outer_momentum=0.0,
-        collective_timeout_s=cfg.get("collective_timeout_s", 60.0), **places)
+        collective_timeout_s=cfg.get("collective_timeout_s", 60.0),
+        init_sync=bool(cfg.get("init_sync")), **places)
     phases["joined"] = time.time()  # local_steps returns after the join's sync (the heal)
     if spare:  # ... and a spare's once it holds a place: that place's shard
         train, held_out, vocab = _data(gpt["block_size"], 0, outer.slot, BATCH)
@@ -605,6 +608,10 @@ def main(argv: list[str] | None = None) -> int:
                         "process started ahead that takes its place; spare, a hot spare in "
                         "every quorum (trainers=R) takes the place at the next sync, and the "
                         "machine's warm standby joins as the next spare")
+    p.add_argument("--init-sync", action="store_true",
+                   help="replicas built from different seeds, torchft's heal at step 0 (each "
+                        "replica gets the first one's state, from that one's link); default: "
+                        "built alike, init_sync=False")
     p.add_argument("--keep-failed-group", action="store_true",
                    help="a replica whose exchange failed does not abort the quorum's group "
                         "(ccfx before session 11: measures what the abort buys)")
@@ -638,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                "heartbeat_ms": a.heartbeat_ms, "tick_ms": a.tick_ms,
                "tf_timeout_s": a.tf_timeout_s,
                "collective_timeout_s": a.collective_timeout_s, "keep_failed_group": a.keep_failed_group,
+               "init_sync": a.init_sync,
                "gpt": MODELS[a.model]["gpt"]}
         print(f"[elastic] {cfg['run']} ...", flush=True)
         log = f"{a.json}.{cfg['run']}.log" if a.json else None
@@ -650,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{a.replicas} replicas, {a.model} GPT, H={a.h}, {a.rate:g} Mbit/s "
           f"({'a link per replica' if a.link == 'star' else 'one shared loopback'}), kill every "
           f"{a.kill_every} at phase {a.kill_phase:g}, lighthouse heartbeat {a.heartbeat_ms} ms "
-          f"tick {a.tick_ms or 'default'}, grace {a.grace_ms} ms"
+          f"tick {a.tick_ms or 'default'}, grace {a.grace_ms} ms, "
+          f"{'init sync (a heal at step 0)' if a.init_sync else 'built alike (no heal at step 0)'}"
           f"{', failed groups kept (no abort)' if a.keep_failed_group else ''}, "
           f"load {os.getloadavg()[0]:.1f}\n")
     print(table(rows))

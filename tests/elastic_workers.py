@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 
 import torch
@@ -435,3 +436,48 @@ def spare_scenario_replica(k: int, lighthouse: str, spare: bool, step_s: float,
         out["left_at"] = time.monotonic()
     outer.close()
     return out
+
+
+_SEEDING = threading.Lock()
+
+
+def same_start_replica(k: int, lighthouse: str, seed: int, start_after_s: float, steps: int,
+                       finished) -> dict | str:
+    """Replica ``k`` with ``init_sync=False`` built from ``seed``; it starts ``start_after_s``
+    late and takes ``steps`` inner steps (0.2 s each, a sync every 2), or stops when a peer has
+    finished. Its sync rows with the digest after each, or the ConfigError's message."""
+    import ccfx
+
+    with _SEEDING:  # threads share torch's global generator: built one at a time, alike
+        model = mlp(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    time.sleep(start_after_s)
+    try:
+        outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
+                                 replica_id=f"i{k}", quorum_timeout_s=20.0, max_retries=5,
+                                 init_sync=False, **{**OPTIONS, "collective_timeout_s": 20.0})
+    except ccfx.ConfigError as e:
+        return str(e)
+    rows = []
+
+    def report():
+        rows.extend((row, ranks.digest(outer.global_parameters().values()))
+                    for row in outer.elastic.history[len(rows):])
+
+    report()
+    for i in range(steps):
+        if finished.is_set():
+            break
+        loss_of(model, k, i).backward()
+        time.sleep(0.2)
+        try:
+            opt.step()
+        except ccfx.CollectiveError:
+            if not finished.is_set():
+                raise
+            break
+        opt.zero_grad()
+        report()
+    finished.set()
+    outer.close()
+    return {"rows": rows}

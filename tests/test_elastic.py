@@ -598,3 +598,53 @@ def test_a_hot_spare_takes_a_dead_trainers_place_at_the_next_sync_without_a_heal
         if committed[0][step] is not None and committed[2][step] is not None:
             assert committed[0][step] == committed[2][step], step
     assert committed[2][rows[placed]["torchft_step"]] is not None
+
+
+@pytest.mark.slow
+def test_replicas_built_alike_skip_the_step_0_heal_and_a_late_one_still_heals():
+    """``init_sync=False``: i0 and i1, built from the same seed, start together and sync with
+    no heal at step 0 (torchft's init sync would send i1 all of i0's state through i0's link:
+    the 10 M bench's ~100 s at its start); i2, built from another seed, joins 3 s later and
+    still heals (it is behind), so every committed sync's global parameters agree."""
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000,
+                                  quorum_tick_ms=20, heartbeat_timeout_ms=1000)
+    finished = threading.Event()
+    try:
+        out = w.in_threads([lambda k=k: w.same_start_replica(
+            k, lighthouse.address(), 0 if k < 2 else 5, 3.0 if k == 2 else 0.0,
+            30 if k < 2 else 10, finished) for k in range(3)], timeout_s=120)
+    finally:
+        lighthouse.shutdown()
+    joins = [r["rows"][0][0] for r in out]
+    assert not joins[0]["healed"] and not joins[1]["healed"], joins
+    assert joins[0]["step"] == joins[1]["step"] == 0
+    assert any(row["healed"] for row, _ in out[2]["rows"]), out[2]["rows"]
+    committed = [{row["torchft_step"]: d for row, d in r["rows"] if row["committed"]}
+                 for r in out]
+    for step in set().union(*committed):
+        assert len({c[step] for c in committed if step in c}) == 1, step
+
+
+@pytest.mark.slow
+def test_replicas_built_differently_with_init_sync_false_are_refused_at_the_first_sync():
+    """Without torchft's init sync, replicas whose parameters differ at step 0 would average
+    different models: every one of them raises a ConfigError saying how to fix it."""
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000,
+                                  quorum_tick_ms=20, heartbeat_timeout_ms=1000)
+    try:
+        out = w.in_threads([lambda k=k: w.same_start_replica(
+            k, lighthouse.address(), k, 0.0, 4, threading.Event()) for k in range(2)],
+            timeout_s=60)
+    finally:
+        lighthouse.shutdown()
+    for message in out:
+        assert isinstance(message, str) and "different parameters" in message, out
+        assert "same seed" in message

@@ -95,7 +95,7 @@ log = logging.getLogger("ccfx")
 
 #: ``ccfx.local_steps`` keywords that configure fault tolerance (not torch.compile options).
 KEYS = ("fault_tolerant", "lighthouse", "replica_id", "min_replicas", "quorum_timeout_s",
-        "max_retries", "trainers", "slot")
+        "max_retries", "trainers", "slot", "init_sync")
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,11 @@ class ElasticOptions:
     ``max_retries``: consecutive uncommitted syncs before giving up; ``trainers``: how many
     replicas train (the training places, 0 .. trainers - 1): the others are hot spares
     (:meth:`Elastic.wait_while_spare`); None: every replica trains; ``slot``: the training
-    place this replica claims when it joins (None: a free one, else it waits as a spare)."""
+    place this replica claims when it joins (None: a free one, else it waits as a spare);
+    ``init_sync``: False when every replica builds its model from the same seed: the replicas
+    that start together take no heal at step 0 (torchft's init sync sends each the first one's
+    whole state, all from that one's link); checked at the first sync (a ConfigError where
+    the parameters differ). A replica that joins later heals either way."""
 
     lighthouse: str | None = None
     replica_id: str | None = None
@@ -116,6 +120,7 @@ class ElasticOptions:
     max_retries: int = 3
     trainers: int | None = None
     slot: int | None = None
+    init_sync: bool = True
 
 
 def split_options(options: dict) -> tuple[dict, ElasticOptions | None]:
@@ -263,6 +268,8 @@ class Elastic:
         self.opts = opts
         if opts.trainers is not None:  # every member must count the same places
             options = {**options, "trainers": opts.trainers}
+        if not opts.init_sync:  # and agree on whether step 0 heals
+            options = {**options, "init_sync": False}
         self.fingerprint = fingerprint(outer.fragments, options)
         self.slot = opts.slot  # the training place held (trainers=N), None: a spare
         self.tokens = 0  # reported since the last committed sync (add_tokens)
@@ -293,7 +300,7 @@ class Elastic:
                 connect_timeout=timedelta(seconds=min(opts.quorum_timeout_s, 30.0)),
                 rank=0, world_size=1, store_addr=host, store_port=self._store.port,
                 lighthouse_addr=self.lighthouse, replica_id=replica_id, hostname=host,
-                max_retries=opts.max_retries)
+                max_retries=opts.max_retries, init_sync=opts.init_sync)
         except Exception as e:
             raise self._no_quorum(e, "starting torchft's manager") from e
         self._keep_state_per_element()  # before the join: a heal sends it
@@ -490,6 +497,7 @@ class Elastic:
             comm = TorchftComm(self.manager._pg)
             rows = self._meet(comm, own, interval)
             self._check_fingerprints(rows, comm)
+            self._check_start(rows)
             due = self._adopt_step(rows, due)
             if self.opts.trainers is not None:
                 self.slot = self._assign_slots(rows, comm.rank)
@@ -612,13 +620,14 @@ class Elastic:
         """Every member's (tokens, inner step, fingerprint as an int, milliseconds from its
         previous sync's end to this one's start or -1, where it stands: 0 in step, 1 catching
         up or a spare, 2 healing (its state not here yet), the training place it claims or
-        -1)."""
+        -1, with ``init_sync=False`` at inner step 0 a digest of its global parameters or 0)."""
         healing = self._pending is not None or self._unhealed
         mine = torch.tensor([own, self.outer.step, int(self.fingerprint, 16) - (1 << 63),
                              -1 if interval is None else int(interval * 1000),
                              2 if healing else int(self.catching_up),
-                             -1 if self.slot is None else self.slot], dtype=torch.int64)
-        rows = comm.wait(comm.all_gather(mine)).view(comm.world, 6)
+                             -1 if self.slot is None else self.slot,
+                             self._start_digest(healing)], dtype=torch.int64)
+        rows = comm.wait(comm.all_gather(mine)).view(comm.world, 7)
         return [tuple(int(x) for x in row) for row in rows.tolist()]
 
     def _start_catch_up(self, rows, exchanged: float) -> None:
@@ -650,6 +659,28 @@ class Elastic:
         outer.step = max(steps)
         return [f for f in outer.fragments
                 if outer.step > 0 and outer.step % outer.sync_every == f.offset]
+
+    def _start_digest(self, healing: bool) -> int:
+        """With ``init_sync=False``, at inner step 0: a digest of the global parameters (the
+        replicas must have been built alike), else 0 (nothing to check)."""
+        if self.opts.init_sync or self.outer.step != 0 or healing:
+            return 0
+        h = hashlib.sha256()
+        for frag in self.outer.fragments:
+            for g in frag.global_:
+                h.update(g.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return int.from_bytes(h.digest()[:8], "big") - (1 << 63) or 1
+
+    def _check_start(self, rows) -> None:
+        """``init_sync=False``: the members at step 0 must start from the same parameters."""
+        digests = {r[6] for r in rows if r[6] != 0}
+        if len(digests) > 1:
+            self.shutdown()
+            raise ConfigError(
+                f"init_sync=False, but the {len(rows)} replicas of the first sync start from "
+                f"{len(digests)} different parameters: build the model from the same seed on "
+                "every replica (torch.manual_seed before building it), or leave init_sync=True "
+                "(torchft then sends every replica the first one's state at step 0)")
 
     def _check_fingerprints(self, rows, comm) -> None:
         prints = [f"{r[2] + (1 << 63):016x}" for r in rows]
