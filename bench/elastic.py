@@ -400,7 +400,9 @@ def inside(cfg: dict) -> dict:
                               "rows_before": len(rows.get(name, [])),
                               "phases_before": len(phases.get(name, []))})
                 if hot:  # a spare takes the place; the machine's standby becomes a new spare
-                    assert name == f"r{victim}", f"place {victim} is held by {name}"
+                    # (the place's first holder's machine: another process runs there if a
+                    # spare took that place earlier, and the standby shares its link)
+                    kills[-1]["holder_was_first"] = name == f"r{victim}"
                     start(f"spare{len(kills)}", victim)
                 else:
                     start(name, victim)
@@ -442,6 +444,9 @@ def inside(cfg: dict) -> dict:
             "uncommitted": sum(1 for r in rows["r0"] if not r["committed"]),
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
             "kills": len(kills), "first_commit_s": first_commit, "splits": splits,
+            "killed": [{k: v for k, v in kill.items() if k in ("name", "place", "at_sync",
+                                                              "holder_was_first")}
+                       for kill in kills],
             "r0_sync_s": [round(r.get("seconds", 0.0), 3) for r in rows["r0"]],
             "r0_quorum": [r["replicas"] for r in rows["r0"]],
             "r0_quorum_s": [round(r.get("quorum_s", 0.0), 3) for r in rows["r0"]],

@@ -369,18 +369,28 @@ def late_joiner_replica(k: int, lighthouse: str, start_after_s: float, step_s: f
     while outer.elastic.manager.current_step() < stop_at and not finished.is_set() and i < 60:
         loss_of(model, k, i).backward()
         time.sleep(step_s)
-        try:
-            opt.step()
-        except ccfx.CollectiveError:
-            if not finished.is_set():
-                raise
-            break  # its peers stopped: the run is over
-        opt.zero_grad()
+        if not stepped(opt, finished):
+            break
         report()
         i += 1
     finished.set()
     outer.close()
     return out
+
+
+def stepped(opt, finished) -> bool:
+    """``opt.step()`` (a sync when one is due) and ``zero_grad``; False when that sync failed
+    because a peer has already finished (``finished`` is set): the run is over, not broken."""
+    import ccfx
+
+    try:
+        opt.step()
+    except ccfx.CollectiveError:
+        if not finished.is_set():
+            raise
+        return False
+    opt.zero_grad()
+    return True
 
 
 def spare_scenario_replica(k: int, lighthouse: str, spare: bool, step_s: float,
@@ -421,13 +431,8 @@ def spare_scenario_replica(k: int, lighthouse: str, spare: bool, step_s: float,
             break
         loss_of(model, 10 + (outer.slot or 0), i).backward()  # the place's data, not k's
         time.sleep(step_s)
-        try:
-            opt.step()
-        except ccfx.CollectiveError:
-            if not finished.is_set():
-                raise
-            break  # its peers stopped: the run is over
-        opt.zero_grad()
+        if not stepped(opt, finished):
+            break
         report()
         i += 1
     if outer.elastic.manager.current_step() >= stop_at:
@@ -470,13 +475,8 @@ def same_start_replica(k: int, lighthouse: str, seed: int, start_after_s: float,
             break
         loss_of(model, k, i).backward()
         time.sleep(0.2)
-        try:
-            opt.step()
-        except ccfx.CollectiveError:
-            if not finished.is_set():
-                raise
+        if not stepped(opt, finished):
             break
-        opt.zero_grad()
         report()
     finished.set()
     outer.close()

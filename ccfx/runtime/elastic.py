@@ -319,10 +319,12 @@ class Elastic:
     def wait_while_spare(self) -> None:
         """Sync with the trainers until this replica holds a training place. Each sync is
         joined when the earliest trainer is due (their last interval after the last exchange,
-        as a replica catching up does; at once while that is unknown, right after the first
-        join): the lighthouse counts its grace window from the first replica to arrive, and
-        one waiting there an interval early would let a quorum after a death form without
-        the trainers that arrive later than a majority."""
+        as a replica catching up does): the lighthouse counts its grace window from the first
+        replica to arrive, and one waiting there early would let a quorum form as soon as a
+        majority has arrived, without the trainers that arrive after it. While that interval
+        is unknown (the sync after the first join) it joins at once, up to an interval early:
+        the lighthouse's ``join_timeout_ms`` must exceed the time between two syncs (as for
+        any replica that joins; README)."""
         if not self.spare:
             return
         log.info("ccfx: replica %s is a hot spare (the %d training places are held): it syncs "
