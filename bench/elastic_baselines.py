@@ -49,7 +49,7 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float,
     torch.set_num_threads(1)
     train, held_out, vocab = _data(gpt["block_size"], 0, index, BATCH)
     phases["data"] = time.time()
-    torch.manual_seed(index)
+    torch.manual_seed(index if cfg.get("init_sync") else 0)  # as ccfx's replicas (_build)
     model = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     if cfg.get("tf_outer") == "nesterov":
@@ -79,7 +79,7 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float,
         quorum_timeout=timedelta(seconds=300), connect_timeout=timedelta(seconds=30),
         rank=0, world_size=1, store_addr=host, store_port=store.port,
         lighthouse_addr=cfg["lighthouse"], replica_id=name, hostname=host,
-        max_retries=20)
+        max_retries=20, init_sync=bool(cfg.get("init_sync")))
     phases["manager"] = time.time()
     out.put(("phases", name, phases))
     h = cfg["h"]
