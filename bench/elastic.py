@@ -420,8 +420,9 @@ def inside(cfg: dict) -> dict:
     wall = r0[-1]["time"] - r0[0]["time"]
     if cfg.get("impl") == "torchft":  # rows per replica, each its own contribution
         lo, hi = r0[0]["torchft_step"], r0[-1]["torchft_step"]
+        # after r0's first commit, as the wall: that commit's steps were trained before it
         useful = sum(r["weight"] for rs in rows.values() for r in rs
-                     if r["committed"] and lo <= r["torchft_step"] <= hi)
+                     if r["committed"] and lo < r["torchft_step"] <= hi)
     else:  # r0's rows hold the quorum's total
         useful = sum(r["weight"] for r in r0)
     first_commit, splits = [], []
