@@ -428,12 +428,12 @@ def inside(cfg: dict) -> dict:
     first_commit, splits = [], []
     for k in kills:
         if hot:  # the first committed sync in which another replica holds the place
-            taken = sorted((r["time"], r) for n, rs in rows.items() if n != k["name"]
-                           for r in rs if r["committed"] and r.get("slot") == k["place"]
-                           and r["time"] > k["time"])
+            taken = [r for n, rs in rows.items() if n != k["name"] for r in rs
+                     if r["committed"] and r.get("slot") == k["place"] and r["time"] > k["time"]]
             if taken:
-                first_commit.append(taken[0][0] - k["time"])
-                splits.append(_split(k, taken[0][1], [], rows))
+                first = min(taken, key=lambda r: r["time"])
+                first_commit.append(first["time"] - k["time"])
+                splits.append(_split(k, first, [], rows))
             continue
         later = [r for r in rows.get(k["name"], [])[k["rows_before"]:] if r["committed"]]
         if later:

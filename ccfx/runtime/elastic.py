@@ -670,7 +670,8 @@ class Elastic:
         h = hashlib.sha256()
         for frag in self.outer.fragments:
             for g in frag.global_:
-                h.update(g.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                flat = g.detach().cpu().contiguous().reshape(-1)
+                h.update(flat.view(torch.uint8).numpy().tobytes())
         return int.from_bytes(h.digest()[:8], "big") - (1 << 63) or 1
 
     def _check_start(self, rows) -> None:
