@@ -31,9 +31,10 @@ Runs (each in a fresh namespace):
              machines of their own; starting one on the cores the replicas share would slow
              the survivors, which a replacement on its own machine does not); ``spare`` (row
              ``failures_spare``): ``trainers=R`` and one hot spare more, on a machine of its
-             own, in every quorum from the start with nothing to send: at the first sync
-             after a kill it takes the dead replica's training place (and reads its shard)
-             with no heal; the victim's machine's warm standby then joins as the next spare
+             own, in every quorum from the start with nothing to send: it watches the
+             trainers and takes a killed one's training place (and reads its shard) when it
+             dies, with no heal (``placed_s``: kill -> place taken); the victim's machine's
+             warm standby then joins as the next spare
              (it heals, off the trainers' path). R + 1 machines against the free run's R
   raw        no failures, outer codec none (bytes and loss against the codec)
   tf_free, tf_failures   torchft's own DiLoCo, uncompressed (bench/elastic_baselines.py)
@@ -425,15 +426,19 @@ def inside(cfg: dict) -> dict:
                      if r["committed"] and lo < r["torchft_step"] <= hi)
     else:  # r0's rows hold the quorum's total
         useful = sum(r["weight"] for r in r0)
-    first_commit, splits = [], []
+    first_commit, splits, placed = [], [], []
     for k in kills:
         if hot:  # the first committed sync in which another replica holds the place
-            taken = [r for n, rs in rows.items() if n != k["name"] for r in rs
+            taken = [(r, n) for n, rs in rows.items() if n != k["name"] for r in rs
                      if r["committed"] and r.get("slot") == k["place"] and r["time"] > k["time"]]
             if taken:
-                first = min(taken, key=lambda r: r["time"])
+                first, holder = min(taken, key=lambda rn: rn[0]["time"])
                 first_commit.append(first["time"] - k["time"])
                 splits.append(_split(k, first, [], rows))
+                # when the holder's local_steps returned: it took the place (at the death, or
+                # at the sync's meet)
+                took = [p["joined"] for p in phases.get(holder, []) if p["joined"] > k["time"]]
+                placed.append(min(took) - k["time"] if took else None)
             continue
         later = [r for r in rows.get(k["name"], [])[k["rows_before"]:] if r["committed"]]
         if later:
@@ -445,6 +450,7 @@ def inside(cfg: dict) -> dict:
             "uncommitted": sum(1 for r in rows["r0"] if not r["committed"]),
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
             "kills": len(kills), "first_commit_s": first_commit, "splits": splits,
+            "placed_s": placed,  # --restart spare: kill -> the place taken (local_steps returned)
             "killed": [{k: v for k, v in kill.items() if k in ("name", "place", "at_sync",
                                                               "holder_was_first")}
                        for kill in kills],

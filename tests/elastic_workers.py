@@ -394,14 +394,15 @@ def stepped(opt, finished) -> bool:
 
 
 def spare_scenario_replica(k: int, lighthouse: str, spare: bool, step_s: float,
-                           leave_at: int | None, stop_at: int, finished) -> dict:
-    """Replica ``k`` of the hot-spare scenario (two training places): a trainer claims place
-    ``k``; a spare (started 2 s late, so the trainers hold both places) blocks in
-    ``local_steps`` until a place is free. A replica with ``leave_at`` leaves once its torchft
-    step reaches it (its manager stops: to the lighthouse, a death after the heartbeat timeout);
-    the others train until ``stop_at`` (or a peer got there: ``finished``). Its sync rows, each
-    with the digest of the global parameters after it (None where a later row of the same call
-    followed), and, for the spare, when ``local_steps`` returned and the place it took."""
+                           die_at: int | None, stop_at: int, finished) -> dict:
+    """Replica ``k`` of the hot-spare scenario (two training places, a sync every 6 inner
+    steps): a trainer claims place ``k``; a spare (started 2 s late, so the trainers hold both
+    places) blocks in ``local_steps`` until a place is free. A replica with ``die_at`` dies an
+    inner step after its torchft step reaches it, mid-interval: its ``/alive`` streams end
+    with no goodbye and its manager stops, what a SIGKILL does to a process. The others train
+    until ``stop_at`` (or a peer got there: ``finished``). Its sync rows, each with the digest
+    of the global parameters after it (None where a later row of the same call followed), and
+    when ``local_steps`` returned (the spare: when it took a place) and which place."""
     import ccfx
 
     model = mlp(k)
@@ -411,8 +412,8 @@ def spare_scenario_replica(k: int, lighthouse: str, spare: bool, step_s: float,
     outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
                              replica_id=f"p{k}", quorum_timeout_s=20.0, max_retries=5,
                              trainers=2, slot=None if spare else k,
-                             **{**OPTIONS, "collective_timeout_s": 20.0})
-    out = {"rows": [], "placed_at": time.monotonic(), "slot": outer.slot, "left_at": None}
+                             **{**OPTIONS, "sync_every": 6, "collective_timeout_s": 20.0})
+    out = {"rows": [], "placed_at": time.monotonic(), "slot": outer.slot, "died_at": None}
     seen = 0
 
     def report():
@@ -424,11 +425,17 @@ def spare_scenario_replica(k: int, lighthouse: str, spare: bool, step_s: float,
         seen = len(outer.elastic.history)
 
     report()
-    i = 0
-    while not finished.is_set() and i < 80:
+    i, doomed = 0, None
+    while not finished.is_set() and i < 120:
         step = outer.elastic.manager.current_step()
-        if step >= stop_at or (leave_at is not None and step >= leave_at):
+        if step >= stop_at:
             break
+        if die_at is not None and step >= die_at:
+            doomed = i + 1 if doomed is None else doomed
+            if i >= doomed:
+                out["died_at"] = time.monotonic()
+                outer.elastic._transport.sever()
+                break
         loss_of(model, 10 + (outer.slot or 0), i).backward()  # the place's data, not k's
         time.sleep(step_s)
         if not stepped(opt, finished):
@@ -437,8 +444,6 @@ def spare_scenario_replica(k: int, lighthouse: str, spare: bool, step_s: float,
         i += 1
     if outer.elastic.manager.current_step() >= stop_at:
         finished.set()
-    else:
-        out["left_at"] = time.monotonic()
     outer.close()
     return out
 

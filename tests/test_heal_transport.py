@@ -238,3 +238,29 @@ def test_a_replica_still_healing_serves_no_state_and_its_healer_heals_later():
     assert own.cancelled and not healer._healed
     assert all(torch.equal(before[k], v) for k, v in outer.global_parameters().items())
     outer.close()
+
+
+def test_a_watch_sees_a_severed_replica_die_and_a_replica_that_shuts_down_leave():
+    """A hot spare's watch (``/alive``): a stream that ends with no goodbye (a killed process)
+    or cannot be opened is a death, seen within a beat; a replica that shuts down says
+    goodbye and is not. Bounds: the severed stream's end reaches the watch at once; 2 s is
+    slack for a loaded machine, against the 10 s after which silence alone would count."""
+    killed = heal.HealTransport("127.0.0.1", timedelta(seconds=5))
+    leaving = heal.HealTransport("127.0.0.1", timedelta(seconds=5))
+    gone = heal.HealTransport("127.0.0.1", timedelta(seconds=5))
+    gone.shutdown()  # nobody listens at its port any more
+    watch = heal.Watch({"killed": killed.metadata(), "leaving": leaving.metadata(),
+                        "gone": gone.metadata()}, silent_s=10.0)
+    try:
+        assert watch.wait(time.monotonic() + 5.0) == ["gone"]
+        time.sleep(2 * heal.BEAT_S)  # both streams beating
+        leaving.shutdown()
+        started = time.monotonic()
+        killed.sever()
+        assert watch.wait(started + 5.0, more_than=1) == ["gone", "killed"]
+        assert time.monotonic() - started < 2.0
+        time.sleep(2 * heal.BEAT_S)
+        assert watch.dead == ["gone", "killed"]  # the goodbye was no death
+    finally:
+        watch.close()
+        killed.shutdown()

@@ -58,10 +58,16 @@ Hot spares (``trainers=N``): N training places; a replica joins claiming ``slot`
 place), and one that finds every place held is a spare. A spare is in every quorum with nothing
 to send (weight 0) and applies every committed average, so its global parameters, outer
 optimizer and codec state stay the trainers' bit for bit; it blocks in ``local_steps`` until a
-sync's meet finds a place free (a trainer died or missed the quorum), takes it there and trains
-from that sync on, with no heal. Places are assigned at every meet from the all-gathered claims
+place is free and trains from then on, with no heal. Between syncs it watches the trainers
+(each serves a stream of beats, :class:`~ccfx.runtime.heal.Watch`, at the address it gives in
+the meet): when one dies (its stream ends with no goodbye, or falls silent) the spare takes
+its place at once, from the last committed sync's state, the dead trainer's own starting point
+for that interval, and syncs with the trainers at their next sync with its steps since. A
+place freed otherwise (a trainer missed the quorum, shut down, or could not be watched) is
+taken at the sync's meet. Places are assigned at every meet from the all-gathered claims
 (:meth:`Elastic._assign_slots`), so every member decides the same. What a spare costs: a
-member's share of each exchange's traffic on its own link, and its wait at every sync.
+member's share of each exchange's traffic on its own link, its wait at every sync, and one
+watching connection per trainer.
 
 Addresses: each replica serves a TCP store (the quorum's process group meets in one of them)
 and its manager at ``MASTER_ADDR`` (default 127.0.0.1, replicas on one machine); across
@@ -89,9 +95,12 @@ import torch
 
 from ..errors import CollectiveError, ConfigError
 from ..wire.collectives import element_state_layout
-from .heal import HealTransport, Pending
+from .heal import HealTransport, Pending, Watch
 
 log = logging.getLogger("ccfx")
+
+#: A watched trainer silent this long is dead (a machine that vanished sends no FIN).
+WATCH_SILENT_S = 10.0
 
 #: ``ccfx.local_steps`` keywords that configure fault tolerance (not torch.compile options).
 KEYS = ("fault_tolerant", "lighthouse", "replica_id", "min_replicas", "quorum_timeout_s",
@@ -220,6 +229,16 @@ def _is_residual(name: str) -> bool:
     return name.rsplit(".", 1)[-1].startswith("residual")
 
 
+def _ipv4_columns(host: str, port: int) -> tuple[int, int]:
+    """``host``:``port`` for the meet's rows (IPv4 as an int, port); (0, 0) when ``host`` has
+    no IPv4 address (no spare watches this replica then: it takes the place at the next
+    sync)."""
+    try:
+        return int.from_bytes(socket.inet_aton(socket.gethostbyname(host)), "big"), port
+    except OSError:
+        return 0, 0
+
+
 def _reachable(address: str, timeout_s: float = 2.0) -> bool:
     url = urlparse(address if "://" in address else f"http://{address}")
     try:
@@ -239,6 +258,8 @@ class Elastic:
     _unhealed = False  # this sync's heal came from a replica still healing (_load)
     _last_rows: list | tuple = ()  # the last sync's all-gathered rows, and when its exchange ended
     _last_exchanged = 0.0
+    _last_rank = -1  # this replica's rank in the last sync's quorum
+    _address = (0, 0)  # this replica's /alive address in the meet (_ipv4_columns)
     catching_up = False  # healed lazily: sync at the peers' next sync (catch_up_due)
     _catch_up_at: float | None = None
     _last_end: float | None = None  # when this replica's last sync ended
@@ -289,13 +310,15 @@ class Elastic:
         from torch.distributed import TCPStore
 
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._transport = HealTransport(host, timeout)
+        self._address = _ipv4_columns(host, self._transport.port)
         replica_id = opts.replica_id or os.environ.get("REPLICA_ID")
         try:
             self.manager = torchft.Manager(
                 pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=self._load,
                 state_dict=self._recovery_state, min_replica_size=opts.min_replicas,
                 use_async_quorum=False, timeout=timeout,
-                checkpoint_transport=HealTransport(host, timeout),
+                checkpoint_transport=self._transport,
                 quorum_timeout=timedelta(seconds=opts.quorum_timeout_s),
                 connect_timeout=timedelta(seconds=min(opts.quorum_timeout_s, 30.0)),
                 rank=0, world_size=1, store_addr=host, store_port=self._store.port,
@@ -317,9 +340,12 @@ class Elastic:
         return self.opts.trainers is not None and self.slot is None
 
     def wait_while_spare(self) -> None:
-        """Sync with the trainers until this replica holds a training place. Each sync is
-        joined when the earliest trainer is due (their last interval after the last exchange,
-        as a replica catching up does): the lighthouse counts its grace window from the first
+        """Sync with the trainers until this replica holds a training place. Between two syncs
+        it watches the trainers (:class:`~ccfx.runtime.heal.Watch`): when one dies it takes
+        that place at once (:meth:`_take_place`), so the place trains through the rest of the
+        interval instead of standing empty until the next sync. Otherwise it joins each sync
+        when the earliest trainer is due (their last interval after the last exchange, as a
+        replica catching up does): the lighthouse counts its grace window from the first
         replica to arrive, and one waiting there early would let a quorum form as soon as a
         majority has arrived, without the trainers that arrive after it. While that interval
         is unknown (the sync after the first join) it joins at once, up to an interval early:
@@ -333,11 +359,52 @@ class Elastic:
         while self.spare:
             at = self._next_sync_at(self._last_rows, self._last_exchanged)
             if at is not None:
-                time.sleep(max(0.0, at - time.monotonic()))
+                slot = self._watch_trainers(at)
+                if slot is not None:
+                    self._take_place(slot, at)
+                    return
             self.sync([])
         self.since, self.tokens = self.outer.step, 0  # it trains from here
         log.info("ccfx: replica %s takes training place %d at inner step %d",
                  self.manager._replica_id, self.slot, self.outer.step)
+
+    def _watch_trainers(self, until: float) -> int | None:
+        """Until ``until`` (the trainers' next sync): the place of a trainer that died
+        meanwhile and that this spare takes, or None. The places and the spares' order come
+        from the last meet's rows, as every member computes them (:meth:`_assign_slots`): the
+        ``j``-th waiting spare takes the ``j``-th death it sees. Deaths seen in another order
+        by two spares, or a trainer alive but cut off from this spare, make two claims on a
+        place at the next meet: the in-step trainer keeps it, the other member becomes a spare
+        again (its steps counted in that sync's average, once)."""
+        rows, me = self._last_rows, self._last_rank
+        if not rows or not 0 <= me < len(rows):
+            return None
+        places = {i: self._assign_slots(rows, i) for i in range(len(rows))}
+        spares = sorted((i for i, s in places.items() if s is None),
+                        key=lambda i: (rows[i][4] == 2, i))
+        urls = {s: f"http://{socket.inet_ntoa(rows[i][7].to_bytes(4, 'big'))}:{rows[i][8]}"
+                for i, s in places.items() if s is not None and rows[i][8] > 0}
+        if me not in spares or not urls:
+            return None
+        j = spares.index(me)
+        watch = Watch(urls, silent_s=WATCH_SILENT_S)
+        try:
+            dead = watch.wait(until, more_than=j)
+        finally:
+            watch.close()
+        return dead[j] if len(dead) > j else None
+
+    def _take_place(self, slot: int, at: float) -> None:
+        """Train in the place of a trainer that died between syncs, from now: this spare's
+        state is the last committed sync's, as the dead trainer's was when it started the
+        interval. It syncs when the other trainers do (``at``; :meth:`catch_up_due`), its
+        steps since weighted as they are, and claims the place there."""
+        self.slot = slot
+        self.catching_up, self._catch_up_at, self._last_step_end = True, at, None
+        self.since, self.tokens = self.outer.step, 0
+        log.info("ccfx: replica %s takes training place %d at inner step %d, %.1f s before "
+                 "the next sync: its trainer died", self.manager._replica_id, slot,
+                 self.outer.step, max(0.0, at - time.monotonic()))
 
     def _assign_slots(self, rows, rank: int) -> int | None:
         """The training place of quorum member ``rank`` after this meet; every member computes
@@ -498,6 +565,7 @@ class Elastic:
             # and leaves the group unset), this sync is uncommitted like any failed exchange
             comm = TorchftComm(self.manager._pg)
             rows = self._meet(comm, own, interval)
+            self._last_rank = comm.rank
             self._check_fingerprints(rows, comm)
             self._check_start(rows)
             due = self._adopt_step(rows, due)
@@ -622,14 +690,15 @@ class Elastic:
         """Every member's (tokens, inner step, fingerprint as an int, milliseconds from its
         previous sync's end to this one's start or -1, where it stands: 0 in step, 1 catching
         up or a spare, 2 healing (its state not here yet), the training place it claims or
-        -1, with ``init_sync=False`` at inner step 0 a digest of its global parameters or 0)."""
+        -1, with ``init_sync=False`` at inner step 0 a digest of its global parameters or 0,
+        its ``/alive`` address for hot spares: IPv4 as an int and port, or 0 and 0)."""
         healing = self._pending is not None or self._unhealed
         mine = torch.tensor([own, self.outer.step, int(self.fingerprint, 16) - (1 << 63),
                              -1 if interval is None else int(interval * 1000),
                              2 if healing else int(self.catching_up),
                              -1 if self.slot is None else self.slot,
-                             self._start_digest(healing)], dtype=torch.int64)
-        rows = comm.wait(comm.all_gather(mine)).view(comm.world, 7)
+                             self._start_digest(healing), *self._address], dtype=torch.int64)
+        rows = comm.wait(comm.all_gather(mine)).view(comm.world, len(mine))
         return [tuple(int(x) for x in row) for row in rows.tolist()]
 
     def _start_catch_up(self, rows, exchanged: float) -> None:

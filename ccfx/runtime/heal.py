@@ -16,6 +16,11 @@ touched again, so :meth:`disallow_checkpoint` has nothing to wait for; a request
 yet staged waits for it (the healer can ask before its source's quorum thread has staged).
 The last two steps stay staged. Both parts travel as ``torch.save`` bytes and are read with
 ``weights_only=True``: a peer sends tensors and plain containers, nothing that runs code.
+
+The same server tells a hot spare when its replica dies (``/alive``, :class:`Watch`): a stream
+of one byte per ``BEAT_S`` that ends with a goodbye byte when the replica shuts down. A killed
+process's kernel closes the connection with no goodbye; a machine that vanished stops the
+bytes. Either is a death, known in a beat or two, not at the next sync.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
+import time
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -34,6 +40,8 @@ log = logging.getLogger("ccfx")
 
 _SLOT = "__ccfx_body__"  # a head's placeholder for the body's tensor i: (_SLOT, i)
 _KEEP = 2  # staged steps kept (a late request for the previous step still finds it)
+BEAT_S = 0.5  # /alive: one byte per beat
+_BEAT, _BYE = b".", b"x"
 
 
 def split(state):
@@ -175,6 +183,9 @@ class HealTransport:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
+                if self.path == "/alive":
+                    transport._beat(self)
+                    return
                 try:
                     step, part = self.path.strip("/").split("/")
                     data = transport._serve(int(step), part)
@@ -190,14 +201,43 @@ class HealTransport:
             def log_message(self, *args):  # quiet: the default writes every request to stderr
                 pass
 
+        self._closing = threading.Event()  # shutdown: every /alive stream says goodbye
+        self._streams = threading.Semaphore(0)  # released by each /alive stream that ends
+        self._beating, self._beating_lock = 0, threading.Lock()  # /alive streams started
+        self._severed = False  # sever(): they end with no goodbye, as a killed process's do
         self._server = ThreadingHTTPServer((host, 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="ccfx-heal-server")
         self._thread.start()
 
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
     def metadata(self) -> str:
-        return f"http://{self.host}:{self._server.server_address[1]}"
+        return f"http://{self.host}:{self.port}"
+
+    def _beat(self, handler) -> None:
+        """Serve ``/alive``: a byte per beat until this transport shuts down (then the goodbye
+        byte) or the watcher goes away."""
+        with self._beating_lock:
+            self._beating += 1
+        try:
+            handler.send_response(200)
+            handler.send_header("Content-Type", "application/octet-stream")
+            handler.end_headers()
+            while not self._closing.wait(BEAT_S):
+                handler.wfile.write(_BEAT)
+                handler.wfile.flush()
+            if not self._severed:
+                handler.wfile.write(_BYE)
+                handler.wfile.flush()
+        except OSError:  # the watcher closed its end
+            pass
+        finally:
+            handler.close_connection = True
+            self._streams.release()
 
     def _serve(self, step: int, part: str) -> bytes:
         with self._changed:
@@ -229,5 +269,64 @@ class HealTransport:
                 "user": {key: Pending(value, body) for key, value in head["user"].items()}}
 
     def shutdown(self, wait: bool = True) -> None:
+        """Stop serving; each ``/alive`` stream says goodbye first (up to a second: a process
+        that exits right after must not look killed to its watchers)."""
+        self._closing.set()
+        deadline = time.monotonic() + 1.0
+        with self._beating_lock:
+            started, self._beating = self._beating, 0
+        for _ in range(started):
+            if not self._streams.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break
         self._server.shutdown()
         self._server.server_close()
+
+    def sever(self) -> None:
+        """End every ``/alive`` stream with no goodbye and stop serving: what a watcher sees
+        of a replica killed with SIGKILL (tests stand in for a kill with it)."""
+        self._severed = True
+        self.shutdown()
+
+
+class Watch:
+    """A hot spare's watch over other replicas' ``/alive`` streams (their
+    :meth:`HealTransport.metadata` URLs): :meth:`wait` returns the keys of those that died,
+    in the order their deaths were seen. A stream that ends without the goodbye byte, cannot
+    be opened, or is silent for ``silent_s`` is a death; one that says goodbye (the replica
+    shut down) is not. One thread per replica; :meth:`close` ends them."""
+
+    def __init__(self, urls: dict, silent_s: float = 5.0):
+        self.dead: list = []
+        self._changed = threading.Condition()
+        self._closed = False
+        for key, url in urls.items():
+            threading.Thread(target=self._follow, args=(key, url, silent_s), daemon=True,
+                             name=f"ccfx-watch-{key}").start()
+
+    def _follow(self, key, url: str, silent_s: float) -> None:
+        try:
+            with urllib.request.urlopen(f"{url}/alive", timeout=silent_s) as response:
+                while (byte := response.read(1)) == _BEAT:
+                    if self._closed:
+                        return
+            if byte == _BYE:
+                return
+        except (OSError, ValueError):  # refused, reset, silent past silent_s; closed by close()
+            pass
+        with self._changed:
+            if not self._closed:
+                self.dead.append(key)
+                self._changed.notify_all()
+
+    def wait(self, until: float, more_than: int = 0) -> list:
+        """The deaths seen so far, waiting until there are more than ``more_than`` or
+        ``time.monotonic()`` reaches ``until``."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self.dead) > more_than,
+                                   timeout=max(0.0, until - time.monotonic()))
+            return list(self.dead)
+
+    def close(self) -> None:
+        """Stop watching: each thread ends at its stream's next byte."""
+        with self._changed:
+            self._closed = True

@@ -49,7 +49,7 @@ Fault tolerant (``fault_tolerant=True``, with ``lighthouse``, ``replica_id``, ``
 ``quorum_timeout_s``, ``max_retries``, ``trainers``, ``slot``, ``init_sync``): each sync is a
 step of a torchft ``Manager`` among the replicas alive now, and a replica that joins late
 recovers from a live peer; with ``trainers=N`` the replicas beyond N are hot spares that take a
-dead trainer's place (:attr:`LocalSteps.slot`) at the next sync; see :mod:`ccfx.runtime.elastic`.
+dead trainer's place (:attr:`LocalSteps.slot`) when it dies; see :mod:`ccfx.runtime.elastic`.
 ``outer.add_tokens(n)`` weights the average by tokens.
 """
 
