@@ -79,7 +79,10 @@ def test_reference_matches_torch_float8_cast(fmt):
         assert torch.equal(fp8_bits(y, fmt).to(torch.uint8), y.to(fmt).view(torch.uint8))
     torch.testing.assert_close(fp8_values(codes, fmt), codes.view(fmt).float(), rtol=0, atol=0,
                                equal_nan=True)
-    assert torch.equal(torch.signbit(fp8_values(codes, fmt)), torch.signbit(codes.view(fmt).float()))
+    # the sign of zeros and infinities; a NaN's sign bit is not kept by CUDA's cast
+    ref = codes.view(fmt).float()
+    keep = ~torch.isnan(ref)
+    assert torch.equal(torch.signbit(fp8_values(codes, fmt))[keep], torch.signbit(ref)[keep])
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -88,7 +91,9 @@ def test_decode_all_codes(fmt):
     codes = torch.arange(256, dtype=torch.uint8)
     y = K.fp8_decode(codes, torch.ones(1), 256, fmt, (256,), torch.float32)
     torch.testing.assert_close(y, codes.view(fmt).float(), rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(torch.signbit(y), torch.signbit(codes.view(fmt).float()))
+    ref = codes.view(fmt).float()
+    keep = ~torch.isnan(ref)  # a NaN's sign bit is not kept by CUDA's cast
+    assert torch.equal(torch.signbit(y)[keep], torch.signbit(ref)[keep])
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -25,7 +25,7 @@ from ._common import (
 
 # %% kernels
 #: Largest finite float32: decoded values are clamped to it (never rounded into inf).
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from ._common import (
     uniform,
 )
 
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a global a kernel reads must be a constexpr
 
 
 # %% kernels

@@ -98,7 +98,9 @@ def absmax_scales(rows: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
     or ±inf (``amax`` drops NaN on some backends: non-finite rows are made explicit)."""
     absmax = rows.abs().amax(dim=1, keepdim=True)
     if divisor != 1:
-        absmax = absmax / divisor
+        # by a tensor, not a Python float: CUDA multiplies by a scalar divisor's reciprocal
+        # (one ulp off the quotient); the kernels and the CPU divide correctly rounded
+        absmax = absmax / torch.full_like(absmax, divisor)
     return torch.where(nonfinite_rows(rows), float("nan"), absmax)
 
 

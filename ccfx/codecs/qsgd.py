@@ -67,7 +67,9 @@ def qsgd_encode_reference(x, key, block: int, levels: int, qdtype: torch.dtype):
 @fast
 def qsgd_decode_reference(q, norms, block: int, levels: int, shape, dtype):
     big = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-    return rescaled(q.float(), norms / levels, block, shape, dtype, limit=big)
+    # by a tensor: CUDA multiplies by a Python divisor's reciprocal (one ulp off the kernel)
+    return rescaled(q.float(), norms / torch.full_like(norms, levels), block, shape, dtype,
+                    limit=big)
 
 
 @register

@@ -25,6 +25,13 @@ from . import ring as _ring
 Tensors = list[torch.Tensor]
 
 
+
+def _all_gather_flat(out, flat, group=None, async_op=False):
+    """``dist.all_gather_single`` (torch 2.13, which deprecates ``all_gather_into_tensor``);
+    the older name where the newer is missing (torch 2.11 on the GPU machines here)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, flat, group=group, async_op=async_op)
+
 class FunctionalComm:
     """Collectives as ``torch.ops._c10d_functional`` ops: they trace into graphs and return
     at once; ``wait`` is ``wait_tensor``."""
@@ -119,7 +126,7 @@ class ProcessGroupComm:
         """Fills a ``(world * t.numel(),)`` flat, rank-major tensor."""
         flat = t.detach().reshape(-1).contiguous()
         out = flat.new_empty(self.world * flat.numel())
-        return _InFlight(dist.all_gather_single(out, flat, group=self.group, async_op=True), out)
+        return _InFlight(_all_gather_flat(out, flat, group=self.group, async_op=True), out)
 
     def reduce_scatter(self, t: torch.Tensor) -> _InFlight:
         """Fills this rank's ``1 / world`` of dim 0, summed over ranks."""
