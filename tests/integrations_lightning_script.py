@@ -50,6 +50,12 @@ def main(out: str) -> None:
         json.dump({"world": trainer.world_size, "steps": trainer.global_step,
                    "hook_steps": codec.state.steps, "raw": raw, "wire": wire,
                    "digest": digest}, f)
+    # Lightning leaves its process group up: leave together and tear it down before the
+    # interpreter exits, as the torchrun script does (rank 0 aborted at exit once, "terminate
+    # called without an active exception", in session 16's CI run on a loaded machine)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
