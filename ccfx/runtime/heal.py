@@ -202,8 +202,7 @@ class HealTransport:
                 pass
 
         self._closing = threading.Event()  # shutdown: every /alive stream says goodbye
-        self._streams = threading.Semaphore(0)  # released by each /alive stream that ends
-        self._beating, self._beating_lock = 0, threading.Lock()  # /alive streams started
+        self._beating, self._streams = 0, threading.Condition()  # /alive streams serving now
         self._severed = False  # sever(): they end with no goodbye, as a killed process's do
         self._server = ThreadingHTTPServer((host, 0), Handler)
         self._server.daemon_threads = True
@@ -221,7 +220,7 @@ class HealTransport:
     def _beat(self, handler) -> None:
         """Serve ``/alive``: a byte per beat until this transport shuts down (then the goodbye
         byte) or the watcher goes away."""
-        with self._beating_lock:
+        with self._streams:
             self._beating += 1
         try:
             handler.send_response(200)
@@ -237,7 +236,9 @@ class HealTransport:
             pass
         finally:
             handler.close_connection = True
-            self._streams.release()
+            with self._streams:
+                self._beating -= 1
+                self._streams.notify_all()
 
     def _serve(self, step: int, part: str) -> bytes:
         with self._changed:
@@ -272,12 +273,8 @@ class HealTransport:
         """Stop serving; each ``/alive`` stream says goodbye first (up to a second: a process
         that exits right after must not look killed to its watchers)."""
         self._closing.set()
-        deadline = time.monotonic() + 1.0
-        with self._beating_lock:
-            started, self._beating = self._beating, 0
-        for _ in range(started):
-            if not self._streams.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                break
+        with self._streams:
+            self._streams.wait_for(lambda: self._beating == 0, timeout=1.0)
         self._server.shutdown()
         self._server.server_close()
 

@@ -24,13 +24,10 @@ from . import ring as _ring
 
 Tensors = list[torch.Tensor]
 
+#: ``dist.all_gather_single`` (torch 2.13, which deprecates ``all_gather_into_tensor``); the
+#: older name where the newer is missing (torch 2.11 on the GPU machines here)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-def _all_gather_flat(out, flat, group=None, async_op=False):
-    """``dist.all_gather_single`` (torch 2.13, which deprecates ``all_gather_into_tensor``);
-    the older name where the newer is missing (torch 2.11 on the GPU machines here)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, flat, group=group, async_op=async_op)
 
 class FunctionalComm:
     """Collectives as ``torch.ops._c10d_functional`` ops: they trace into graphs and return
