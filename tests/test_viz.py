@@ -509,3 +509,31 @@ def test_rendering_goes_through_the_graphviz_package_the_project_declares(monkey
         run_dot("digraph { a -> }", "svg")
     with pytest.warns(CcfxWarning, match="graphviz: "):
         run_dot('digraph { a [shape="nosuchshape"] }', "svg")
+
+
+NO_GRAPHVIZ_PACKAGE = """
+import sys
+sys.modules["graphviz"] = None          # `import graphviz` raises ImportError from here on
+import torch, ccfx
+from ccfx import cli
+from ccfx.viz.render import GraphvizNotFoundError, run_dot
+compiled = torch.compile(torch.nn.Linear(4, 4), backend="ccfx", options={"stages": 1})
+compiled(torch.randn(2, 4))
+for command in ("demo", "viz"):
+    args = cli.build_parser().parse_args([command] + (["m:f"] if command == "viz" else []))
+    assert not getattr(args, "_unavailable", None), args._unavailable
+try:
+    run_dot("digraph { a }", "svg")
+except GraphvizNotFoundError as e:
+    print("told:", e)
+"""
+
+
+def test_without_the_graphviz_package_ccfx_compiles_and_drawing_says_what_to_install():
+    """A machine without the ``graphviz`` Python package (a bare GPU image) still imports the
+    backend and the CLI; the first drawing says ``pip install graphviz``."""
+    done = subprocess.run([sys.executable, "-c", NO_GRAPHVIZ_PACKAGE], check=False,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if HAS_DOT:
+        assert "told:" in done.stdout and "pip install graphviz" in done.stdout

@@ -6,7 +6,9 @@ alone, which record shapes read as fields, and our builder keeps the text byte-f
 deterministic (the golden files). The package does the rendering.
 
 Without ``dot`` on PATH the ``.dot`` file is still written, and :class:`GraphvizNotFoundError`
-says how to install graphviz.
+says how to install graphviz. The package is imported when something is rendered, not when ccfx
+is: a machine without it (a bare GPU image) still compiles, and is told what to install the
+first time it draws.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-
-import graphviz
 
 from ccfx.errors import CcfxError, CcfxWarning, ConfigError
 
@@ -51,11 +51,22 @@ def dot_binary() -> str | None:
     return shutil.which("dot")
 
 
+def _graphviz_package():
+    try:
+        import graphviz
+    except ImportError as e:
+        raise GraphvizNotFoundError(
+            "the `graphviz` Python package (a ccfx dependency) is not installed: "
+            "`pip install graphviz`") from e
+    return graphviz
+
+
 def run_dot(dot_text: str, fmt: str) -> bytes:
     """``dot_text`` laid out by ``dot`` and rendered to ``fmt`` (``graphviz.pipe``); the bytes.
     What graphviz says on stderr becomes a :class:`CcfxWarning`."""
     if dot_binary() is None:
         raise GraphvizNotFoundError(f"graphviz's `dot` is not on PATH: {INSTALL_HINT}")
+    graphviz = _graphviz_package()
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
