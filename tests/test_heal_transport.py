@@ -172,6 +172,70 @@ def test_a_cancelled_fetch_does_not_deliver(transport, monkeypatch):
         pending.result(10)
 
 
+def _served_ranges(monkeypatch) -> list:
+    """The byte ranges the server is asked for, in order (a spy on the Range parser)."""
+    asked, parse = [], heal._byte_range
+
+    def spy(header, size):
+        span = parse(header, size)
+        if span is not None:  # the head's request asks for no range
+            asked.append(span)
+        return span
+
+    monkeypatch.setattr(heal, "_byte_range", spy)
+    return asked
+
+
+def test_the_body_comes_in_ranges_that_join_to_the_state(transport, monkeypatch):
+    monkeypatch.setattr(heal, "PIECE", 1000)
+    asked = _served_ranges(monkeypatch)
+    transport.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=10))
+    got = transport.recv_checkpoint(0, transport.metadata(), 3, timedelta(seconds=10))
+    assert _equal(got["user"]["default"].result(10), _state()["user"]["default"])
+    size = asked[-1][1]
+    assert len(asked) == -(-size // 1000) > 1
+    assert [a for a, _ in asked] == list(range(0, size, 1000))
+    assert all(b - a == 1000 for a, b in asked[:-1])
+
+
+def test_a_paused_fetch_asks_for_nothing_until_it_resumes(transport, monkeypatch):
+    """A hot spare healing pauses its fetch while it is in a sync (elastic.py ``_heal``): the
+    range in flight arrives, no further one is asked for."""
+    monkeypatch.setattr(heal, "PIECE", 1000)
+    asked = _served_ranges(monkeypatch)
+    transport.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=10))
+    pending = transport.recv_checkpoint(0, transport.metadata(), 3,
+                                        timedelta(seconds=10))["user"]["default"]
+    pending.pause()
+    assert not pending.done(0.5) and asked == []
+    pending.resume()
+    assert pending.done(10)
+    assert _equal(pending.result(10), _state()["user"]["default"]) and len(asked) > 1
+
+
+def test_a_paused_fetch_that_is_cancelled_stops(transport):
+    transport.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=10))
+    pending = transport.recv_checkpoint(0, transport.metadata(), 3,
+                                        timedelta(seconds=10))["user"]["default"]
+    pending.pause()
+    pending.start()
+    pending.cancel()
+    assert pending.done(5)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        pending.result(1)
+
+
+def test_a_range_past_the_end_is_refused(transport):
+    import urllib.error
+    import urllib.request
+
+    transport.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=10))
+    request = urllib.request.Request(f"{transport.metadata()}/3/body",
+                                     headers={"Range": "bytes=100000000-"})
+    with pytest.raises(urllib.error.HTTPError, match="416"):
+        urllib.request.urlopen(request, timeout=10)
+
+
 def _elastic_of(outer):
     from ccfx.runtime.elastic import Elastic
 
