@@ -1,4 +1,7 @@
+import functools
 import os
+import re
+from pathlib import Path
 
 # Triton decides at import of triton.language (and at each @triton.jit) whether kernels are
 # interpreted. Other imports load triton early (transformers does), so the Triton kernel tests
@@ -28,6 +31,42 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+#: Modules that share a worker with the multi-rank ones under ``-n 2`` although they start no
+#: ranks: their asserts bound waits on heartbeats, grace windows and beats, so they run beside
+#: single-process tests only, never beside a rank spawn.
+TIMED = {"test_elastic", "test_elastic_stateful", "test_heal_transport"}
+
+#: a module that uses the multi-rank harness, tests/ranks.py
+_USES_RANKS = re.compile(r"^from \. import (.*, )?ranks\b|^from \.ranks import ", re.MULTILINE)
+
+
+@functools.cache
+def _with_the_ranks(path: Path) -> bool:
+    return path.stem in TIMED or bool(_USES_RANKS.search(path.read_text()))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n 2`` (pytest-xdist: README) one worker runs every multi-rank module, in order,
+    as a serial run does: they share the rank spawns (one per world size, ``shared_ranks``)
+    and each spawn keeps both cores mostly busy, so two never run at once. The other worker
+    takes the single-process modules one at a time (a module whole: its module-scoped fixtures
+    are built once), and the first helps with what is left. Decided here, in the controller,
+    from each test's file (xdist's ``xdist_group`` cannot: pytest 9.2 ignores the node id
+    xdist rewrites for it). A few single-process modules start a process of their own (the
+    demo's, the CLI's) and may run beside a spawn."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class RanksTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.partition("::")[0]
+            return "the multi-rank modules" if _with_the_ranks(root / path) else path
+
+    return RanksTogether(config, log)
 
 
 @pytest.fixture(scope="session")
