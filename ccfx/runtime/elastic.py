@@ -574,7 +574,9 @@ class Elastic:
             total = sum(r[0] for r in rows)
             if total > 0:
                 scale = own * comm.world / total
-                with self._transport.exchanging():  # a heal it serves waits: the uplink is ours
+                # a lazy heal it serves waits meanwhile: the uplink is the exchange's. (A heal
+                # in the quorum has ended by now: the meet waits for every healer.)
+                with self._transport.exchanging():
                     for frag in due:
                         averaged[frag.index] = self._exchange(frag, scale, comm)
         except ConfigError:
