@@ -198,31 +198,31 @@ def test_the_body_comes_in_ranges_that_join_to_the_state(transport, monkeypatch)
     assert all(b - a == 1000 for a, b in asked[:-1])
 
 
-def test_a_body_range_waits_while_its_source_exchanges(transport, monkeypatch):
-    """The serving replica holds the body's ranges while it is in an exchange
-    (elastic.py's sync): a healer whose own exchange ended first, or whose fetch spans the
-    next sync, takes the uplink the exchange leaves."""
+def test_a_paused_fetch_asks_for_nothing_until_it_resumes(transport, monkeypatch):
+    """A hot spare healing pauses its fetch while it is in a sync (elastic.py ``_heal``): the
+    range in flight arrives, no further one is asked for."""
     monkeypatch.setattr(heal, "PIECE", 1000)
     asked = _served_ranges(monkeypatch)
     transport.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=10))
     pending = transport.recv_checkpoint(0, transport.metadata(), 3,
                                         timedelta(seconds=10))["user"]["default"]
-    with transport.exchanging():
-        assert not pending.done(0.5) and asked == []
+    pending.pause()
+    assert not pending.done(0.5) and asked == []
+    pending.resume()
     assert pending.done(10)
     assert _equal(pending.result(10), _state()["user"]["default"]) and len(asked) > 1
 
 
-def test_an_exchange_longer_than_the_timeout_does_not_starve_a_heal():
-    t = heal.HealTransport("127.0.0.1", timedelta(seconds=1))
-    try:
-        t.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=1))
-        pending = t.recv_checkpoint(0, t.metadata(), 3, timedelta(seconds=10))["user"]["default"]
-        with t.exchanging():
-            assert pending.done(8)  # served after the transport's timeout_s (1 s)
-        assert _equal(pending.result(1), _state()["user"]["default"])
-    finally:
-        t.shutdown()
+def test_a_paused_fetch_that_is_cancelled_stops(transport):
+    transport.send_checkpoint([1], step=3, state_dict=_state(), timeout=timedelta(seconds=10))
+    pending = transport.recv_checkpoint(0, transport.metadata(), 3,
+                                        timedelta(seconds=10))["user"]["default"]
+    pending.pause()
+    pending.start()
+    pending.cancel()
+    assert pending.done(5)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        pending.result(1)
 
 
 def test_a_range_past_the_end_is_refused(transport):

@@ -574,11 +574,8 @@ class Elastic:
             total = sum(r[0] for r in rows)
             if total > 0:
                 scale = own * comm.world / total
-                # a lazy heal it serves waits meanwhile: the uplink is the exchange's. (A heal
-                # in the quorum has ended by now: the meet waits for every healer.)
-                with self._transport.exchanging():
-                    for frag in due:
-                        averaged[frag.index] = self._exchange(frag, scale, comm)
+                for frag in due:
+                    averaged[frag.index] = self._exchange(frag, scale, comm)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 (a peer died or hung: this sync is not committed)
@@ -646,10 +643,10 @@ class Elastic:
         later), as many syncs as the fetch takes; then apply the state and merge the kept
         averages in order: the same outer steps on the same values as the peers, so the same
         bits. The joiner stays in every quorum meanwhile, and the peers never wait for it
-        longer than its arrival at a sync; the source serves the tensors between its own
-        exchanges (:meth:`~ccfx.runtime.heal.HealTransport.exchanging`). Whether the heal
-        succeeded (when the fetch fails, the syncs since are not this replica's: uncommitted,
-        and it heals again)."""
+        longer than its arrival at a sync. A hot spare (holding no training place) pauses the
+        fetch while it is in a sync: the exchange has its source's uplink to itself, and the
+        spare loses nothing by healing later. Whether the heal succeeded (when the fetch fails,
+        the syncs since are not this replica's: uncommitted, and it heals again)."""
         first, started, error = len(self.history) - 1, exchanged, None
         self._in_heal = True
         try:
@@ -659,7 +656,13 @@ class Elastic:
                 if self._pending.done(wait):
                     break
                 self.catching_up = True  # take the peers' step and fragments (_adopt_step)
-                self.sync([])  # may heal again: a newer fetch replaces this one (_load)
+                if self.spare:  # not training: the source's uplink is the exchange's first
+                    self._pending.pause()
+                try:
+                    self.sync([])  # may heal again: a newer fetch replaces this one (_load)
+                finally:
+                    if self._pending is not None:
+                        self._pending.resume()
                 if self._pending is None:  # told to heal from a replica still healing:
                     self.manager.load_state_dict(torchft_state)  # start over, behind
                     error = "heal: its source was itself healing"

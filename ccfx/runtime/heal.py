@@ -10,10 +10,8 @@ join (bench/README: elastic). This transport splits what it serves in two:
   the optimizer's hyper-parameters), a few kB, received in the quorum as torchft expects;
 * the **body**: the tensors, received when the healer asks for them
   (:meth:`Pending.result`), after the exchange it joins with nothing to send. It comes in
-  byte ranges of ``PIECE`` bytes, and a range waits while the serving replica is in an
-  exchange (:meth:`HealTransport.exchanging`): a healer's own exchange can end before its
-  source's, and a long fetch spans the next sync; the heal then takes the uplink the
-  exchange leaves instead of slowing it for every replica.
+  byte ranges of ``PIECE`` bytes, so a healer can :meth:`Pending.pause` between two: a hot
+  spare, which is not training, leaves its source's uplink to the exchange while a sync runs.
 
 A staged state is the serving replica's clone (:meth:`Elastic._recovery_state`), never
 touched again, so :meth:`disallow_checkpoint` has nothing to wait for; a request for a step not
@@ -29,7 +27,6 @@ bytes. Either is a death, known in a beat or two, not at the next sync.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import threading
@@ -46,9 +43,8 @@ log = logging.getLogger("ccfx")
 _SLOT = "__ccfx_body__"  # a head's placeholder for the body's tensor i: (_SLOT, i)
 _KEEP = 2  # staged steps kept (a late request for the previous step still finds it)
 BEAT_S = 0.5  # /alive: one byte per beat
-#: a body is fetched in ranges of this many bytes; a source's exchange holds the next one
-#: (1.7 s of a 10 Mbit/s link; one more request per 2 MB, which a 100 ms round trip barely
-#: notices)
+#: a body is fetched in ranges of this many bytes; a pause takes effect between two (1.7 s of
+#: a 10 Mbit/s link; one more request per 2 MB, which a 100 ms round trip barely notices)
 PIECE = 2 << 20
 _BEAT, _BYE = b".", b"x"
 
@@ -130,6 +126,14 @@ class Pending:
         """Stop the fetch (a newer heal replaced it): the link is not spent on it."""
         self._body.cancel()
 
+    def pause(self) -> None:
+        """Request no more of the body until :meth:`resume` (the range in flight still
+        arrives)."""
+        self._body.pause()
+
+    def resume(self) -> None:
+        self._body.resume()
+
 
 class _Body:
     def __init__(self, url: str, timeout_s: float):
@@ -137,6 +141,8 @@ class _Body:
         self._future: Future | None = None
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
+        self._go = threading.Event()  # cleared while paused
+        self._go.set()
 
     def start(self) -> None:
         with self._lock:
@@ -148,6 +154,7 @@ class _Body:
     def _fetch(self) -> list[torch.Tensor]:
         chunks, got, total = [], 0, None
         while total is None or got < total:
+            self._go.wait()
             self._check_cancelled()
             first = got
             request = urllib.request.Request(
@@ -171,6 +178,13 @@ class _Body:
 
     def cancel(self) -> None:
         self._cancelled.set()
+        self._go.set()  # a paused fetch wakes to stop
+
+    def pause(self) -> None:
+        self._go.clear()
+
+    def resume(self) -> None:
+        self._go.set()
 
     def result(self, timeout_s: float) -> list[torch.Tensor]:
         self.start()
@@ -243,8 +257,6 @@ class HealTransport:
             def log_message(self, *args):  # quiet: the default writes every request to stderr
                 pass
 
-        self._quiet = threading.Event()  # cleared while this replica exchanges (exchanging)
-        self._quiet.set()
         self._closing = threading.Event()  # shutdown: every /alive stream says goodbye
         self._beating, self._streams = 0, threading.Condition()  # /alive streams serving now
         self._severed = False  # sever(): they end with no goodbye, as a killed process's do
@@ -284,19 +296,7 @@ class HealTransport:
                 self._beating -= 1
                 self._streams.notify_all()
 
-    @contextlib.contextmanager
-    def exchanging(self):
-        """While this replica exchanges with its quorum, a body's next range waits (up to
-        ``timeout_s``, then it is served anyway): a heal takes the uplink the exchange leaves."""
-        self._quiet.clear()
-        try:
-            yield
-        finally:
-            self._quiet.set()
-
     def _serve(self, step: int, part: str) -> bytes:
-        if part == "body":
-            self._quiet.wait(self.timeout_s)
         with self._changed:
             if not self._changed.wait_for(lambda: step in self._staged or self._newer(step),
                                           timeout=self.timeout_s):
