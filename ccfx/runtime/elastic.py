@@ -643,9 +643,7 @@ class Elastic:
         later), as many syncs as the fetch takes; then apply the state and merge the kept
         averages in order: the same outer steps on the same values as the peers, so the same
         bits. The joiner stays in every quorum meanwhile, and the peers never wait for it
-        longer than its arrival at a sync. A hot spare (holding no training place) pauses the
-        fetch while it is in a sync: the exchange has its source's uplink to itself, and the
-        spare loses nothing by healing later. Whether the heal succeeded (when the fetch fails,
+        longer than its arrival at a sync. Whether the heal succeeded (when the fetch fails,
         the syncs since are not this replica's: uncommitted, and it heals again)."""
         first, started, error = len(self.history) - 1, exchanged, None
         self._in_heal = True
@@ -656,13 +654,7 @@ class Elastic:
                 if self._pending.done(wait):
                     break
                 self.catching_up = True  # take the peers' step and fragments (_adopt_step)
-                if self.spare:  # not training: the source's uplink is the exchange's first
-                    self._pending.pause()
-                try:
-                    self.sync([])  # may heal again: a newer fetch replaces this one (_load)
-                finally:
-                    if self._pending is not None:
-                        self._pending.resume()
+                self.sync([])  # may heal again: a newer fetch replaces this one (_load)
                 if self._pending is None:  # told to heal from a replica still healing:
                     self.manager.load_state_dict(torchft_state)  # start over, behind
                     error = "heal: its source was itself healing"

@@ -9,9 +9,7 @@ join (bench/README: elastic). This transport splits what it serves in two:
 * the **head**: everything but the tensors (the fingerprint, the steps, torchft's own state,
   the optimizer's hyper-parameters), a few kB, received in the quorum as torchft expects;
 * the **body**: the tensors, received when the healer asks for them
-  (:meth:`Pending.result`), after the exchange it joins with nothing to send. It comes in
-  byte ranges of ``PIECE`` bytes, so a healer can :meth:`Pending.pause` between two: a hot
-  spare, which is not training, leaves its source's uplink to the exchange while a sync runs.
+  (:meth:`Pending.result`), after the exchange it joins with nothing to send.
 
 A staged state is the serving replica's clone (:meth:`Elastic._recovery_state`), never
 touched again, so :meth:`disallow_checkpoint` has nothing to wait for; a request for a step not
@@ -43,9 +41,6 @@ log = logging.getLogger("ccfx")
 _SLOT = "__ccfx_body__"  # a head's placeholder for the body's tensor i: (_SLOT, i)
 _KEEP = 2  # staged steps kept (a late request for the previous step still finds it)
 BEAT_S = 0.5  # /alive: one byte per beat
-#: a body is fetched in ranges of this many bytes; a pause takes effect between two (1.7 s of
-#: a 10 Mbit/s link; one more request per 2 MB, which a 100 ms round trip barely notices)
-PIECE = 2 << 20
 _BEAT, _BYE = b".", b"x"
 
 
@@ -126,14 +121,6 @@ class Pending:
         """Stop the fetch (a newer heal replaced it): the link is not spent on it."""
         self._body.cancel()
 
-    def pause(self) -> None:
-        """Request no more of the body until :meth:`resume` (the range in flight still
-        arrives)."""
-        self._body.pause()
-
-    def resume(self) -> None:
-        self._body.resume()
-
 
 class _Body:
     def __init__(self, url: str, timeout_s: float):
@@ -141,8 +128,6 @@ class _Body:
         self._future: Future | None = None
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
-        self._go = threading.Event()  # cleared while paused
-        self._go.set()
 
     def start(self) -> None:
         with self._lock:
@@ -152,39 +137,22 @@ class _Body:
                 pool.shutdown(wait=False)
 
     def _fetch(self) -> list[torch.Tensor]:
-        chunks, got, total = [], 0, None
-        while total is None or got < total:
-            self._go.wait()
-            self._check_cancelled()
-            first = got
-            request = urllib.request.Request(
-                self.url, headers={"Range": f"bytes={first}-{first + PIECE - 1}"})
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                length = int(response.headers.get("Content-Length", -1))
-                total = _total_size(response, length)
-                while chunk := response.read(1 << 20):  # checked between chunks: cancel()
-                    self._check_cancelled()
-                    chunks.append(chunk)
-                    got += len(chunk)
-            if length < 0 or got - first != length:  # http.client ends a cut-off body quietly
-                raise ConnectionError(f"the heal's state from {self.url} ended after {got} of "
-                                      f"{total} bytes: its source closed the connection (it "
-                                      "stopped or died)")
+        chunks = []
+        with urllib.request.urlopen(self.url, timeout=self.timeout_s) as response:
+            expected = int(response.headers.get("Content-Length", -1))
+            while chunk := response.read(1 << 20):  # checked between chunks: cancel()
+                if self._cancelled.is_set():
+                    raise RuntimeError(f"the fetch of {self.url} was cancelled")
+                chunks.append(chunk)
+        got = sum(len(c) for c in chunks)
+        if 0 <= expected != got:  # http.client ends a cut-off body quietly: say so here
+            raise ConnectionError(f"the heal's state from {self.url} ended after {got} of "
+                                  f"{expected} bytes: its source closed the connection (it "
+                                  "stopped or died)")
         return _loads(b"".join(chunks))
-
-    def _check_cancelled(self) -> None:
-        if self._cancelled.is_set():
-            raise RuntimeError(f"the fetch of {self.url} was cancelled")
 
     def cancel(self) -> None:
         self._cancelled.set()
-        self._go.set()  # a paused fetch wakes to stop
-
-    def pause(self) -> None:
-        self._go.clear()
-
-    def resume(self) -> None:
-        self._go.set()
 
     def result(self, timeout_s: float) -> list[torch.Tensor]:
         self.start()
@@ -194,23 +162,6 @@ class _Body:
         self.start()
         wait([self._future], timeout=timeout_s)
         return self._future.done()
-
-
-def _total_size(response, length: int) -> int:
-    """The whole body's size: from ``Content-Range`` (a range served), else the length (a
-    server that sends the whole body at once)."""
-    served = response.headers.get("Content-Range", "")
-    return int(served.rpartition("/")[2]) if response.status == 206 and served else length
-
-
-def _byte_range(header: str, size: int) -> tuple[int, int] | None:
-    """``Range: bytes=a-b`` as (a, b + 1) clipped to ``size``; None if it is not one range."""
-    unit, _, spec = header.partition("=")
-    first, dash, last = spec.strip().partition("-")
-    if unit.strip() != "bytes" or not dash or not first.isdigit():
-        return None
-    end = min(int(last) + 1, size) if last.isdigit() else size
-    return int(first), end
 
 
 def _get(url: str, timeout_s: float) -> bytes:
@@ -241,18 +192,11 @@ class HealTransport:
                 except (ValueError, KeyError, TimeoutError) as e:
                     self.send_error(404, str(e))
                     return
-                span = _byte_range(self.headers.get("Range", ""), len(data))
-                if span is not None and not span[0] < span[1]:
-                    self.send_error(416, f"bytes {span[0]}- of {len(data)}")
-                    return
-                first, end = span or (0, len(data))
-                self.send_response(206 if span else 200)
+                self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(end - first))
-                if span:
-                    self.send_header("Content-Range", f"bytes {first}-{end - 1}/{len(data)}")
+                self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(memoryview(data)[first:end])
+                self.wfile.write(data)
 
             def log_message(self, *args):  # quiet: the default writes every request to stderr
                 pass
