@@ -305,20 +305,32 @@ def codec_replica(k: int, lighthouse: str, codec: str, steps: int) -> dict:
 
 
 def straggler_replica(k: int, lighthouse: str, delay_s: float, stop_at: int,
-                      step_s: float = 0.6, start=None, finished=None) -> list[dict]:
+                      step_s: float = 0.6, start=None, finished=None,
+                      all_done=None) -> list[dict]:
     """Replica ``k``, sync every 2 steps, a step every ``step_s``, trains until its torchft
     step reaches ``stop_at``; it sleeps ``delay_s`` more before its step 2 (the first sync
     after the join): a straggler. ``start``: a barrier the replicas pass together before they
     join (a replica built late on a loaded machine would otherwise miss the join quorum and
     shift every later sync). ``finished``: an event the first replica to reach ``stop_at`` sets;
     a replica one sync behind then finds no quorum at its last sync, the run's end rather than
-    a failure. Its sync rows."""
+    a failure. ``all_done``: a barrier every replica passes before it closes, so that a peer
+    that finished keeps serving a heal the straggler is still fetching from it (closed, its
+    source would fail that heal, uncommitted: seen under load when the heal came at the last
+    sync). Its sync rows."""
     import ccfx
 
     model = mlp(k)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     if start is not None:
         start.wait(timeout=30)
+
+    def leave():
+        if all_done is not None:
+            try:
+                all_done.wait(timeout=60)
+            except threading.BrokenBarrierError:
+                pass  # a peer failed: its own error says why
+
     outer = ccfx.local_steps(model, opt, fault_tolerant=True, lighthouse=lighthouse,
                              replica_id=f"s{k}", quorum_timeout_s=8.0, **OPTIONS)
     i = 0
@@ -330,12 +342,14 @@ def straggler_replica(k: int, lighthouse: str, delay_s: float, stop_at: int,
         except ccfx.CollectiveError:
             if finished is None or not finished.is_set():
                 raise
+            leave()
             return list(outer.elastic.history)  # its peers stopped: the run is over
         opt.zero_grad()
         i += 1
     if finished is not None:
         finished.set()
     rows = list(outer.elastic.history)
+    leave()
     outer.close()
     return rows
 

@@ -456,11 +456,11 @@ def test_grace_window_for_a_straggler_is_the_lighthouse_join_timeout(grace_ms, w
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=grace_ms,
                                   quorum_tick_ms=20, heartbeat_timeout_ms=3000)
-    start, finished = threading.Barrier(3), threading.Event()
+    start, finished, done = threading.Barrier(3), threading.Event(), threading.Barrier(3)
     try:
         rows = w.in_threads([lambda k=k: w.straggler_replica(
-            k, lighthouse.address(), 1.5 if k == 2 else 0.0, 5, start=start, finished=finished)
-            for k in range(3)], timeout_s=90)
+            k, lighthouse.address(), 1.5 if k == 2 else 0.0, 5, start=start, finished=finished,
+            all_done=done) for k in range(3)], timeout_s=90)
     finally:
         lighthouse.shutdown()
     synced = {k: [r for r in rows[k][1:] if r["committed"]] for k in (0, 1)}  # after the join
