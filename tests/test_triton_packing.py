@@ -54,6 +54,18 @@ def test_sign(shape, dtype, block):
     torch.testing.assert_close(y, ry, rtol=0, atol=0, equal_nan=True)
 
 
+
+def test_sign_of_zero_scale_decodes_to_signed_zeros():
+    """A block of zeros has scale 0: its negative elements decode to -0.0, as the reference's
+    ``-s`` gives (Triton before 3.7 compiled a kernel's ``-s`` to ``0 - s``, which is +0.0)."""
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0, 0.0, 0.0, 0.0, 0.0, -0.0])
+    b, s = SG.sign_encode(x, 4)
+    s = torch.tensor([0.0, 0.0, 0.0])
+    y = SG.sign_decode(b, s, 4, x.shape, x.dtype)
+    ry = sign_decode_reference.eager(b, s, 4, x.shape, x.dtype)
+    assert torch.equal(torch.signbit(y), torch.signbit(ry))
+    assert torch.signbit(ry).tolist() == [True, False, True, False, False, False, False, False, False]
+
 def test_nonfinite_blocks():
     x = torch.randn(600)
     x[5], x[300] = float("nan"), float("-inf")

@@ -30,7 +30,7 @@ def _sign_unpack_kernel(bits_ptr, scale_ptr, out_ptr, n, block, BLOCK_SIZE: tl.c
     byte = tl.load(bits_ptr + i // 8, mask=mask, other=0).to(tl.int32)
     positive = ((byte >> (i % 8).to(tl.int32)) & 1) != 0
     s = tl.load(scale_ptr + i // block, mask=mask, other=0.0)
-    store_float(out_ptr + i, tl.where(positive, s, -s), mask)
+    store_float(out_ptr + i, s * tl.where(positive, 1.0, -1.0), mask)  # -0.0 for s = 0
 
 
 def sign_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
