@@ -41,9 +41,11 @@ def _module(pl):
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
             self.losses: list[float] = []
+            self.trained_on = ""  # read during training: Lightning moves the module back to the CPU after fit
 
         def training_step(self, batch, _):
             x, y = batch
+            self.trained_on = str(x.device)
             loss = nn.functional.mse_loss(self.net(x), y)
             self.losses.append(float(loss.detach()))
             return loss
@@ -113,9 +115,10 @@ def main(argv=None) -> int:
         callback, module, _ = _fit(pl, args.device, args.steps, strategy_hook=False)
         state = callback.state
         raw, wire = ccfx.ledger_of(state).totals("bucket")
-        on = str(next(module.parameters()).device)
-        check("callback registers on the DDP model", callback.ddp_model is not None,
-              f"DDP model on {on}")
+        on = module.trained_on
+        check("callback registers on the DDP model",
+              callback.ddp_model is not None and on.startswith(args.device),
+              f"DDP model trained on {on}")
         check("the hook ran once per step", state.steps == args.steps,
               f"{state.steps} hook steps for {args.steps} optimizer steps")
         check("the ledger counts fewer wire bytes than raw", 0 < wire < raw,

@@ -57,7 +57,7 @@ def test_sign(shape, dtype, block):
 
 def test_sign_of_zero_scale_decodes_to_signed_zeros():
     """A block of zeros has scale 0: its negative elements decode to -0.0, as the reference's
-    ``-s`` gives (Triton before 3.7 compiled a kernel's ``-s`` to ``0 - s``, which is +0.0)."""
+    ``-s`` gives (Triton 3.6 compiles a kernel's ``-s`` to ``0 - s``, which is +0.0)."""
     x = torch.tensor([-1.0, 2.0, -3.0, 4.0, 0.0, 0.0, 0.0, 0.0, -0.0])
     b, s = SG.sign_encode(x, 4)
     s = torch.tensor([0.0, 0.0, 0.0])

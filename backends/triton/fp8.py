@@ -86,8 +86,8 @@ def _fp8_value(c, EXP: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, FN: 
         v = tl.where((e == EMAX) & (m == MMAX), float("nan"), v)
     else:  # IEEE-like: all-ones exponent is inf (m == 0) or NaN
         v = tl.where(e == EMAX, tl.where(m == 0, float("inf"), float("nan")), v)
-    # The sign as a factor, not ``-v``: Triton before 3.7 compiles ``-v`` to ``0 - v``, which
-    # turns the code 0x80 into +0.0 (the interpreter negates correctly).
+    # The sign as a factor, not ``-v``: Triton 3.6 compiles ``-v`` to ``0 - v``, which turns
+    # the code 0x80 into +0.0 (triton-lang/triton#10270; the interpreter negates correctly).
     return v * tl.where((c >> 7) != 0, -1.0, 1.0)
 
 
