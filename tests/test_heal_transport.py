@@ -264,3 +264,70 @@ def test_a_watch_sees_a_severed_replica_die_and_a_replica_that_shuts_down_leave(
     finally:
         watch.close()
         killed.shutdown()
+
+
+def test_a_watch_hears_a_peer_in_a_sync_at_its_step_or_later_at_once():
+    """``/alive?sync=K`` says when its replica is in a sync at torchft step K or later (the
+    byte goes out when the sync starts, not at the next beat): a peer still finishing the sync
+    the watcher committed (step K - 1) does not count, one already in the next sync when the
+    stream opens does, and a replica that shuts down leaves no stream to hear from. Bounds:
+    5 s for what comes at once (slack for a loaded machine)."""
+    trainer = heal.HealTransport("127.0.0.1", timedelta(seconds=5))
+    other = heal.HealTransport("127.0.0.1", timedelta(seconds=5))
+    trainer.announce_sync(3)  # the sync the watcher has just committed, which made it step 4
+    other.announce_sync(4)  # already in the next one when the watch opens
+    watch = heal.Watch({"trainer": trainer.metadata(), "other": other.metadata()},
+                       silent_s=10.0, sync_step=4)
+    try:
+        assert watch.wait(time.monotonic() + 5.0, or_sync=True) == []
+        assert watch.synced == ["other"]
+        time.sleep(3 * heal.BEAT_S)
+        assert watch.synced == ["other"] and watch.alive()
+        trainer.announce_sync(4)
+        deadline = time.monotonic() + 5.0
+        while len(watch.synced) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.synced == ["other", "trainer"] and watch.dead == []
+        trainer.shutdown()
+        other.shutdown()
+        deadline = time.monotonic() + 5.0
+        while watch.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not watch.alive() and watch.dead == []  # goodbyes: no death, no more syncs
+    finally:
+        watch.close()
+        trainer.shutdown()
+        other.shutdown()
+
+
+def _catching_up(at: float, watch=None):
+    """An Elastic catching up (after a heal, or a spare in a dead trainer's place) whose
+    peers are due at ``at``: only the attributes ``catch_up_due`` reads."""
+    from ccfx.runtime.elastic import Elastic
+
+    e = object.__new__(Elastic)
+    e.catching_up, e._catch_up_at, e._last_step_end, e._sync_watch = True, at, None, watch
+    return e
+
+
+def test_catching_up_syncs_when_a_watched_peer_starts_its_sync_before_the_estimate():
+    """A replica catching up syncs at the step nearest the time estimated from its peers' last
+    interval, or at the end of the step in which the first in-step peer starts the sync (its
+    stream says so), if that is sooner: after a slower interval the estimate was seconds late,
+    and the peers waited (bench/README, session 18)."""
+    now = time.monotonic()
+    assert _catching_up(now - 1.0).catch_up_due()  # no watch: the estimate has passed
+    assert not _catching_up(now + 60.0).catch_up_due()
+    peer = heal.HealTransport("127.0.0.1", timedelta(seconds=5))
+    watch = heal.Watch({0: peer.metadata()}, silent_s=10.0, sync_step=7)
+    try:
+        e = _catching_up(now + 60.0, watch)
+        time.sleep(3 * heal.BEAT_S)  # the stream is open
+        assert not e.catch_up_due()
+        peer.announce_sync(7)
+        watch.wait(time.monotonic() + 5.0, or_sync=True)
+        assert e.catch_up_due()  # a minute before the estimate
+        assert _catching_up(now - 1.0, heal.Watch({}, 1.0)).catch_up_due()
+    finally:
+        watch.close()
+        peer.shutdown()

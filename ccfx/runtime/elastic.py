@@ -264,6 +264,7 @@ class Elastic:
     _catch_up_at: float | None = None
     _last_end: float | None = None  # when this replica's last sync ended
     _last_step_end: float | None = None  # when catch_up_due was last asked (an inner step)
+    _sync_watch: Watch | None = None  # while catching up: the in-step peers' /alive streams
 
     def __init__(self, outer, opts: ElasticOptions, options: dict):
         try:
@@ -344,13 +345,14 @@ class Elastic:
         it watches the trainers (:class:`~ccfx.runtime.heal.Watch`): when one dies it takes
         that place at once (:meth:`_take_place`), so the place trains through the rest of the
         interval instead of standing empty until the next sync. Otherwise it joins each sync
-        when the earliest trainer is due (their last interval after the last exchange, as a
-        replica catching up does): the lighthouse counts its grace window from the first
-        replica to arrive, and one waiting there early would let a quorum form as soon as a
-        majority has arrived, without the trainers that arrive after it. While that interval
-        is unknown (the sync after the first join) it joins at once, up to an interval early:
-        the lighthouse's ``join_timeout_ms`` must exceed the time between two syncs (as for
-        any replica that joins; README)."""
+        when the first trainer starts it (its stream says so), or at the latest
+        ``WATCH_SILENT_S`` after the earliest trainer is due by their last interval: the
+        lighthouse counts its grace window from the first replica to arrive, and one waiting
+        there early would let a quorum form as soon as a majority has arrived, without the
+        trainers that arrive after it. While that interval is unknown (the sync after the
+        first join) it joins at once, up to an interval early: the lighthouse's
+        ``join_timeout_ms`` must exceed the time between two syncs (as for any replica that
+        joins; README)."""
         if not self.spare:
             return
         log.info("ccfx: replica %s is a hot spare (the %d training places are held): it syncs "
@@ -369,13 +371,15 @@ class Elastic:
                  self.manager._replica_id, self.slot, self.outer.step)
 
     def _watch_trainers(self, until: float) -> int | None:
-        """Until ``until`` (the trainers' next sync): the place of a trainer that died
-        meanwhile and that this spare takes, or None. The places and the spares' order come
+        """Until the trainers' next sync (the first of them starts it, or ``until`` +
+        ``WATCH_SILENT_S``, their estimated time and a margin): the place of a trainer that
+        died meanwhile and that this spare takes, or None. The places and the spares' order come
         from the last meet's rows, as every member computes them (:meth:`_assign_slots`): the
         ``j``-th waiting spare takes the ``j``-th death it sees. Deaths seen in another order
         by two spares, or a trainer alive but cut off from this spare, make two claims on a
         place at the next meet: the in-step trainer keeps it, the other member becomes a spare
-        again (its steps counted in that sync's average, once)."""
+        again (its steps counted in that sync's average, once). A spare that takes a place
+        keeps watching the other trainers: it syncs when they do (:meth:`catch_up_due`)."""
         rows, me = self._last_rows, self._last_rank
         if not rows or not 0 <= me < len(rows):
             return None
@@ -387,18 +391,28 @@ class Elastic:
         if me not in spares or not urls:
             return None
         j = spares.index(me)
-        watch = Watch(urls, silent_s=WATCH_SILENT_S)
+        watch = Watch(urls, silent_s=WATCH_SILENT_S, sync_step=self.manager.current_step())
         try:
-            dead = watch.wait(until, more_than=j)
-        finally:
+            dead = watch.wait(until + WATCH_SILENT_S, more_than=j, or_sync=True)
+            if len(dead) <= j and not watch.synced and watch.alive():
+                log.info("ccfx: spare %s heard no trainer start the sync due %.1f s ago: "
+                         "joining it", self.manager._replica_id, time.monotonic() - until)
+        except BaseException:
             watch.close()
-        return dead[j] if len(dead) > j else None
+            raise
+        if len(dead) > j and not watch.synced:
+            self._sync_watch = watch  # closed when this replica syncs (sync)
+            return dead[j]
+        watch.close()
+        return None
 
     def _take_place(self, slot: int, at: float) -> None:
         """Train in the place of a trainer that died between syncs, from now: this spare's
         state is the last committed sync's, as the dead trainer's was when it started the
-        interval. It syncs when the other trainers do (``at``; :meth:`catch_up_due`), its
-        steps since weighted as they are, and claims the place there."""
+        interval. It syncs when the other trainers do (at ``at``, or when the first of them
+        starts the sync, on the streams it watched them by, if that is sooner:
+        :meth:`catch_up_due`), its steps since weighted as they are, and claims the place
+        there."""
         self.slot = slot
         self.catching_up, self._catch_up_at, self._last_step_end = True, at, None
         self.since, self.tokens = self.outer.step, 0
@@ -524,11 +538,18 @@ class Elastic:
         lighthouse's join timeout, and then go on without it). It syncs when its peers' last
         interval between syncs has passed since the exchange it healed in, and takes their
         inner step there (:meth:`sync`). Called once per inner step: it syncs at the step
-        that ends nearest that time (a step earlier when less than half a step is left)."""
+        that ends nearest that time (a step earlier when less than half a step is left).
+        Where it watches its in-step peers' streams (:class:`~ccfx.runtime.heal.Watch`), it
+        also syncs at the end of the step in which the first of them starts the sync, if that
+        comes first: the time is the last interval's, and after a slower interval (a heal's
+        transfer on the shared cores of the 10 M bench) it arrived seconds after everyone
+        else, who waited for it."""
         now, last = time.monotonic(), self._last_step_end
         self._last_step_end = now
         if not self.catching_up or self._catch_up_at is None:
             return False
+        if self._sync_watch is not None and self._sync_watch.synced:
+            return True  # a peer has started the sync: this step's end is the soonest
         half_step = (now - last) / 2 if last is not None else 0.0
         return now + half_step >= self._catch_up_at
 
@@ -542,6 +563,9 @@ class Elastic:
         interval = started - self._last_end if self._last_end is not None else None
         self.used = set()
         self._healed, self._refused, self._unhealed = False, None, False
+        # a spare or a peer catching up that watches this replica joins now too
+        self._transport.announce_sync(self.manager.current_step())
+        self._close_sync_watch()
         if self.spare:  # its step is stale: it takes the trainers' (_adopt_step)
             self.catching_up = True
         torchft_state = self.manager.state_dict()  # put back if a lazy heal's fetch fails
@@ -706,6 +730,18 @@ class Elastic:
         count (:meth:`catch_up_due`)."""
         self.catching_up = True
         self._catch_up_at = self._next_sync_at(rows, exchanged)
+        self._close_sync_watch()
+        me = self._last_rank
+        urls = {i: f"http://{socket.inet_ntoa(r[7].to_bytes(4, 'big'))}:{r[8]}"
+                for i, r in enumerate(rows) if i != me and r[0] > 0 and not r[4] and r[8] > 0}
+        if urls and self._catch_up_at is not None and not self.spare:  # (a spare: _watch_trainers)
+            self._sync_watch = Watch(urls, silent_s=WATCH_SILENT_S,
+                                     sync_step=self.manager.current_step())
+
+    def _close_sync_watch(self) -> None:
+        if self._sync_watch is not None:
+            self._sync_watch.close()
+            self._sync_watch = None
 
     @staticmethod
     def _next_sync_at(rows, exchanged: float) -> float | None:
@@ -901,6 +937,7 @@ class Elastic:
 
     def shutdown(self) -> None:
         """Stop the manager (its heartbeats: the lighthouse drops this replica)."""
+        self._close_sync_watch()
         manager = getattr(self, "manager", None)
         if manager is not None:
             manager.shutdown(wait=False)

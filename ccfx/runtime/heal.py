@@ -20,7 +20,13 @@ The last two steps stay staged. Both parts travel as ``torch.save`` bytes and ar
 The same server tells a hot spare when its replica dies (``/alive``, :class:`Watch`): a stream
 of one byte per ``BEAT_S`` that ends with a goodbye byte when the replica shuts down. A killed
 process's kernel closes the connection with no goodbye; a machine that vanished stops the
-bytes. Either is a death, known in a beat or two, not at the next sync.
+bytes. Either is a death, known in a beat or two, not at the next sync. Asked with
+``/alive?sync=K``, the stream also says, at once, when its replica is in a sync at torchft step
+``K`` or later (:meth:`HealTransport.announce_sync`; ``K`` is the watcher's own step after the
+sync it last committed, so a peer still finishing that same sync does not count): a replica that
+must arrive with the others but cannot count their steps (a spare that took a dead trainer's
+place mid-interval, one catching up after a heal) syncs when the first of them does, instead of
+at a time estimated from the last interval, which is late whenever that interval was slower.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ log = logging.getLogger("ccfx")
 _SLOT = "__ccfx_body__"  # a head's placeholder for the body's tensor i: (_SLOT, i)
 _KEEP = 2  # staged steps kept (a late request for the previous step still finds it)
 BEAT_S = 0.5  # /alive: one byte per beat
-_BEAT, _BYE = b".", b"x"
+_BEAT, _BYE, _SYNC = b".", b"x", b"s"  # alive; shut down; in a sync (?sync=K)
 
 
 def split(state):
@@ -183,8 +189,10 @@ class HealTransport:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                if self.path == "/alive":
-                    transport._beat(self)
+                path, _, query = self.path.partition("?")
+                if path == "/alive":
+                    sync = query[len("sync="):] if query.startswith("sync=") else ""
+                    transport._beat(self, int(sync) if sync.lstrip("-").isdigit() else None)
                     return
                 try:
                     step, part = self.path.strip("/").split("/")
@@ -202,6 +210,7 @@ class HealTransport:
                 pass
 
         self._closing = threading.Event()  # shutdown: every /alive stream says goodbye
+        self._sync_step, self._pulse = None, threading.Condition()  # announce_sync's step
         self._beating, self._streams = 0, threading.Condition()  # /alive streams serving now
         self._severed = False  # sever(): they end with no goodbye, as a killed process's do
         self._server = ThreadingHTTPServer((host, 0), Handler)
@@ -217,18 +226,37 @@ class HealTransport:
     def metadata(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def _beat(self, handler) -> None:
-        """Serve ``/alive``: a byte per beat until this transport shuts down (then the goodbye
-        byte) or the watcher goes away."""
+    def announce_sync(self, step: int) -> None:
+        """This replica starts a sync at torchft step ``step`` (the step of its last commit):
+        every ``/alive?sync=K`` stream with ``K <= step`` says so now, not at its next beat
+        (:class:`Watch` ``.synced``)."""
+        with self._pulse:
+            self._sync_step = step
+            self._pulse.notify_all()
+
+    def _beat(self, handler, sync: int | None) -> None:
+        """Serve ``/alive``: a byte per beat (``sync``: the sync byte instead, once, as soon as
+        this replica is in a sync at step ``sync`` or later) until this transport shuts down
+        (then the goodbye byte) or the watcher goes away."""
         with self._streams:
             self._beating += 1
         try:
             handler.send_response(200)
             handler.send_header("Content-Type", "application/octet-stream")
             handler.end_headers()
-            while not self._closing.wait(BEAT_S):
-                handler.wfile.write(_BEAT)
+            told = sync is None
+            while not self._closing.is_set():
+                with self._pulse:
+                    due = not told and self._sync_step is not None and self._sync_step >= sync
+                    if not due and not self._closing.is_set():
+                        self._pulse.wait(BEAT_S)  # (a sync or the shutdown notifies)
+                        due = (not told and self._sync_step is not None
+                               and self._sync_step >= sync)
+                if self._closing.is_set():
+                    break
+                handler.wfile.write(_SYNC if due else _BEAT)
                 handler.wfile.flush()
+                told = told or due
             if not self._severed:
                 handler.wfile.write(_BYE)
                 handler.wfile.flush()
@@ -273,6 +301,8 @@ class HealTransport:
         """Stop serving; each ``/alive`` stream says goodbye first (up to a second: a process
         that exits right after must not look killed to its watchers)."""
         self._closing.set()
+        with self._pulse:
+            self._pulse.notify_all()
         with self._streams:
             self._streams.wait_for(lambda: self._beating == 0, timeout=1.0)
         self._server.shutdown()
@@ -286,42 +316,62 @@ class HealTransport:
 
 
 class Watch:
-    """A hot spare's watch over other replicas' ``/alive`` streams (their
-    :meth:`HealTransport.metadata` URLs): :meth:`wait` returns the keys of those that died,
-    in the order their deaths were seen. A stream that ends without the goodbye byte, cannot
-    be opened, or is silent for ``silent_s`` is a death; one that says goodbye (the replica
-    shut down) is not. One thread per replica; :meth:`close` ends them."""
+    """A watch over other replicas' ``/alive`` streams (their :meth:`HealTransport.metadata`
+    URLs): :meth:`wait` returns the keys of those that died, in the order their deaths were
+    seen. A stream that ends without the goodbye byte, cannot be opened, or is silent for
+    ``silent_s`` is a death; one that says goodbye (the replica shut down) is not. With
+    ``sync_step``, ``synced`` holds, in order, the keys of the replicas in a sync at that
+    torchft step or later. One thread per replica; :meth:`close` ends them."""
 
-    def __init__(self, urls: dict, silent_s: float = 5.0):
+    def __init__(self, urls: dict, silent_s: float = 5.0, sync_step: int | None = None):
+        self.urls = dict(urls)
         self.dead: list = []
+        self.synced: list = []
+        self._following = len(self.urls)  # streams still open
         self._changed = threading.Condition()
         self._closed = False
+        query = "" if sync_step is None else f"?sync={int(sync_step)}"
         for key, url in urls.items():
-            threading.Thread(target=self._follow, args=(key, url, silent_s), daemon=True,
-                             name=f"ccfx-watch-{key}").start()
+            threading.Thread(target=self._follow, args=(key, url + query, silent_s),
+                             daemon=True, name=f"ccfx-watch-{key}").start()
 
     def _follow(self, key, url: str, silent_s: float) -> None:
+        died = True
         try:
-            with urllib.request.urlopen(f"{url}/alive", timeout=silent_s) as response:
-                while (byte := response.read(1)) == _BEAT:
+            base, _, query = url.partition("?")
+            with urllib.request.urlopen(f"{base}/alive{'?' + query if query else ''}",
+                                        timeout=silent_s) as response:
+                while (byte := response.read(1)) in (_BEAT, _SYNC):
                     if self._closed:
                         return
-            if byte == _BYE:
-                return
+                    if byte == _SYNC and key not in self.synced:
+                        with self._changed:
+                            self.synced.append(key)
+                            self._changed.notify_all()
+            died = byte != _BYE
         except (OSError, ValueError):  # refused, reset, silent past silent_s; closed by close()
             pass
-        with self._changed:
-            if not self._closed:
-                self.dead.append(key)
+        finally:
+            with self._changed:
+                self._following -= 1
+                if died and not self._closed:
+                    self.dead.append(key)
                 self._changed.notify_all()
 
-    def wait(self, until: float, more_than: int = 0) -> list:
-        """The deaths seen so far, waiting until there are more than ``more_than`` or
-        ``time.monotonic()`` reaches ``until``."""
+    def wait(self, until: float, more_than: int = 0, or_sync: bool = False) -> list:
+        """The deaths seen so far, waiting until there are more than ``more_than``, or (with
+        ``or_sync``) a watched replica has started a sync, or ``time.monotonic()`` reaches
+        ``until``."""
         with self._changed:
-            self._changed.wait_for(lambda: len(self.dead) > more_than,
-                                   timeout=max(0.0, until - time.monotonic()))
+            self._changed.wait_for(
+                lambda: len(self.dead) > more_than or (or_sync and bool(self.synced)),
+                timeout=max(0.0, until - time.monotonic()))
             return list(self.dead)
+
+    def alive(self) -> bool:
+        """Whether any watched stream is still open (else no sync can be heard of)."""
+        with self._changed:
+            return self._following > 0
 
     def close(self) -> None:
         """Stop watching: each thread ends at its stream's next byte."""
