@@ -48,8 +48,9 @@ late waits there (up to ``quorum_timeout_s``) for the others' next sync, heals i
 from its result. After a heal that fetched after the exchange it *catches up*: having spent
 the fetch's seconds not training, it syncs next when its peers' last interval between syncs
 has passed since that exchange (each member reports its interval in the all-gather of step 2),
-whatever its own count of steps, and takes its peers' inner step there; at its own count it
-would arrive the fetch's length late, and the others would wait for it up to the grace
+or when the first of them starts it (their ``/alive`` streams say so, :class:`Watch`), if that
+is sooner, whatever its own count of steps, and takes its peers' inner step there; at its own
+count it would arrive the fetch's length late, and the others would wait for it up to the grace
 window, then go on without it (it would heal again). Stragglers: the lighthouse's ``join_timeout_ms`` is the grace window (a quorum
 waits that long for replicas that are alive but not yet at the sync); a straggler that misses
 it joins the next quorum and heals there, its local steps since its last sync discarded.
