@@ -472,7 +472,7 @@ def inside(cfg: dict) -> dict:
             # every replica's sync rows, for reading a run afterwards (who missed which quorum)
             "rows": {n: [{k: r.get(k) for k in ("torchft_step", "step", "replicas", "committed",
                                                  "healed", "own", "slot", "seconds", "quorum_s",
-                                                 "heal_s", "error", "time")}
+                                                 "heal_s", "compile_s", "error", "time")}
                          for r in rs] for n, rs in sorted(rows.items())}}
 
 

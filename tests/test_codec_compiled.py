@@ -60,3 +60,27 @@ def test_many_shapes_stay_compiled(monkeypatch):
     for n in range(1, 11):
         assert torch.equal(double(torch.ones(n)), torch.full((n,), 2.0))
     assert counters["stats"]["unique_graphs"] == 10
+
+
+def test_inside_compile_later_a_new_shape_runs_eagerly_and_compiles_after(monkeypatch):
+    """A fault-tolerant exchange runs inside ``compile_later``: a signature not compiled yet
+    runs eagerly there (the quorum waits on that exchange, not on a compile) and is kept;
+    ``compile_now`` compiles it afterwards, and from then on the same signature runs compiled
+    inside ``compile_later`` too (nothing kept). The results are the eager ones, bit for bit."""
+    from ccfx.codecs._fast import compile_later, compile_now
+    from ccfx.codecs.int8 import int8_encode_reference
+
+    monkeypatch.setenv("CCFX_CODEC_COMPILE", "1")
+    x = torch.randn(3, 1003)  # a shape no other test compiles
+    want = int8_encode_reference.eager(x, 64)
+    with compile_later() as later:
+        got = int8_encode_reference(x, 64)
+    assert [(w, a[1]) for w, a, _ in later] == [(int8_encode_reference, 64)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    compile_now(later)
+    assert later == []
+    with compile_later() as again:
+        got = int8_encode_reference(x, 64)
+        int8_encode_reference(x, 65)  # another block size: another signature
+    assert [a[1] for _, a, _ in again] == [65]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

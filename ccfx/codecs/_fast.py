@@ -27,10 +27,19 @@ Each distinct (shape, dtype, parameters) compiles once, with static shapes: dyna
 the int8 encode 5x slower. A model's edges and gradient buckets come in many shapes, more than
 dynamo's default recompile limit (8) per function, after which it would silently run eager; so
 the compiled calls raise that limit to :data:`RECOMPILE_LIMIT`.
+
+Where others wait on a call (a fault-tolerant replica's exchange, which every member of the
+quorum waits on), a compile is the wrong cost to pay there: a replica that joins mid-run
+compiles its first exchange's shapes (4 s with inductor's cache warm, 10 s cold, on a 10 M
+model's chunks here) while the quorum waits. Inside :func:`compile_later` a call whose
+signature has not run compiled yet runs eagerly (0.35 s for that exchange's round trips) and is
+kept; :func:`compile_now` compiles the kept calls afterwards, off the path the others wait on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -57,22 +66,68 @@ def _eligible(x) -> bool:
     return mode == "1" or (x.device.type == "cpu" and x.numel() >= _min_numel())
 
 
+#: Inside compile_later: the calls run eagerly that would have compiled, to compile afterwards.
+_later: contextvars.ContextVar[list | None] = contextvars.ContextVar("ccfx_compile_later",
+                                                                    default=None)
+
+
+@contextlib.contextmanager
+def compile_later():
+    """Within it, a call that would compile (a signature not yet run compiled) runs eagerly
+    instead and is appended to the list this yields; :func:`compile_now` compiles them."""
+    calls: list = []
+    token = _later.set(calls)
+    try:
+        yield calls
+    finally:
+        _later.reset(token)
+
+
+def compile_now(calls: list) -> None:
+    """Compile what :func:`compile_later` kept: each call again, compiled (results dropped)."""
+    for wrapper, args, kwargs in calls:
+        wrapper(*args, **kwargs)
+    calls.clear()
+
+
+def _signature(args, kwargs):
+    """What a static-shape compile specializes on: tensors' shape, stride and dtype, the other
+    arguments' values."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return ("tensor", tuple(a.shape), a.stride(), a.dtype, a.device.type)
+        if isinstance(a, (list, tuple)):
+            return tuple(one(x) for x in a)
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
+
+    return one(args), tuple(sorted((k, one(v)) for k, v in kwargs.items()))
+
+
 def fast(fn):
-    """Run ``fn`` compiled when its first argument is a large plain CPU tensor.
+    """Run ``fn`` compiled when its first argument is a large plain CPU tensor (eagerly, for a
+    signature not compiled yet, inside :func:`compile_later`).
 
     ``wrapper.eager`` is the uncompiled function (tests and the benchmark compare both).
     """
     compiled = None
+    ready: set = set()  # signatures that have run compiled
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled
         if not _eligible(args[0]):
             return fn(*args, **kwargs)
+        key = _signature(args, kwargs)
+        later = _later.get()
+        if later is not None and key not in ready:
+            later.append((wrapper, args, kwargs))
+            return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
+        ready.add(key)
+        return out
 
     wrapper.eager = fn
     return wrapper

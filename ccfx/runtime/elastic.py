@@ -94,6 +94,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from ..codecs._fast import compile_later, compile_now
 from ..errors import CollectiveError, ConfigError
 from ..wire.collectives import element_state_layout
 from .heal import HealTransport, Pending, Watch
@@ -583,6 +584,7 @@ class Elastic:
                    if outer.step > 0 and outer.step % outer.sync_every == f.offset]
         comm = None
         averaged: dict[int, list[torch.Tensor]] = {}
+        later: list = []  # codec calls run eagerly in the exchange, compiled after the sync
         own = 0 if self._unhealed or self.spare else self._weight()
         total, error, rows = 0, None, []
         try:
@@ -599,8 +601,9 @@ class Elastic:
             total = sum(r[0] for r in rows)
             if total > 0:
                 scale = own * comm.world / total
-                for frag in due:
-                    averaged[frag.index] = self._exchange(frag, scale, comm)
+                with compile_later() as later:  # the quorum waits on this exchange, not on a
+                    for frag in due:  # compile: new shapes (a joiner's first) run eagerly
+                        averaged[frag.index] = self._exchange(frag, scale, comm)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 (a peer died or hung: this sync is not committed)
@@ -648,6 +651,9 @@ class Elastic:
             "seconds": time.monotonic() - started, "quorum_s": quorum_s,
             "heal_s": None})  # a lazy heal's fetch after the exchange (set by _heal)
         self._last_end = time.monotonic()
+        if later:  # after the sync: this replica's time, not the quorum's
+            compile_now(later)
+            self.history[-1]["compile_s"] = time.monotonic() - self._last_end
         if self._pending is not None and not self._in_heal:
             committed = self._heal(torchft_state, rows, exchanged) and committed
         return committed
