@@ -652,7 +652,9 @@ class Elastic:
             "heal_s": None})  # a lazy heal's fetch after the exchange (set by _heal)
         self._last_end = time.monotonic()
         if later:  # after the sync: this replica's time, not the quorum's
-            compile_now(later)
+            if self._pending is not None:  # a lazy heal's fetch first: the link is idle now,
+                self._pending.start()  # and a compile before it delayed the fetch into the
+            compile_now(later)  # peers' next sync, whose exchange then shared its downlink
             self.history[-1]["compile_s"] = time.monotonic() - self._last_end
         if self._pending is not None and not self._in_heal:
             committed = self._heal(torchft_state, rows, exchanged) and committed
