@@ -32,8 +32,9 @@ Where others wait on a call (a fault-tolerant replica's exchange, which every me
 quorum waits on), a compile is the wrong cost to pay there: a replica that joins mid-run
 compiles its first exchange's shapes (4 s with inductor's cache warm, 10 s cold, on a 10 M
 model's chunks here) while the quorum waits. Inside :func:`compile_later` a call whose
-signature has not run compiled yet runs eagerly (0.35 s for that exchange's round trips) and is
-kept; :func:`compile_now` compiles the kept calls afterwards, off the path the others wait on.
+signature :func:`compile_now` has not compiled yet runs eagerly (0.35 s for that exchange's
+round trips) and is kept; :func:`compile_now` compiles the kept calls afterwards, off the path
+the others wait on.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ _later: contextvars.ContextVar[list | None] = contextvars.ContextVar("ccfx_compi
 
 @contextlib.contextmanager
 def compile_later():
-    """Within it, a call that would compile (a signature not yet run compiled) runs eagerly
+    """Within it, a call whose signature :func:`compile_now` has not compiled runs eagerly
     instead and is appended to the list this yields; :func:`compile_now` compiles them."""
     calls: list = []
     token = _later.set(calls)
@@ -85,8 +86,9 @@ def compile_later():
 
 def compile_now(calls: list) -> None:
     """Compile what :func:`compile_later` kept: each call again, compiled (results dropped)."""
-    for wrapper, args, kwargs in calls:
+    for wrapper, args, kwargs, key in calls:
         wrapper(*args, **kwargs)
+        wrapper.ready.add(key)
     calls.clear()
 
 
@@ -105,29 +107,28 @@ def _signature(args, kwargs):
 
 def fast(fn):
     """Run ``fn`` compiled when its first argument is a large plain CPU tensor (eagerly, for a
-    signature not compiled yet, inside :func:`compile_later`).
+    signature :func:`compile_now` has not compiled, inside :func:`compile_later`).
 
     ``wrapper.eager`` is the uncompiled function (tests and the benchmark compare both).
     """
     compiled = None
-    ready: set = set()  # signatures that have run compiled
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled
         if not _eligible(args[0]):
             return fn(*args, **kwargs)
-        key = _signature(args, kwargs)
         later = _later.get()
-        if later is not None and key not in ready:
-            later.append((wrapper, args, kwargs))
-            return fn(*args, **kwargs)
+        if later is not None:  # (the signature only here: not on every compiled call)
+            key = _signature(args, kwargs)
+            if key not in wrapper.ready:
+                later.append((wrapper, args, kwargs, key))
+                return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            out = compiled(*args, **kwargs)
-        ready.add(key)
-        return out
+            return compiled(*args, **kwargs)
 
     wrapper.eager = fn
+    wrapper.ready = set()  # signatures compile_now compiled (the others run eagerly inside it)
     return wrapper

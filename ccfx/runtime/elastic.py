@@ -241,6 +241,11 @@ def _ipv4_columns(host: str, port: int) -> tuple[int, int]:
         return 0, 0
 
 
+def _alive_url(row) -> str:
+    """A meet row's ``/alive`` address (its IPv4 and port columns) as the transport's URL."""
+    return f"http://{socket.inet_ntoa(row[7].to_bytes(4, 'big'))}:{row[8]}"
+
+
 def _reachable(address: str, timeout_s: float = 2.0) -> bool:
     url = urlparse(address if "://" in address else f"http://{address}")
     try:
@@ -388,8 +393,8 @@ class Elastic:
         places = {i: self._assign_slots(rows, i) for i in range(len(rows))}
         spares = sorted((i for i, s in places.items() if s is None),
                         key=lambda i: (rows[i][4] == 2, i))
-        urls = {s: f"http://{socket.inet_ntoa(rows[i][7].to_bytes(4, 'big'))}:{rows[i][8]}"
-                for i, s in places.items() if s is not None and rows[i][8] > 0}
+        urls = {s: _alive_url(rows[i]) for i, s in places.items()
+                if s is not None and rows[i][8] > 0}
         if me not in spares or not urls:
             return None
         j = spares.index(me)
@@ -741,8 +746,8 @@ class Elastic:
         self._catch_up_at = self._next_sync_at(rows, exchanged)
         self._close_sync_watch()
         me = self._last_rank
-        urls = {i: f"http://{socket.inet_ntoa(r[7].to_bytes(4, 'big'))}:{r[8]}"
-                for i, r in enumerate(rows) if i != me and r[0] > 0 and not r[4] and r[8] > 0}
+        urls = {i: _alive_url(r) for i, r in enumerate(rows)
+                if i != me and r[0] > 0 and not r[4] and r[8] > 0}
         if urls and self._catch_up_at is not None and not self.spare:  # (a spare: _watch_trainers)
             self._sync_watch = Watch(urls, silent_s=WATCH_SILENT_S,
                                      sync_step=self.manager.current_step())

@@ -234,6 +234,9 @@ class HealTransport:
             self._sync_step = step
             self._pulse.notify_all()
 
+    def _in_sync_at(self, step: int) -> bool:
+        return self._sync_step is not None and self._sync_step >= step
+
     def _beat(self, handler, sync: int | None) -> None:
         """Serve ``/alive``: a byte per beat (``sync``: the sync byte instead, once, as soon as
         this replica is in a sync at step ``sync`` or later) until this transport shuts down
@@ -247,11 +250,9 @@ class HealTransport:
             told = sync is None
             while not self._closing.is_set():
                 with self._pulse:
-                    due = not told and self._sync_step is not None and self._sync_step >= sync
-                    if not due and not self._closing.is_set():
+                    if told or not self._in_sync_at(sync):
                         self._pulse.wait(BEAT_S)  # (a sync or the shutdown notifies)
-                        due = (not told and self._sync_step is not None
-                               and self._sync_step >= sync)
+                    due = not told and self._in_sync_at(sync)
                 if self._closing.is_set():
                     break
                 handler.wfile.write(_SYNC if due else _BEAT)
