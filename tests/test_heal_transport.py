@@ -331,3 +331,48 @@ def test_catching_up_syncs_when_a_watched_peer_starts_its_sync_before_the_estima
     finally:
         watch.close()
         peer.shutdown()
+
+
+class _Fetch:
+    """A lazy heal's fetch that ends when the test says so."""
+
+    def __init__(self):
+        self.finished = threading.Event()
+
+    def done(self, timeout_s):
+        return self.finished.wait(timeout_s)
+
+
+def _healing(peer: heal.HealTransport, step: int, interval_s: float):
+    """An Elastic healing lazily after the exchange it joined, with one in-step peer (meet row
+    1) whose last interval was ``interval_s``: only what ``_fetched_before_next_sync`` reads."""
+    from ccfx.runtime.elastic import Elastic, _ipv4_columns
+
+    e = object.__new__(Elastic)
+    e._pending, e._last_rank = _Fetch(), 0
+    e.manager = type("Manager", (), {"current_step": staticmethod(lambda: step)})()
+    me = (0, 50, 0, -1, 2, -1, 0, 0, 0)  # healing: not watched, never waited for
+    trainer = (50, 50, 0, int(interval_s * 1000), 0, -1, 0,
+               *_ipv4_columns(peer.host, peer.port))
+    return e, [me, trainer]
+
+
+def test_a_healing_replica_joins_the_next_sync_when_a_peer_starts_it_not_at_the_estimate():
+    """A heal whose fetch outlasts the peers' interval joins their next sync from their
+    stream's signal: the estimate (their last interval from the exchange) was seconds late
+    after a slower interval, and the quorum waited for it (the same rule as catching up)."""
+    peer = heal.HealTransport("127.0.0.1", timedelta(seconds=5))
+    try:
+        e, rows = _healing(peer, step=3, interval_s=60.0)
+        signal = threading.Timer(0.5, peer.announce_sync, args=(3,))
+        signal.start()
+        started = time.monotonic()
+        assert not e._fetched_before_next_sync(rows, exchanged=started)
+        assert time.monotonic() - started < 10.0  # the signal, a minute before the estimate
+        e, rows = _healing(peer, step=4, interval_s=60.0)  # that sync was step 3's: not seen
+        threading.Timer(0.5, e._pending.finished.set).start()
+        assert e._fetched_before_next_sync(rows, exchanged=time.monotonic())
+        e, rows = _healing(peer, step=4, interval_s=0.5)  # no signal: the estimate
+        assert not e._fetched_before_next_sync(rows, exchanged=time.monotonic())
+    finally:
+        peer.shutdown()

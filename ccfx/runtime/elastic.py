@@ -104,6 +104,9 @@ log = logging.getLogger("ccfx")
 #: A watched trainer silent this long is dead (a machine that vanished sends no FIN).
 WATCH_SILENT_S = 10.0
 
+#: How often a healing replica between syncs looks at its fetch and at its peers' streams.
+_FETCH_POLL_S = 0.2
+
 #: ``ccfx.local_steps`` keywords that configure fault tolerance (not torch.compile options).
 KEYS = ("fault_tolerant", "lighthouse", "replica_id", "min_replicas", "quorum_timeout_s",
         "max_retries", "trainers", "slot", "init_sync")
@@ -687,9 +690,7 @@ class Elastic:
         self._in_heal = True
         try:
             while True:
-                at = self._next_sync_at(rows, exchanged)
-                wait = None if at is None else max(0.0, at - time.monotonic())
-                if self._pending.done(wait):
+                if self._fetched_before_next_sync(rows, exchanged):
                     break
                 self.catching_up = True  # take the peers' step and fragments (_adopt_step)
                 self.sync([])  # may heal again: a newer fetch replaces this one (_load)
@@ -711,6 +712,24 @@ class Elastic:
             return False
         self._start_catch_up(rows, exchanged)
         return True
+
+    def _fetched_before_next_sync(self, rows, exchanged: float) -> bool:
+        """Wait for a lazy heal's fetch until the peers' next sync: the time estimated from
+        their last interval, or the moment the first in-step peer's stream says it has started
+        that sync, whichever comes first (a healing replica trains no steps, so it joins at
+        once). Whether the fetch is done (or failed: :meth:`_finish_heal` says which)."""
+        at = self._next_sync_at(rows, exchanged)
+        watch = self._watch_in_step(rows)
+        try:
+            while not self._pending.done(_FETCH_POLL_S):
+                if at is not None and time.monotonic() >= at:
+                    return False
+                if watch is not None and watch.synced:
+                    return False
+            return True
+        finally:
+            if watch is not None:
+                watch.close()
 
     def _timeout_hint(self, error: str) -> str:
         """Why a sync may time out with every replica alive: the exchange waits for a joiner's
@@ -745,12 +764,18 @@ class Elastic:
         self.catching_up = True
         self._catch_up_at = self._next_sync_at(rows, exchanged)
         self._close_sync_watch()
-        me = self._last_rank
+        if self._catch_up_at is not None and not self.spare:  # (a spare: _watch_trainers)
+            self._sync_watch = self._watch_in_step(rows)
+
+    def _watch_in_step(self, rows) -> Watch | None:
+        """A watch on the ``/alive`` streams of the meet's members that trained in step
+        through their last interval (not this replica), told of a sync at torchft's current
+        step or later; None when no such member has a stream."""
         urls = {i: _alive_url(r) for i, r in enumerate(rows)
-                if i != me and r[0] > 0 and not r[4] and r[8] > 0}
-        if urls and self._catch_up_at is not None and not self.spare:  # (a spare: _watch_trainers)
-            self._sync_watch = Watch(urls, silent_s=WATCH_SILENT_S,
-                                     sync_step=self.manager.current_step())
+                if i != self._last_rank and r[0] > 0 and not r[4] and r[8] > 0}
+        if not urls:
+            return None
+        return Watch(urls, silent_s=WATCH_SILENT_S, sync_step=self.manager.current_step())
 
     def _close_sync_watch(self) -> None:
         if self._sync_watch is not None:
