@@ -87,6 +87,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -103,6 +104,9 @@ log = logging.getLogger("ccfx")
 
 #: A watched trainer silent this long is dead (a machine that vanished sends no FIN).
 WATCH_SILENT_S = 10.0
+
+#: How long shutdown waits for a spare's compile thread to finish.
+COMPILE_JOIN_S = 120.0
 
 #: How often a healing replica between syncs looks at its fetch and at its peers' streams.
 _FETCH_POLL_S = 0.2
@@ -273,6 +277,7 @@ class Elastic:
     catching_up = False  # healed lazily: sync at the peers' next sync (catch_up_due)
     _catch_up_at: float | None = None
     _last_end: float | None = None  # when this replica's last sync ended
+    _compiling: threading.Thread | None = None  # a spare's compile after its sync
     _last_step_end: float | None = None  # when catch_up_due was last asked (an inner step)
     _sync_watch: Watch | None = None  # while catching up: the in-step peers' /alive streams
 
@@ -662,11 +667,33 @@ class Elastic:
         if later:  # after the sync: this replica's time, not the quorum's
             if self._pending is not None:  # a lazy heal's fetch first: the link is idle now,
                 self._pending.start()  # and a compile before it delayed the fetch into the
-            compile_now(later)  # peers' next sync, whose exchange then shared its downlink
-            self.history[-1]["compile_s"] = time.monotonic() - self._last_end
+            self._compile(list(later))  # peers' next sync, whose exchange shared its downlink
         if self._pending is not None and not self._in_heal:
             committed = self._heal(torchft_state, rows, exchanged) and committed
         return committed
+
+    def _compile(self, calls: list) -> None:
+        """Compile the codec calls the last exchange ran eagerly (its row's ``compile_s``). A
+        trainer compiles before its next inner step. A spare compiles on a thread of its own:
+        it must watch the trainers from the sync's end, and a trainer that died during an 8-15 s
+        compile (a 10 M model's chunks) had its place taken only when the compile ended
+        (bench/README, session 19); the calls stay eager until compiled (``_fast``)."""
+        row, started = self.history[-1], time.monotonic()
+        if not self.spare:
+            compile_now(calls)
+            row["compile_s"] = time.monotonic() - started
+            return
+
+        def run() -> None:
+            try:
+                compile_now(calls)
+            except Exception as e:  # noqa: BLE001 (a thread's error reaches nobody: say it)
+                log.warning("ccfx: a spare's compile of its exchange's codec calls failed "
+                            "(%s): they run eagerly and compile again after the next sync", e)
+            row["compile_s"] = time.monotonic() - started
+
+        self._compiling = threading.Thread(target=run, daemon=True, name="ccfx-spare-compile")
+        self._compiling.start()
 
     def _merge(self, merged: dict[int, list[torch.Tensor]]) -> None:
         """The outer step of each fragment in ``merged`` with its averaged pseudo-gradient."""
@@ -977,6 +1004,8 @@ class Elastic:
     def shutdown(self) -> None:
         """Stop the manager (its heartbeats: the lighthouse drops this replica)."""
         self._close_sync_watch()
+        if self._compiling is not None:  # a daemon thread inside inductor at exit can crash
+            self._compiling.join(COMPILE_JOIN_S)
         manager = getattr(self, "manager", None)
         if manager is not None:
             manager.shutdown(wait=False)
