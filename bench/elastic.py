@@ -137,22 +137,6 @@ def _become(cfg: dict, index: int) -> None:
         become_machine(**cfg["machines"][index])
 
 
-def _niceness(value: int) -> None:
-    """Set every thread of this process to ``value`` (Linux's niceness is per thread).
-
-    A spare runs on a machine of its own in a deployment, but here on the cores the trainers
-    share: its compile after each sync (8-15 s of inductor at 10 M) and its part of each
-    exchange took CPU from the trainers, which a spare on its own machine does not (session 19:
-    the spare run's first interval 9.5 s slower than the free run's, the interval after a
-    replacement spare's heal 10 s slower). So a spare runs at the lowest priority until it takes
-    a training place (what it does still happens, on cores the trainers leave idle: in the
-    exchanges, which wait on the link), then at the trainers' (raising it back needs root,
-    which the namespaces need anyway)."""
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):
-            os.setpriority(os.PRIO_PROCESS, int(tid), value)
-
-
 def standby(cfg: dict, stop_at, go, out, index: int = 1) -> None:
     """A warm standby (``--restart standby``): a process started ahead of any failure that
     imports torch, ccfx and torchft, builds the model and AdamW and takes one throwaway step
@@ -259,8 +243,6 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None,
         Elastic._keep_state_per_element = keep_then_meet
     places = ({"trainers": cfg["replicas"], "slot": None if spare else index}
               if cfg.get("restart") == "spare" else {})
-    if spare:
-        _niceness(19)
     outer = ccfx.local_steps(
         model, opt, fault_tolerant=True, lighthouse=cfg["lighthouse"], replica_id=name,
         min_replicas=2, quorum_timeout_s=300.0, max_retries=20, sync_every=cfg["h"],
@@ -269,7 +251,6 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None,
         init_sync=bool(cfg.get("init_sync")), **places)
     phases["joined"] = time.time()  # local_steps returns after the join's sync (the heal)
     if spare:  # ... and a spare's once it holds a place: that place's shard
-        _niceness(0)
         train, held_out, vocab = _data(gpt["block_size"], 0, outer.slot, BATCH)
     out.put(("phases", name, phases))
     seen = 0
