@@ -108,9 +108,6 @@ WATCH_SILENT_S = 10.0
 #: How long shutdown waits for a spare's compile thread to finish.
 COMPILE_JOIN_S = 120.0
 
-#: How often a healing replica between syncs looks at its fetch and at its peers' streams.
-_FETCH_POLL_S = 0.2
-
 #: ``ccfx.local_steps`` keywords that configure fault tolerance (not torch.compile options).
 KEYS = ("fault_tolerant", "lighthouse", "replica_id", "min_replicas", "quorum_timeout_s",
         "max_retries", "trainers", "slot", "init_sync")
@@ -717,7 +714,9 @@ class Elastic:
         self._in_heal = True
         try:
             while True:
-                if self._fetched_before_next_sync(rows, exchanged):
+                at = self._next_sync_at(rows, exchanged)
+                wait = None if at is None else max(0.0, at - time.monotonic())
+                if self._pending.done(wait):
                     break
                 self.catching_up = True  # take the peers' step and fragments (_adopt_step)
                 self.sync([])  # may heal again: a newer fetch replaces this one (_load)
@@ -739,24 +738,6 @@ class Elastic:
             return False
         self._start_catch_up(rows, exchanged)
         return True
-
-    def _fetched_before_next_sync(self, rows, exchanged: float) -> bool:
-        """Wait for a lazy heal's fetch until the peers' next sync: the time estimated from
-        their last interval, or the moment the first in-step peer's stream says it has started
-        that sync, whichever comes first (a healing replica trains no steps, so it joins at
-        once). Whether the fetch is done (or failed: :meth:`_finish_heal` says which)."""
-        at = self._next_sync_at(rows, exchanged)
-        watch = self._watch_in_step(rows)
-        try:
-            while not self._pending.done(_FETCH_POLL_S):
-                if at is not None and time.monotonic() >= at:
-                    return False
-                if watch is not None and watch.synced:
-                    return False
-            return True
-        finally:
-            if watch is not None:
-                watch.close()
 
     def _timeout_hint(self, error: str) -> str:
         """Why a sync may time out with every replica alive: the exchange waits for a joiner's
