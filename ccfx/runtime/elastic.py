@@ -681,7 +681,11 @@ class Elastic:
             row["compile_s"] = time.monotonic() - started
             return
 
+        previous = self._compiling  # (chained: shutdown's join of the last covers them all)
+
         def run() -> None:
+            if previous is not None:
+                previous.join()  # dynamo compiles one at a time anyway (its compile lock)
             try:
                 compile_now(calls)
             except Exception as e:  # noqa: BLE001 (a thread's error reaches nobody: say it)
