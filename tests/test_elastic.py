@@ -188,9 +188,14 @@ def _members(step, catching_up=False):
     fragments (synced at steps 0 and 25 mod 50) and whether it is catching up after a heal."""
     from types import SimpleNamespace
 
+    from ccfx.runtime.elastic import Elastic, State
+
     frags = [SimpleNamespace(offset=0, index=0), SimpleNamespace(offset=25, index=1)]
-    outer = SimpleNamespace(step=step, sync_every=50, fragments=frags)
-    return SimpleNamespace(outer=outer, catching_up=catching_up, _catch_up_at=1.0)
+    me = Elastic.__new__(Elastic)
+    me.outer = SimpleNamespace(step=step, sync_every=50, fragments=frags)
+    me._state = State.CATCHING_UP if catching_up else State.IN_STEP
+    me._catch_up_at = 1.0
+    return me
 
 
 @pytest.mark.parametrize("rows, want_step, want_fragment", [
@@ -198,8 +203,8 @@ def _members(step, catching_up=False):
     ([(5, 150, 0, 1, 0), (5, 150, 0, 1, 0)], 150, [0]),
     # catching up after a heal: it takes the step of the members in step
     ([(5, 150, 0, 1, 0), (3, 137, 0, 1, 1)], 150, [0]),
-    # healed from a peer that was itself catching up (it reported that peer's step 122, the
-    # 10 M bench's cascade): the step of the members in step wins, fragments agree
+    # healed from a peer that was itself catching up (it reported that peer's step 122, a
+    # cascade of heals): the step of the members in step wins, fragments agree
     ([(5, 150, 0, 1, 0), (0, 122, 0, 1, 1), (4, 150, 0, 1, 0)], 150, [0]),
     # in-step members that disagree all take the highest, so every member exchanges the same
     ([(5, 175, 0, 1, 0), (5, 150, 0, 1, 0)], 175, [1]),
@@ -216,7 +221,7 @@ def test_every_member_leaves_the_meet_at_one_step_and_one_set_of_fragments(rows,
         own_due = [f for f in me.outer.fragments if row[1] % 50 == f.offset]
         due = Elastic._adopt_step(me, rows, own_due if not row[4] else [])
         results.add((me.outer.step, tuple(f.index for f in due)))
-        assert not me.catching_up and me._catch_up_at is None
+        assert me.state.name == "IN_STEP" and me._catch_up_at is None
     assert results == {(want_step, tuple(want_fragment))}
 
 
@@ -320,9 +325,9 @@ def test_sync_after_a_failed_group_rebuild_is_uncommitted_not_a_crash():
 
 
 def test_a_spare_compiles_after_its_sync_on_a_thread_a_trainer_before_its_next_step():
-    """A spare watches the trainers from its sync's end: a trainer that died during its 8-15 s
-    compile (the 10 M bench's first sync) had its place taken only after it (bench/README,
-    session 19). So a spare compiles on a thread of its own; a trainer, before it trains on."""
+    """A spare watches the trainers from its sync's end: a trainer that died during a compile
+    of several seconds would have its place taken only after it. So a spare compiles on a
+    thread of its own; a trainer, before it trains on."""
     from ccfx.runtime.elastic import Elastic, ElasticOptions
 
     release = threading.Event()
@@ -642,8 +647,8 @@ def test_a_hot_spare_takes_a_dead_trainers_place_when_it_dies_without_a_heal():
 @pytest.mark.slow
 def test_replicas_built_alike_skip_the_step_0_heal_and_a_late_one_still_heals():
     """``init_sync=False``: i0 and i1, built from the same seed, start together and sync with
-    no heal at step 0 (torchft's init sync would send i1 all of i0's state through i0's link:
-    the 10 M bench's ~100 s at its start); i2, built from another seed, joins 3 s later and
+    no heal at step 0 (torchft's init sync would send i1 all of i0's state through i0's link);
+    i2, built from another seed, joins 3 s later and
     still heals (it is behind), so every committed sync's global parameters agree."""
     import threading
 

@@ -314,7 +314,7 @@ def test_catching_up_syncs_when_a_watched_peer_starts_its_sync_before_the_estima
     """A replica catching up syncs at the step nearest the time estimated from its peers' last
     interval, or at the end of the step in which the first in-step peer starts the sync (its
     stream says so), if that is sooner: after a slower interval the estimate was seconds late,
-    and the peers waited (bench/README, session 18)."""
+    and the peers waited."""
     now = time.monotonic()
     assert _catching_up(now - 1.0).catch_up_due()  # no watch: the estimate has passed
     assert not _catching_up(now + 60.0).catch_up_due()

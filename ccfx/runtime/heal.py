@@ -2,9 +2,9 @@
 
 torchft's HTTP transport serves a healing replica the whole state in the quorum, and the
 serving peer's ``should_commit`` blocks until that download ends (it takes a write lock that
-an in-flight read holds), while the other replicas' exchange waits for the healer to arrive.
-Over a 10 Mbit/s link a 10 M-parameter model's 43 MB heal stalled every survivor ~35 s per
-join (bench/README: elastic). This transport splits what it serves in two:
+an in-flight read holds), while the other replicas' exchange waits for the healer to arrive:
+on a slow link every survivor stalls for the whole transfer at every join. This transport
+splits what it serves in two:
 
 * the **head**: everything but the tensors (the fingerprint, the steps, torchft's own state,
   the optimizer's hyper-parameters), a few kB, received in the quorum as torchft expects;

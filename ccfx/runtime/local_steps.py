@@ -59,7 +59,6 @@ import concurrent.futures
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -69,50 +68,15 @@ from ..config import Config
 from ..errors import CollectiveError, ConfigError
 from ..wire import agree
 from ..wire.comm import LocalComm, ProcessGroupComm
-from ..wire.exchange import BucketLayout, Exchange, exchange_for
+from ..wire.exchange import BucketLayout, exchange_for
 from ..wire.link import resolve_collective
 from ..wire.policy import balanced, split_fragment
+from .fragments import Fragment, InFlight, Part
 from .launcher_env import require_group_under_launcher
 
 log = logging.getLogger("ccfx")
 
-
-@dataclass
-class _Part:
-    """One exchange of a fragment: its parameters' indices (into the fragment) and codec state."""
-
-    members: list[int]
-    exchange: Exchange
-    state: dict[str, torch.Tensor]
-
-
-@dataclass
-class _InFlight:
-    """A fragment's exchange started at inner step ``started`` and merged at ``merge_at``."""
-
-    started: int
-    merge_at: int
-    future: concurrent.futures.Future | None = None
-    averaged: list[torch.Tensor] | None = None  # set once the exchange has finished
-
-
-@dataclass
-class Fragment:
-    """Parameters synced together: the replica's (``local``), the fp32 global copies every
-    replica agrees on, the outer optimizer stepping them, the exchanges averaging them."""
-
-    index: int
-    names: list[str]
-    local: list[torch.nn.Parameter]
-    global_: list[torch.Tensor]
-    outer: torch.optim.Optimizer
-    offset: int  # syncs at inner steps t with t % sync_every == offset
-    parts: list[_Part] = field(default_factory=list)
-    in_flight: _InFlight | None = None
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.local)
+_Part, _InFlight = Part, InFlight  # their former names here
 
 
 class LocalSteps:
@@ -197,14 +161,14 @@ class LocalSteps:
             for p in params:
                 dist.broadcast(p.data, src=src, group=self.group)
 
-    def _parts_of(self, frag: Fragment) -> list[_Part]:
+    def _parts_of(self, frag: Fragment) -> list[Part]:
         parts = []
         shapes = [tuple(p.shape) for p in frag.local]
         for members, spec in split_fragment(shapes, self.config.outer_codec,
                                             self.config.compress_min_numel):
             layout = BucketLayout(tuple(shapes[i] for i in members), torch.float32)
             exchange = exchange_for(layout, spec, self._collective(spec, layout.numel))
-            parts.append(_Part(members, exchange, exchange.init_state(frag.local[0].device)))
+            parts.append(Part(members, exchange, exchange.init_state(frag.local[0].device)))
         return parts
 
     # -- the loop -------------------------------------------------------------------------------
@@ -228,7 +192,7 @@ class LocalSteps:
     def _start(self, frag: Fragment) -> None:
         with torch.no_grad():
             delta = [g - p.detach().float() for g, p in zip(frag.global_, frag.local)]
-        flight = _InFlight(self.step, self.step + self.config.fragment_delay)
+        flight = InFlight(self.step, self.step + self.config.fragment_delay)
         if self._pool is None:
             try:
                 flight.averaged = self._exchange(frag, delta)
@@ -272,7 +236,7 @@ class LocalSteps:
         if ledger is not None:
             ledger.record_outer(frag.index, raw, wire)
 
-    def _wait(self, frag: Fragment, flight: _InFlight) -> list[torch.Tensor]:
+    def _wait(self, frag: Fragment, flight: InFlight) -> list[torch.Tensor]:
         timeout = self.config.collective_timeout_s
         try:
             return flight.future.result(timeout=timeout)
@@ -285,7 +249,7 @@ class LocalSteps:
         except Exception as e:
             raise self._failed(frag, flight, e) from e
 
-    def _failed(self, frag: Fragment, flight: _InFlight, e: BaseException) -> CollectiveError:
+    def _failed(self, frag: Fragment, flight: InFlight, e: BaseException) -> CollectiveError:
         if isinstance(e, CollectiveError):
             return e
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -439,7 +403,7 @@ class LocalSteps:
             t.copy_(codec[k])
         for frag, saved_frag in zip(self.fragments, state["fragments"]):
             pending = saved_frag["pending"]
-            frag.in_flight = None if pending is None else _InFlight(
+            frag.in_flight = None if pending is None else InFlight(
                 pending["started"], pending["merge_at"],
                 averaged=[a.clone() for a in pending["averaged"]])
 
