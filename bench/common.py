@@ -1,5 +1,5 @@
-"""Shared helpers of the benchmarks: timing, the tiny GPT, timed steps on ranks, tables and
-JSON output.
+"""Shared helpers of the benchmarks: timing, the tiny GPT, the step loops (warm-up, training,
+timed steps), timed steps on ranks, tables and JSON output.
 
 Timing uses ``time.perf_counter``: warm-up calls first, then the median of N repeats.
 Ratios are always against a baseline measured in the same run, on the same machine.
@@ -15,6 +15,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -105,6 +106,49 @@ def median(xs: Sequence[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# Step loops: every bench's warm-up, training run and timed steps go through these two.
+
+T = TypeVar("T")
+
+
+def run_steps(step: Callable[[int], T], n: int,
+              say: Callable[[int, T], object] | None = None) -> list[T]:
+    """``step(i)`` for i in 0 … n-1, untimed (warm-up steps, or a training run whose wall the
+    caller times as a whole): the results in order; ``say(i, result)`` after each call (the
+    rank's progress line)."""
+    out = []
+    for i in range(n):
+        out.append(step(i))
+        if say is not None:
+            say(i, out[-1])
+    return out
+
+
+def time_steps(step: Callable[[object], T], n: int, *,
+               prepare: Callable[[int], object] = lambda i: i,
+               say: Callable[[int, T, float], object] | None = None
+               ) -> tuple[list[T], list[float]]:
+    """``n`` timed calls ``step(prepare(i))``: their results and each call's seconds
+    (``time.perf_counter``). ``prepare`` runs off the clock (a barrier, drawing the next
+    batch); so does ``say(i, result, seconds)``, called after each step."""
+    results, times = [], []
+    for i in range(n):
+        arg = prepare(i)
+        t = time.perf_counter()
+        results.append(step(arg))
+        times.append(time.perf_counter() - t)
+        if say is not None:
+            say(i, results[-1], times[-1])
+    return results, times
+
+
+def slowest_per_step(times: Sequence[Sequence[float]]) -> list[float]:
+    """Each step's time as its slowest rank's (a step ends when the last rank is done), from
+    every rank's list of step times."""
+    return [max(ts[i] for ts in times) for i in range(len(times[0]))]
+
+
+# ---------------------------------------------------------------------------------------------
 # Timed steps on ranks: what bench.data_parallel, bench.tensor_parallel and bench.sharded_dp
 # share (each builds its own model and step; the loop, the ledger and the rows are these).
 
@@ -169,11 +213,9 @@ def timed_steps(rank: int, step: Callable[[], float], *, steps: int, warmup: int
     ``{"skipped": ...}``."""
     import torch.distributed as dist
 
-    losses = []
     try:
-        for i in range(warmup):
-            losses.append(step())
-            log(rank, f"warm-up step {i}: loss {losses[-1]:.{digits}f}")
+        losses = run_steps(lambda i: step(), warmup, say=lambda i, loss: log(
+            rank, f"warm-up step {i}: loss {loss:.{digits}f}"))
     except Exception as e:
         if _config_error(e):
             return {"skipped": f"ccfx rejects the options: {str(e).splitlines()[0]}"}
@@ -181,13 +223,9 @@ def timed_steps(rank: int, step: Callable[[], float], *, steps: int, warmup: int
     before = None if wire is not None else ledger_bytes(compiled)
     extra = after_warmup() if after_warmup is not None else {}
     dist.barrier()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t)
-        log(rank, f"timed step {len(times) - 1}: loss {losses[-1]:.{digits}f}, "
-                  f"{times[-1]:.3f} s")
+    timed, times = time_steps(lambda i: step(), steps, say=lambda i, loss, s: log(
+        rank, f"timed step {i}: loss {loss:.{digits}f}, {s:.3f} s"))
+    losses += timed
     if wire is not None:
         per_step = wire()
     else:

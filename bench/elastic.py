@@ -9,7 +9,7 @@ a "machine" of its own with one link limited to ``--rate`` Mbit/s each way (``--
 the default: bench/shaped.star, a network namespace per replica joined by a shaped veth pair
 to a hub's bridge, as replicas on the internet each have an uplink and a downlink); ``--link
 shared`` puts every replica in one namespace whose loopback is limited to ``--rate`` (one
-medium for every byte: how the rows before session 13 were measured). The torchft lighthouse
+medium for every byte). The torchft lighthouse
 runs in the driver, in the hub (min_replicas 2, join_timeout_ms
 ``--grace-ms``, 1000 by default, heartbeat timeout ``--heartbeat-ms``, 300 by default: enough
 for the tiny GPT, whose syncs never keep a link full; README recommends 3000 over slow links
@@ -203,8 +203,8 @@ def _start(gate, timeout_s: float) -> None:
     run starts out of step. They meet once torchft's manager exists (ccfx's replicas: in
     ``Elastic``, just before the join), because the lighthouse waits ``join_timeout_ms`` only
     for replicas whose manager already heartbeats: meeting before ``ccfx.local_steps`` left
-    the first quorum to whichever two managers started first (the 10 M model, session 14: r0
-    and r3 missed the join and healed together at the next sync). A deployment starts its
+    the first quorum to whichever two managers started first (with the 10 M model two
+    replicas missed the join and healed together at the next sync). A deployment starts its
     replicas ahead of the job the same way; a restarted replica joins alone, as it would."""
     if gate is not None:
         gate.wait(timeout_s)
@@ -287,6 +287,108 @@ def sent_bytes(cfg: dict) -> int:
         return int(f.read())
 
 
+class _Fleet:
+    """A run's processes and what they report: the replicas, the warm standbys (one per kill,
+    ``--restart standby|spare``) and the hot spare (``--restart spare``: in the quorum from the
+    start on a machine of its own; the replicas hold the training places 0 .. R-1, and who
+    holds which is read from their sync rows), their queues, and the sync rows, phases and
+    results they send."""
+
+    def __init__(self, cfg: dict, ctx, stop_at):
+        self.cfg, self.ctx, self.stop_at = cfg, ctx, stop_at
+        self.procs, self.queues = {}, {}
+        self.rows: dict[str, list[dict]] = {}
+        self.phases: dict[str, list[dict]] = {}
+        self.done: dict[str, dict] = {}
+        self.spares: list = []  # [(process, go, queue key, machine)], in kill order
+        self.standby_s: list[float] = []  # each standby's start to ready
+        self.hot = cfg.get("restart") == "spare"
+        self.holder = {i: f"r{i}" for i in range(cfg["replicas"])}
+        self.gate = ctx.Barrier(cfg["replicas"] + self.hot)  # the first replicas' start (_start)
+
+    def start(self, name, index, restart=True):
+        if restart and self.spares:  # a warm standby, waiting on this replica's machine, becomes it
+            proc, go, key, on = self.spares.pop(0)  # (with --restart spare: a new spare)
+            assert on == index, f"the next standby waits on r{on}'s machine, not r{index}'s"
+            go.put((name, index, time.time(), self.hot))
+            self.queues[name], self.procs[name] = self.queues.pop(key), proc
+            return
+        # one queue per replica: a SIGKILL mid-write would block a shared one
+        self.queues[name] = self.ctx.Queue()
+        self.procs[name] = self.ctx.Process(target=replica, args=(
+            name, index, self.cfg, self.stop_at, self.queues[name],
+            None if restart else self.gate), daemon=True)
+        self.procs[name].start()
+
+    def start_spare(self):
+        """The hot spare, on a machine of its own (the place after the replicas')."""
+        self.queues["spare0"] = self.ctx.Queue()
+        self.procs["spare0"] = self.ctx.Process(target=replica, args=(
+            "spare0", self.cfg["replicas"], self.cfg, self.stop_at, self.queues["spare0"],
+            self.gate, True), daemon=True)
+        self.procs["spare0"].start()
+
+    def start_standbys(self):
+        """One warm standby per kill the run will make, all ready before any replica starts: a
+        deployment's spares run on machines of their own, and starting one later, on the cores
+        the replicas share, would slow the survivors (a harness artifact)."""
+        cfg = self.cfg
+        every = cfg["kill_every"] // cfg["h"]
+        for k in range(len(range(every, cfg["syncs"] - 1, every)) + 1 if every else 0):
+            key, index = f"standby{k}", victim_of(k, cfg["replicas"])
+            self.queues[key], go = self.ctx.Queue(), self.ctx.Queue()
+            proc = self.ctx.Process(target=standby, args=(cfg, self.stop_at, go,
+                                                          self.queues[key], index), daemon=True)
+            proc.start()
+            self.spares.append((proc, go, key, index))
+        deadline = time.monotonic() + cfg["timeout_s"] / 2
+        while len(self.standby_s) < len(self.spares):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.spares)} standbys not ready in "
+                                   f"{cfg['timeout_s'] / 2} s")
+            self.pump()
+            time.sleep(0.1)
+
+    def take(self, kind, name, data):
+        if kind == "row":
+            self.rows.setdefault(name, []).append(data)
+            if data.get("slot") is not None and data["committed"]:
+                self.holder[data["slot"]] = name
+        elif kind == "phases":
+            self.phases.setdefault(name, []).append(data)
+        elif kind == "standby":
+            self.standby_s.append(data["ready"] - data["started"])
+        else:
+            self.done[name] = data
+
+    def pump(self):
+        drain(self.queues, self.take)
+
+    def kill(self, victim: int, step: int, kills: list[dict]) -> None:
+        """SIGKILL the holder of place ``victim`` and start its replacement: with a hot spare,
+        the victim machine's standby joins as a new spare (the place's first holder's machine:
+        another process runs there if a spare took that place earlier, and the standby shares
+        its link); else the replica comes back as ``--restart`` says."""
+        name = self.holder[victim] if self.hot else f"r{victim}"
+        killed_at = time.time()
+        os.kill(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].join(10)
+        self.queues.pop(name)
+        kills.append({"name": name, "place": victim, "at_sync": step, "time": killed_at,
+                      "rows_before": len(self.rows.get(name, [])),
+                      "phases_before": len(self.phases.get(name, []))})
+        if self.hot:
+            kills[-1]["holder_was_first"] = name == f"r{victim}"
+            self.start(f"spare{len(kills)}", victim)
+        else:
+            self.start(name, victim)
+
+    def stop(self):
+        for p in [*self.procs.values(), *(proc for proc, *_ in self.spares)]:
+            if p.is_alive():
+                p.kill()
+
+
 def inside(cfg: dict) -> dict:
     """One run, in the namespace: the lighthouse, the replicas, the kills; the summary."""
     from torchft.coordination import LighthouseServer
@@ -300,143 +402,69 @@ def inside(cfg: dict) -> dict:
     cfg = {**cfg, "lighthouse": f"http://{host}:{port}"}
     ctx = mp.get_context("spawn")
     stop_at = ctx.Array("i", [cfg["syncs"], 0])  # the last step; r0's step (finished())
-    procs, queues = {}, {}
-    rows: dict[str, list[dict]] = {}
-    phases: dict[str, list[dict]] = {}
-    done: dict[str, dict] = {}
-
-    spares: list = []  # --restart standby: [(process, go, queue key, machine)], in kill order
-    standby_s: list[float] = []  # each standby's start to ready (before the replicas start)
-    # --restart spare: a hot spare in the quorum from the start, on a machine of its own; the
-    # replicas hold the training places 0 .. R-1 (who holds which: from their sync rows)
-    hot = cfg.get("restart") == "spare"
-    holder = {i: f"r{i}" for i in range(cfg["replicas"])}
-
-    gate = ctx.Barrier(cfg["replicas"] + hot)  # the first replicas' start (_start)
-
-    def start(name, index, restart=True):
-        if restart and spares:  # a warm standby, waiting on this replica's machine, becomes it
-            proc, go, key, on = spares.pop(0)  # (with --restart spare: a new spare)
-            assert on == index, f"the next standby waits on r{on}'s machine, not r{index}'s"
-            go.put((name, index, time.time(), hot))
-            queues[name], procs[name] = queues.pop(key), proc
-            return
-        queues[name] = ctx.Queue()  # one per replica: a SIGKILL mid-write would block a shared one
-        procs[name] = ctx.Process(target=replica, args=(name, index, cfg, stop_at, queues[name],
-                                                        None if restart else gate), daemon=True)
-        procs[name].start()
-
-    def start_standby(key, index):
-        queues[key], go = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=standby, args=(cfg, stop_at, go, queues[key], index),
-                           daemon=True)
-        proc.start()
-        spares.append((proc, go, key, index))
-
-    def take(kind, name, data):
-        if kind == "row":
-            rows.setdefault(name, []).append(data)
-            if data.get("slot") is not None and data["committed"]:
-                holder[data["slot"]] = name
-        elif kind == "phases":
-            phases.setdefault(name, []).append(data)
-        elif kind == "standby":
-            standby_s.append(data["ready"] - data["started"])
-        else:
-            done[name] = data
-
-    def pump():
-        drain(queues, take)
-
+    fleet = _Fleet(cfg, ctx, stop_at)
     tx0 = sent_bytes(cfg)
     t0 = time.time()
-    names = [f"r{i}" for i in range(cfg["replicas"])]
     if cfg.get("restart") in ("standby", "spare"):
-        # one warm standby per kill the run will make, all ready before any replica starts: a
-        # deployment's spares run on machines of their own, and starting one here, on the
-        # cores the replicas share, would slow the survivors (a harness artifact)
-        every = cfg["kill_every"] // cfg["h"]
-        for k in range(len(range(every, cfg["syncs"] - 1, every)) + 1 if every else 0):
-            start_standby(f"standby{k}", victim_of(k, cfg["replicas"]))
-        deadline = time.monotonic() + cfg["timeout_s"] / 2
-        while len(standby_s) < len(spares):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(spares)} standbys not ready in {cfg['timeout_s'] / 2} s")
-            drain(queues, take)
-            time.sleep(0.1)
-    for i, name in enumerate(names):
-        start(name, i, restart=False)
-    if hot:
-        queues["spare0"] = ctx.Queue()
-        procs["spare0"] = ctx.Process(target=replica, args=(
-            "spare0", cfg["replicas"], cfg, stop_at, queues["spare0"], gate, True), daemon=True)
-        procs["spare0"].start()
+        fleet.start_standbys()
+    for i in range(cfg["replicas"]):
+        fleet.start(f"r{i}", i, restart=False)
+    if fleet.hot:
+        fleet.start_spare()
+    try:
+        kills = _drive(fleet, cfg)
+    finally:
+        fleet.stop()
+        lighthouse.shutdown()
+    return _summary(cfg, fleet, kills, sent_bytes(cfg) - tx0, t0)
+
+
+def _drive(fleet: _Fleet, cfg: dict) -> list[dict]:
+    """Kill a replica every ``kill_every`` inner steps (at ``kill_phase`` of r0's interval)
+    until every place's holder is done; the kills. r0 (never killed) ends the run; a replica
+    restarted near the end may have no sync left to join: it is given a few seconds, then
+    stopped."""
+    names = [f"r{i}" for i in range(cfg["replicas"])]
     kills, victim = [], victim_of(0, cfg["replicas"])
     next_kill = cfg["kill_every"] // cfg["h"] if cfg["kill_every"] else None
     deadline = time.monotonic() + cfg["timeout_s"]
-    try:
-        # r0 (never killed) ends the run; a replica restarted near the end may have no sync
-        # left to join: it is given a few seconds, then stopped
-        r0_done_at = kill_at = None
-        while not all(n in done for n in (holder.values() if hot else names)):
-            if "r0" in done:
-                r0_done_at = r0_done_at or time.monotonic()
-                if time.monotonic() - r0_done_at > 10:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run did not finish in {cfg['timeout_s']} s; done {done}")
-            pump()
-            r0 = [r for r in rows.get("r0", []) if r["committed"]]
-            step = r0[-1]["torchft_step"] if r0 else 0
-            if next_kill is not None and step >= next_kill and step < cfg["syncs"] - 1:
-                kill_at = kill_at or time.time() + _phase_delay(r0, cfg)
-            if kill_at and time.time() >= kill_at:
-                kill_at = None
-                name = holder[victim] if hot else names[victim]
-                killed_at = time.time()
-                os.kill(procs[name].pid, signal.SIGKILL)
-                procs[name].join(10)
-                queues.pop(name)
-                kills.append({"name": name, "place": victim, "at_sync": step, "time": killed_at,
-                              "rows_before": len(rows.get(name, [])),
-                              "phases_before": len(phases.get(name, []))})
-                if hot:  # a spare takes the place; the machine's standby becomes a new spare
-                    # (the place's first holder's machine: another process runs there if a
-                    # spare took that place earlier, and the standby shares its link)
-                    kills[-1]["holder_was_first"] = name == f"r{victim}"
-                    start(f"spare{len(kills)}", victim)
-                else:
-                    start(name, victim)
-                victim = victim_of(len(kills), cfg["replicas"])
-                next_kill += cfg["kill_every"] // cfg["h"]
-            time.sleep(0.05)
-        pump()
-    finally:
-        for p in [*procs.values(), *(proc for proc, *_ in spares)]:
-            if p.is_alive():
-                p.kill()
-        lighthouse.shutdown()
-    tx = sent_bytes(cfg) - tx0
-    r0 = [r for r in rows["r0"] if r["committed"]]
-    wall = r0[-1]["time"] - r0[0]["time"]
-    if cfg.get("impl") == "torchft":  # rows per replica, each its own contribution
-        lo, hi = r0[0]["torchft_step"], r0[-1]["torchft_step"]
-        # after r0's first commit, as the wall: that commit's steps were trained before it
-        useful = sum(r["weight"] for rs in rows.values() for r in rs
-                     if r["committed"] and lo < r["torchft_step"] <= hi)
-    else:  # r0's rows hold the quorum's total
-        useful = sum(r["weight"] for r in r0)
+    r0_done_at = kill_at = None
+    while not all(n in fleet.done for n in (fleet.holder.values() if fleet.hot else names)):
+        if "r0" in fleet.done:
+            r0_done_at = r0_done_at or time.monotonic()
+            if time.monotonic() - r0_done_at > 10:
+                break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run did not finish in {cfg['timeout_s']} s; done {fleet.done}")
+        fleet.pump()
+        r0 = [r for r in fleet.rows.get("r0", []) if r["committed"]]
+        step = r0[-1]["torchft_step"] if r0 else 0
+        if next_kill is not None and step >= next_kill and step < cfg["syncs"] - 1:
+            kill_at = kill_at or time.time() + _phase_delay(r0, cfg)
+        if kill_at and time.time() >= kill_at:
+            kill_at = None
+            fleet.kill(victim, step, kills)
+            victim = victim_of(len(kills), cfg["replicas"])
+            next_kill += cfg["kill_every"] // cfg["h"]
+        time.sleep(0.05)
+    fleet.pump()
+    return kills
+
+
+def _kill_times(kills: list[dict], fleet: _Fleet) -> tuple[list, list, list]:
+    """Per kill: the seconds to the first committed sync in the place, its split
+    (:func:`_split`) and, with a hot spare, to the place taken (the holder's ``local_steps``
+    returned: at the death, or at the sync's meet)."""
+    rows, phases = fleet.rows, fleet.phases
     first_commit, splits, placed = [], [], []
     for k in kills:
-        if hot:  # the first committed sync in which another replica holds the place
+        if fleet.hot:  # the first committed sync in which another replica holds the place
             taken = [(r, n) for n, rs in rows.items() if n != k["name"] for r in rs
                      if r["committed"] and r.get("slot") == k["place"] and r["time"] > k["time"]]
             if taken:
                 first, holder = min(taken, key=lambda rn: rn[0]["time"])
                 first_commit.append(first["time"] - k["time"])
                 splits.append(_split(k, first, [], rows))
-                # when the holder's local_steps returned: it took the place (at the death, or
-                # at the sync's meet)
                 took = [p["joined"] for p in phases.get(holder, []) if p["joined"] > k["time"]]
                 placed.append(min(took) - k["time"] if took else None)
             continue
@@ -444,8 +472,30 @@ def inside(cfg: dict) -> dict:
         if later:
             first_commit.append(later[0]["time"] - later[0]["started"])
             splits.append(_split(k, later[0], phases.get(k["name"], []), rows))
+    return first_commit, splits, placed
+
+
+def _useful_steps(cfg: dict, rows: dict, r0: list[dict]) -> int:
+    """Inner steps that reached a committed sync: r0's rows hold the quorum's total; torchft's
+    rows are per replica, each its own contribution, counted after r0's first commit (as the
+    wall: that commit's steps were trained before it)."""
+    if cfg.get("impl") != "torchft":
+        return sum(r["weight"] for r in r0)
+    lo, hi = r0[0]["torchft_step"], r0[-1]["torchft_step"]
+    return sum(r["weight"] for rs in rows.values() for r in rs
+               if r["committed"] and lo < r["torchft_step"] <= hi)
+
+
+def _summary(cfg: dict, fleet: _Fleet, kills: list[dict], tx: int, t0: float) -> dict:
+    """The run's row: syncs, wall, goodput, the kills' times, r0's syncs and quorums, the
+    heals, the bytes, and every replica's sync rows (for reading a run afterwards)."""
+    rows, done = fleet.rows, fleet.done
+    r0 = [r for r in rows["r0"] if r["committed"]]
+    wall = r0[-1]["time"] - r0[0]["time"]
+    useful = _useful_steps(cfg, rows, r0)
+    first_commit, splits, placed = _kill_times(kills, fleet)
     return {"run": cfg["run"], "codec": cfg["codec"], "replicas": cfg["replicas"],
-            "restart": cfg.get("restart", "cold"), "standby_ready_s": standby_s,
+            "restart": cfg.get("restart", "cold"), "standby_ready_s": fleet.standby_s,
             "syncs": len(r0), "torchft_steps": [r["torchft_step"] for r in r0],
             "uncommitted": sum(1 for r in rows["r0"] if not r["committed"]),
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
@@ -469,7 +519,6 @@ def inside(cfg: dict) -> dict:
             "sent_bytes_per_sync": tx / max(len(r0), 1), "wire": done["r0"]["wire"],
             "raw": done["r0"]["raw"], "held_out": done["r0"].get("held_out"),
             "total_s": time.time() - t0,
-            # every replica's sync rows, for reading a run afterwards (who missed which quorum)
             "rows": {n: [{k: r.get(k) for k in ("torchft_step", "step", "replicas", "committed",
                                                  "healed", "own", "slot", "seconds", "quorum_s",
                                                  "heal_s", "compile_s", "error", "time")}
@@ -577,7 +626,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the runs, the harness (link, lighthouse, kills) and the run's limits."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--inside", help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, default=4)
@@ -626,9 +676,14 @@ def main(argv: list[str] | None = None) -> int:
                         "built alike, init_sync=False")
     p.add_argument("--keep-failed-group", action="store_true",
                    help="a replica whose exchange failed does not abort the quorum's group "
-                        "(ccfx before session 11: measures what the abort buys)")
+                        "(ccfx without the abort: measures what the abort buys)")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--json", help="write the rows here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     a = p.parse_args(argv)
     if a.inside:
         cfg = json.loads(a.inside)

@@ -44,7 +44,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 from bench import common
 from bench.shaped import (
@@ -229,23 +228,18 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
         opt.step()
         return sum(float(v) for v in losses) / len(losses) if last else None
 
-    for i in range(warmup):
-        step()
-        _log(rank, f"warm-up step {i}")
+    common.run_steps(lambda i: step(), warmup, say=lambda i, _: _log(rank, f"warm-up step {i}"))
     peak = _peak_memory(step, base, stages, opt) if memory else "not measured"
     state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor))
-    times, loss = [], None
-    for i in range(steps):
-        dist.barrier()
-        t = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t)
-        _log(rank, f"timed step {i}: {times[-1]:.3f} s")
+    losses, times = common.time_steps(
+        lambda _: step(), steps, prepare=lambda i: dist.barrier(),
+        say=lambda i, _, s: _log(rank, f"timed step {i}: {s:.3f} s"))
     slowest = [None] * world
     dist.all_gather_object(slowest, times)
-    return {"step_s": statistics.median(max(ts[i] for ts in slowest) for i in range(steps)),
-            "loss": loss, "peak_bytes": peak, "params": sum(p.numel() for p in params),
+    return {"step_s": statistics.median(common.slowest_per_step(slowest)),
+            "loss": losses[-1] if losses else None, "peak_bytes": peak,
+            "params": sum(p.numel() for p in params),
             "param_grad_opt_bytes": 2 * sum(p.numel() * p.element_size() for p in params)
             + state}
 

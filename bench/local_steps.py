@@ -332,12 +332,10 @@ def loss_rank(rank: int, world: int, *, variant: dict, gpt: dict, steps: int, ba
     run = _Run(variant, gpt, seed, lowering, collective, vocab, lr, sync_timeout)
     _log(rank, f"{run.v.name} ready ({run.numel} parameters)"
          + (f": {run.outer!r}" if run.outer is not None else ""))
-    losses, last = [], [time.monotonic()]
+    last = [time.monotonic()]
     t0 = time.perf_counter()
-    for i in range(steps):
-        x, y = next(stream)
-        losses.append(run.step(x, y))
-        _progress(rank, i, steps, losses[-1], last, f"{run.v.name} train")
+    losses = common.run_steps(lambda i: run.step(*next(stream)), steps, say=lambda i, loss:
+                              _progress(rank, i, steps, loss, last, f"{run.v.name} train"))
     if run.outer is not None:
         run.outer.finish()
     wall = time.perf_counter() - t0
@@ -410,9 +408,8 @@ def time_rank(rank: int, world: int, *, variant: dict, gpt: dict, warmup: int, s
     run = _Run(variant, gpt, seed, lowering, collective, vocab, lr, sync_timeout)
     _log(rank, f"{run.v.name} ready; warm-up {warmup} steps (unshaped)")
     last = [time.monotonic()]
-    for i in range(warmup):
-        x, y = next(stream)
-        _progress(rank, i, warmup, run.step(x, y), last, "warm-up")
+    common.run_steps(lambda i: run.step(*next(stream)), warmup,
+                     say=lambda i, loss: _progress(rank, i, warmup, loss, last, "warm-up"))
     dist.barrier()
     if rank == 0 and rate_mbit is not None:
         _shape_link(netns, rate_mbit)
@@ -421,16 +418,19 @@ def time_rank(rank: int, world: int, *, variant: dict, gpt: dict, warmup: int, s
     tx0 = _lo_tx_bytes() if rank == 0 else 0
     pay0, syncs0 = run.payload(), (run.outer.syncs if run.outer else 0)
     dist.barrier()
-    losses, times, quiet = [], [], []
+    before, quiet = [], []
+
+    def prepare(i: int):
+        batch = next(stream)
+        before.append(_sync_state(run.outer))
+        return batch
+
+    def say(i: int, loss: float, _) -> None:
+        quiet.append(before[i] == _sync_state(run.outer) and not before[i][1])
+        _progress(rank, i, steps, loss, last, "timed")
+
     t0 = time.perf_counter()
-    for i in range(steps):
-        x, y = next(stream)
-        before = _sync_state(run.outer)
-        t = time.perf_counter()
-        losses.append(run.step(x, y))
-        times.append(time.perf_counter() - t)
-        quiet.append(before == _sync_state(run.outer) and not before[1])
-        _progress(rank, i, steps, losses[-1], last, "timed")
+    losses, times = common.time_steps(lambda b: run.step(*b), steps, prepare=prepare, say=say)
     wall = time.perf_counter() - t0
     out = {"wall_s": wall, "steps": steps, "payload": run.payload() - pay0,
            "syncs": (run.outer.syncs - syncs0) if run.outer else None, "losses": losses,
@@ -773,7 +773,8 @@ QUICK = {"steps": 40, "variants": ["ddp", "powersgd", "H10-int8", "H10-int8-s", 
          "rates": ["100"], "periods": 1, "min_timed": 20, "nocomm_steps": 20, "dp_steps": 2}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
+    """The command line: the parts, the model, the variants, the link rates and the run's limits."""
     ap = common.parser(__doc__)
     ap.add_argument("--part", choices=("loss", "time", "both"), default="both")
     ap.add_argument("--model", choices=list(MODELS), default="tiny",
@@ -819,6 +820,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="a small look: 40 loss steps, 5 variants, 100 Mbit/s, short timings "
                          "(explicit options win)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(args)
     a.argv = args

@@ -170,17 +170,12 @@ def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: i
             ccfx.sync_grads([stage])  # the GPT's tied embedding / LM head
         opt.step()
 
-    for i in range(warmup):
-        step(*batches[i])
-        _log(rank, f"{variant}: warm-up step {i}")
+    common.run_steps(lambda i: step(*batches[i]), warmup,
+                     say=lambda i, _: _log(rank, f"{variant}: warm-up step {i}"))
     base = ledger.totals() if ledger is not None else (0, 0)
     dist.barrier()
-    times = []
-    for i in range(steps):
-        t = time.perf_counter()
-        step(*batches[warmup + i])
-        times.append(time.perf_counter() - t)
-        _log(rank, f"{variant}: step {i} {times[-1]:.3f} s")
+    _, times = common.time_steps(lambda i: step(*batches[warmup + i]), steps,
+                                 say=lambda i, _, s: _log(rank, f"{variant}: step {i} {s:.3f} s"))
     if ledger is not None:
         raw, wire = (b - a for a, b in zip(base, ledger.totals()))
     else:
@@ -227,7 +222,7 @@ def _log(rank: int, msg: str) -> None:
 
 def run_variant(model: str, variant: str, world: int, rate: float | None, steps: int,
                 lowering: str, dp: int = 1, gradient_codec: str = "none") -> dict:
-    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    env = common.CACHE_OFF
     t0 = time.perf_counter()
     try:
         with shaped_namespace(rate) as ns:
@@ -242,7 +237,7 @@ def run_variant(model: str, variant: str, world: int, rate: float | None, steps:
     last = ranks[-1]
     # A step ends when its slowest rank is done; the median over steps resists the outliers
     # a shared 2-core machine produces.
-    per_step = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
+    per_step = common.slowest_per_step([r["times"] for r in ranks])
     return {"variant": variant, "status": "ok", "step_s": statistics.median(per_step),
             "loss": last["losses"][-1],
             "raw_bytes": sum(r["raw_bytes"] for r in ranks),

@@ -213,14 +213,19 @@ def train_on_corpus(rank: int, model: nn.Module, compiled, *, steps: int, train_
     train = batches(data[:cut], BATCH, BLOCK, train_seed)
     held = batches(data[cut:], BATCH, BLOCK, held_seed)
     held_out = [next(held) for _ in range(EVAL_BATCHES)]
-    t0 = time.perf_counter()
-    for i in range(steps):
+
+    def step(i: int) -> None:
         x, y = next(train)
         opt.zero_grad(set_to_none=True)
         compiled(x, y).backward()
         opt.step()
+
+    def say(i: int, _) -> None:
         if i % log_every == 0:
             _log(rank, f"step {i} ({time.perf_counter() - t0:.0f} s)")
+
+    t0 = time.perf_counter()
+    common.run_steps(step, steps, say=say)
     with torch.no_grad():
         val = sum(compiled(x, y).item() for x, y in held_out) / len(held_out)
     return {"held_out": val, "train_s": time.perf_counter() - t0}

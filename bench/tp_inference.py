@@ -204,7 +204,7 @@ def _progress(msg: str) -> None:
 
 def run_time(variant: str, world: int, rate: float | None, new: int, repeats: int,
              warmup: int, threads: int) -> dict:
-    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    env = common.CACHE_OFF
     t0 = time.perf_counter()
     try:
         with shaped_namespace(rate) as ns:

@@ -1,6 +1,8 @@
-"""bench/common.py's timed steps, which bench.data_parallel, bench.tensor_parallel and
-bench.sharded_dp share: one rank's loop (in this process, a process group of one) and the
+"""bench/common.py's step loops, which every bench's warm-up, training and timed steps use, and
+its timed steps on ranks: one rank's loop (in this process, a process group of one) and the
 row a variant's ranks make (made-up rank results)."""
+
+import time
 
 import pytest
 import torch
@@ -65,3 +67,18 @@ def test_a_variants_row_is_its_slowest_ranks_mean_step():
 def test_not_ccfx_has_no_ledger_and_no_prediction():
     model = torch.nn.Linear(2, 2)
     assert common.ledger_bytes(model) is None and common.predicted(model) is None
+
+
+def test_step_loops_say_each_step_and_time_only_the_step():
+    said = []
+    assert common.run_steps(lambda i: 2 * i, 3, say=lambda i, r: said.append((i, r))) == [0, 2, 4]
+    assert said == [(0, 0), (1, 2), (2, 4)]
+    results, times = common.time_steps(
+        lambda b: b + 1, 2, prepare=lambda i: (time.sleep(0.05), 10 * i)[1],
+        say=lambda i, r, s: said.append((i, r)))
+    assert results == [1, 11] and said[-2:] == [(0, 1), (1, 11)]
+    assert len(times) == 2 and all(0 <= t < 0.05 for t in times)  # prepare is off the clock
+
+
+def test_a_steps_time_is_its_slowest_ranks():
+    assert common.slowest_per_step([[1.0, 5.0], [2.0, 3.0]]) == [2.0, 5.0]
