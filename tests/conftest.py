@@ -38,13 +38,18 @@ def _fresh_dynamo():
 #: single-process tests only, never beside a rank spawn.
 TIMED = {"test_elastic", "test_elastic_stateful", "test_heal_transport"}
 
+#: Modules that start ranks without tests/ranks.py (examples under torchrun, Lightning's own
+#: launcher, torchft replicas): each run keeps both cores busy as a spawn does.
+LAUNCHES = {"test_examples"}
+
 #: a module that uses the multi-rank harness, tests/ranks.py
 _USES_RANKS = re.compile(r"^from \. import (.*, )?ranks\b|^from \.ranks import ", re.MULTILINE)
 
 
 @functools.cache
 def _with_the_ranks(path: Path) -> bool:
-    return path.stem in TIMED or path.is_file() and bool(_USES_RANKS.search(path.read_text()))
+    return (path.stem in TIMED or path.stem in LAUNCHES
+            or path.is_file() and bool(_USES_RANKS.search(path.read_text())))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -177,55 +177,6 @@ def test_lightning_module_with_compiled_stages(two):
             assert 0 < wire < raw / 3, compiled  # int8: a quarter of fp32, plus scales
 
 
-def _launched(tmp_path, argv: list[str], timeout_s: float = 240) -> list[dict]:
-    """Run a launcher command (``argv``) the way a user does, in ``tmp_path``; each of its 2
-    ranks writes ``result.rank<r>.json`` there: return them, rank 0 first."""
-    import subprocess
-
-    run = subprocess.run(argv, cwd=tmp_path, timeout=timeout_s, capture_output=True, text=True,
-                         check=False, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in (0, 1)]
-
-
-def _counted_on_both(results: list[dict], steps: int) -> None:
-    """Each rank's hook ran every step (ccfx's codec: fewer bytes on the wire than raw), and
-    the ranks ended bit-equal."""
-    for r in results:
-        assert r["world"] == 2 and r["steps"] == r["hook_steps"] == steps, r
-        assert 0 < r["wire"] < r["raw"], r
-    assert results[0]["digest"] == results[1]["digest"], "the ranks' parameters differ"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("route", ["trainer", "accelerate"])
-def test_torchrun_launching_the_readme_recipe_registers_in_each_rank(tmp_path, route):
-    """``torchrun --nproc-per-node 2 train.py``, as the README launches the Trainer and
-    Accelerate routes (tests/integrations_torchrun_script.py): the one line registers ccfx's
-    codec in every rank. (~10 s each.)"""
-    _needs("transformers", "accelerate")
-    import sys
-
-    script = Path(__file__).with_name("integrations_torchrun_script.py")
-    _counted_on_both(_launched(tmp_path, [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(script), route, str(tmp_path / "result")]), steps=4)
-
-
-@pytest.mark.slow
-def test_lightning_launching_its_own_processes_registers_in_each_rank(tmp_path):
-    """The README's Lightning section as a user runs it: one ``python train.py``, and Lightning
-    (``strategy="ddp"``, ``devices=2`` on CPU) runs the script again for rank 1. Each process
-    builds its own callback, which counts that rank's buckets every step; the ranks end
-    bit-equal. (~10 s.)"""
-    _needs("pytorch_lightning")
-    import sys
-
-    script = Path(__file__).with_name("integrations_lightning_script.py")
-    _counted_on_both(_launched(tmp_path, [sys.executable, str(script),
-                                          str(tmp_path / "result")]), steps=4)
-
-
 # -- checkpoints: the hook's state saved and resumed through each framework ----------------------
 
 
@@ -446,15 +397,15 @@ def test_register_codec_on_one_process_warns_and_returns_none():
 
 def test_nothing_in_ccfx_imports_the_integrations():
     """ccfx.integrations is the top layer: it imports the runtime, nothing imports it."""
-    from .test_layers import ROOT, _imports
+    from .test_layers import MODULES, ROOT, _imports, _under
 
     bad = []
-    for path in sorted((ROOT / "ccfx").rglob("*.py")):
-        if "integrations" in path.relative_to(ROOT).parts:
+    for module, path in sorted(MODULES.items()):
+        if _under(module, "ccfx.integrations"):
             continue
-        for line, name, written in _imports(path, "ccfx", ROOT):
-            if name == "ccfx.integrations" or name.startswith("ccfx.integrations."):
-                bad.append(f"{path.relative_to(ROOT)}:{line}: {written}")
+        for imp in _imports(module, path, MODULES):
+            if _under(imp.target, "ccfx.integrations"):
+                bad.append(f"{path.relative_to(ROOT)}:{imp.line}: {imp.written}")
     assert not bad, bad
 
 
