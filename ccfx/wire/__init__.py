@@ -11,13 +11,16 @@ One module per concern:
   ring, PowerSGD) and ``exchange_for``;
 * ``collectives``: a compiled graph's collectives (all-reduce, all-gather, reduce-scatter,
   all-to-all) through a codec, as traceable phases (``CollectiveCall``, ``refuse``,
-  ``CompressedCollective``);
+  ``CompressedCollective``), one module per algorithm;
 * ``ring``: the re-encoding ring all-reduce, its byte arithmetic and the
   ``ccfx::ring_all_reduce`` op;
 * ``policy``: what is compressible, the bucket policy, the fragment policy;
 * ``link``: ``Link`` and the one collective choice (``choose_collective``);
 * ``schedules``: torch's GPipe / 1F1B schedules as programs (and ``epilogue_backwards``);
-* ``agree``: values ranks agree on through the c10d store.
+* ``agree``: values ranks agree on through the c10d store, and the groups made for them (the
+  names callers use); ``agreement`` (fingerprint-keyed meeting), ``groups`` (making process
+  groups), ``blame`` (naming dead or frozen ranks), ``records`` (a rank's record in the
+  store), ``fingerprints`` (the one short hash) and ``world`` (is there a process group).
 
 Arrows: codecs <- wire <- planner, runtime <- backends (tests/test_layers.py checks them).
 """

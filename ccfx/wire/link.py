@@ -12,33 +12,13 @@ prices it; measured, below).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .. import codecs
+from ..cluster_spec import Link
 from ..config import AUTO
 from ..errors import ConfigError
 from .ring import gather_wire_bytes, ring_codec, ring_wire_bytes
-
-
-@dataclass(frozen=True)
-class Link:
-    """Bandwidth in Gbit/s and one-way latency in ms. ``shared``: every message of every rank
-    crosses one medium (a single switch port, the shaped loopback), not a link per pair."""
-
-    gbps: float
-    latency_ms: float = 0.05
-    shared: bool = False
-    #: A message leaves only once its receiver has posted the receive (else: at the send).
-    rendezvous: bool = False
-    #: A send's work completes when the transport takes the bytes (socket buffers), not when
-    #: they arrive: the sender goes on computing while the link drains.
-    buffered_sends: bool = True
-
-    def seconds(self, nbytes: float) -> float:
-        return self.latency_ms * 1e-3 + nbytes * 8 / (self.gbps * 1e9)
-
 
 #: A 2-rank all-gather on gloo's TCP transport ("buffered"): both directions of the exchange
 #: travel on the pair's one connection, and the message that tells a sender its peer has

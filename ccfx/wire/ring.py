@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import _torch_compat as tc
 from .. import codecs
 from ..codecs import ops as _ops  # noqa: F401  (registers torch.ops.ccfx_codecs)
 from ..codecs.base import Codec
@@ -159,9 +160,8 @@ def gather_wire_bytes(numel: int, spec: str, dtype: torch.dtype, world: int) -> 
 
 def _group_timeout(group) -> str:
     try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        seconds = pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        return f"group timeout {seconds:g} s"
+        pg = group if group is not None else tc.c10d_default_group()
+        return f"group timeout {tc.group_timeout_s(pg):g} s"
     except Exception:  # noqa: BLE001 (only for the message)
         return "the group's timeout"
 
@@ -364,10 +364,8 @@ def ring_all_reduce_op(flat: torch.Tensor, spec: str, group_name: str,
                        state: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """:func:`ring_all_reduce` as an op for traced graphs: the group by name
     (``ProcessGroup.group_name``), the state functional (returned updated, inputs untouched)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     new = [t.clone() for t in state]
-    out = ring_all_reduce(flat, spec, _resolve_process_group(group_name), new)
+    out = ring_all_reduce(flat, spec, tc.resolve_process_group(group_name), new)
     return out, new
 
 
