@@ -19,8 +19,7 @@ from .plan import CutEdge, GraphPlan, Plan, SharedParam, Stage
 from .planner.cluster import Cluster  # devices and links, for the layout planner
 from .runtime import cut_op as _cut_op  # noqa: F401  (registers torch.ops.ccfx.cut)
 from .runtime.shard import shard  # sharded data parallel: collectives as graph nodes
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 
 def backend(config: Config | None = None, **options):

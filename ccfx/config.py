@@ -385,7 +385,7 @@ class Config:
             raise ConfigError(f"objective={self.objective!r} is not valid; choose one of "
                               f"{', '.join(OBJECTIVES)}" + closest(str(self.objective), OBJECTIVES))
         if self.steps_multipliers is not None:
-            from .planner.steps_model import canonical_json
+            from .steps_table import canonical_json
 
             object.__setattr__(self, "steps_multipliers", canonical_json(self.steps_multipliers))
 
@@ -461,22 +461,22 @@ class Config:
         if given is None:
             self._check_placement(None)
             return
-        from .planner.cluster import Cluster
+        from .cluster_files import from_dict, read, to_dict
 
         if isinstance(given, dict):
-            cluster = Cluster.from_dict(given)
+            cluster = from_dict(given)
         elif isinstance(given, str) and given.lstrip().startswith("{"):
             try:
-                cluster = Cluster.from_dict(json.loads(given))
+                cluster = from_dict(json.loads(given))
             except json.JSONDecodeError as e:
                 raise ConfigError(f"cluster: {e}; give a file path or a dict") from None
         elif isinstance(given, str):
-            cluster = Cluster.from_file(given)
+            cluster = read(given)
         else:
             raise ConfigError(f"cluster = {given!r}: give the path of a .toml or .json cluster "
                               "file, or a dict such as ccfx.Cluster.nodes(...).to_dict()")
         object.__setattr__(self, "cluster",
-                           json.dumps(cluster.to_dict(), sort_keys=True, separators=(",", ":")))
+                           json.dumps(to_dict(cluster), sort_keys=True, separators=(",", ":")))
         self._check_placement(cluster)
 
     def _check_placement(self, cluster=None) -> None:
@@ -503,14 +503,16 @@ class Config:
         object.__setattr__(self, "placement", tuple(out))
 
     def cluster_description(self):
-        """The :class:`ccfx.Cluster` of the ``cluster`` option (None without one)."""
+        """The ``cluster`` option's devices and links, a :class:`~ccfx.cluster_spec.ClusterSpec`
+        (None without one); ``ccfx.Cluster.from_dict(json.loads(config.cluster))`` adds the
+        measured rate, the probe and the dict and file forms."""
         import json
 
         if self.cluster is None:
             return None
-        from .planner.cluster import Cluster
+        from .cluster_files import from_dict
 
-        return Cluster.from_dict(json.loads(self.cluster))
+        return from_dict(json.loads(self.cluster))
 
     @classmethod
     def keys(cls) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 
 import ccfx
 
-from .demo import DEMO_LR, RunResult, demo_model_config
+from .demo_common import DEMO_LR, RunResult, demo_model_config
 
 DP_CODEC = "powersgd:rank=4,ef"
 

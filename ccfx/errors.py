@@ -25,6 +25,15 @@ class CcfxWarning(UserWarning):
     """Something ccfx changed on your behalf (e.g. fewer stages than asked)."""
 
 
+def first_line(e: BaseException | str) -> str:
+    """The first line of an error's message, for one-line reports of a longer error: an
+    exception's type name when it has no message, "" for an empty text."""
+    text = str(e).strip()
+    if text:
+        return text.splitlines()[0]
+    return "" if isinstance(e, str) else type(e).__name__
+
+
 def optimize_ddp_error(compiled: str) -> ConfigError:
     """The error for a ccfx-compiled ``compiled`` (a module's name) run inside
     DistributedDataParallel while Dynamo's DDP optimizer is on: one text, raised by the backend

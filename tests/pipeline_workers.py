@@ -128,7 +128,7 @@ def pipeline(rank: int, world: int, model: str, stages: int, codec: str,
     data = batches(steps, model)
     compiled(data[0][0].chunk(n_micro)[0])  # compiles and plans at the microbatch shape
     style = "v" if schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"
-    built = ccfx.plan_of(compiled).build_stages(rank, "cpu", style=style)  # the API
+    built = ccfx.build_stages(compiled, rank, "cpu", style=style)
     del compiled, m  # the stages hold this rank's parameters only
     cls = getattr(schedules, schedule)
     single = issubclass(cls, schedules.PipelineScheduleSingle)

@@ -22,14 +22,12 @@ there to draw. The run is under ``torch.manual_seed(--seed)``.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 from ccfx.errors import CcfxError, ConfigError
+from ccfx.factory import load_factory
 
 DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16",
           "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -112,38 +110,6 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
 # -- building the model --------------------------------------------------------------------
 
 
-def load_factory(spec: str):
-    """The callable named by ``module:attr`` or ``path/to/file.py:attr``."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{spec!r}: give module:factory (e.g. mypkg.models:make_model) or "
-                          "path/to/file.py:factory")
-    if module_name.endswith(".py") or os.sep in module_name:
-        path = Path(module_name)
-        if not path.exists():
-            raise ConfigError(f"{spec!r}: no file {path}")
-        name = f"_ccfx_target_{path.stem}"
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        module_spec.loader.exec_module(module)
-    else:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ConfigError(f"{spec!r}: cannot import {module_name}: {e}") from e
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{spec!r}: {module_name} has no attribute {attr}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{spec!r}: {attr} is not callable")
-    return obj
-
-
 def build_model(args):
     """(model, positional inputs, keyword inputs) from the target and the --input-* options."""
     import torch
@@ -201,10 +167,11 @@ def _options(args) -> dict:
 
 def _loss(out):
     import torch
-    from torch.utils._pytree import tree_leaves
+
+    from ccfx import _torch_compat as tc
 
     try:
-        leaves = tree_leaves(out)
+        leaves = tc.tree_leaves(out)
     except Exception:  # noqa: BLE001  (an output type pytree does not know)
         leaves = list(out.values()) if hasattr(out, "values") else [out]
     terms = [t.float().square().mean() for t in leaves
@@ -216,12 +183,12 @@ def compile_and_run(args, steps: int = 1):
     """Compile the target with ccfx, run ``steps`` forward+backward steps; the backend."""
     import torch
 
-    import ccfx
+    from ccfx.backends.compiler import CcfxBackend
 
     from .progress import progress
 
     model, pos, kw = build_model(args)
-    backend = ccfx.backend(**_options(args))
+    backend = CcfxBackend(**_options(args))
     compiled = torch.compile(model, backend=backend, fullgraph=args.fullgraph)
     for _ in progress(range(max(steps, 1)), desc="ccfx steps", leave=False):
         loss = _loss(compiled(*pos, **kw))

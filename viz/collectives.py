@@ -18,8 +18,8 @@ from __future__ import annotations
 from ccfx.plan import Collective, GraphPlan, human_bytes
 
 from .dot import Digraph, Html, html_text
+from .palette import CODEC_BORDER, CODEC_FILL, KEPT_BORDER, KEPT_FILL
 
-KEPT_FILL, KEPT_BORDER = "#eeeeee", "#999999"
 PARTS = ("forward", "backward", "inference")
 
 #: The columns of a collectives table: (heading, alignment).
@@ -115,8 +115,6 @@ def label(c: Collective | None, index: int) -> str:
 def node(g: Digraph, node_id: str, text, compressed: bool) -> None:
     """A collective (or a table of them): the codec's orange where one is compressed, grey
     where none is."""
-    from .drawing import CODEC_BORDER, CODEC_FILL
-
     fill, border = (CODEC_FILL, CODEC_BORDER) if compressed else (KEPT_FILL, KEPT_BORDER)
     g.node(node_id, label=text, shape="cds", style="filled", fillcolor=fill, color=border,
            penwidth=1.5, margin="0.15,0.05")

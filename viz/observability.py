@@ -1,52 +1,7 @@
-"""ccfx in PyTorch's own observability tools.
+"""ccfx in PyTorch's observability tools (TORCH_LOGS, TORCH_TRACE): :mod:`ccfx.observability`,
+named here too. It lives below the backend, which registers the log as it compiles, since
+compiling never imports the drawing package."""
 
-* ``TORCH_LOGS=ccfx`` shows the plan of every graph as it is compiled: ccfx logs it on the
-  standard logger ``"ccfx"`` and :func:`install` registers that logger under the TORCH_LOGS
-  name ``ccfx`` (``TORCH_LOGS=+ccfx`` for debug). When TORCH_LOGS names ccfx, torch already
-  enables the ``ccfx`` package's loggers at import, since it is an importable module; the
-  registration names the log for ``torch._logging.set_logs(modules={"ccfx": logging.INFO})``
-  too, which then also prints the plan.
-* ``TORCH_TRACE=<dir>`` (read by tlparse): :func:`emit_plan_artifact` writes the plan as a
-  structured JSON artifact named ``ccfx_plan_graph<i>``, attached to the compile that made it
-  when called from inside the backend.
-"""
+from ccfx.observability import ARTIFACT_PREFIX, LOG_NAME, emit_plan_artifact, install, log
 
-from __future__ import annotations
-
-import logging
-
-LOG_NAME = "ccfx"
-ARTIFACT_PREFIX = "ccfx_plan_graph"
-
-_installed = False
-
-
-def install() -> None:
-    """Register ``ccfx`` with ``torch._logging`` (idempotent; cheap)."""
-    global _installed
-    if _installed:
-        return
-    from torch._logging import _internal
-
-    registry = _internal.log_registry
-    if not registry.is_log(LOG_NAME):
-        _internal.register_log(LOG_NAME, LOG_NAME)
-    _installed = True
-
-
-def emit_plan_artifact(plan_json: str, graph_index: int) -> None:
-    """Put one graph's plan (``Plan.to_json()`` text) into the TORCH_TRACE structured trace.
-
-    A no-op (a few function calls) when TORCH_TRACE is not set. Call it from the backend while
-    the graph compiles, so tlparse files it under that compile id."""
-    from torch._logging import trace_structured
-
-    trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": f"{ARTIFACT_PREFIX}{graph_index}", "encoding": "json"},
-        payload_fn=lambda: plan_json,
-    )
-
-
-def log() -> logging.Logger:
-    return logging.getLogger(LOG_NAME)
+__all__ = ["ARTIFACT_PREFIX", "LOG_NAME", "emit_plan_artifact", "install", "log"]

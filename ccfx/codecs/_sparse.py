@@ -46,6 +46,7 @@ from fractions import Fraction
 
 import torch
 
+from .. import _torch_compat as tc
 from ..errors import CodecError
 from ._fast import fast
 from .base import ceil_div
@@ -106,6 +107,19 @@ def magnitude(flat: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(flat.abs(), nan=inf, posinf=inf)
 
 
+def top_above(x: torch.Tensor, tau: float, capacity: int):
+    """Of the ``capacity`` largest magnitudes of ``x``, those ``> tau``, largest first, padded
+    with zeros at index 0: ``(values, indices, count)``. The threshold codec's definition
+    (``tau`` compared in ``x``'s dtype, as torch compares a tensor with a Python float); here so
+    that its Triton launcher can fall back to it without importing the codec."""
+    flat = x.reshape(-1)
+    mag, idx = torch.topk(magnitude(flat), capacity, sorted=True)
+    keep = mag > tau  # sorted descending: the kept slots come first
+    values = torch.where(keep, flat[idx], torch.zeros((), dtype=flat.dtype, device=flat.device))
+    idx = torch.where(keep, idx, 0).to(INDEX_DTYPE)
+    return values, idx, keep.sum().to(torch.int32).view(1)
+
+
 # %% selection on the CPU
 
 
@@ -113,7 +127,7 @@ def sampled_path(x) -> bool:
     """Whether :func:`largest` selects ``x``: a plain CPU tensor, not under tracing (its control
     flow reads values: fake tensors have none). CUDA keeps ``torch.topk`` / the Triton kernels."""
     return (type(x) is torch.Tensor and x.device.type == "cpu"
-            and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0)
+            and not torch.compiler.is_compiling() and tc.len_torch_dispatch_stack() == 0)
 
 
 def _reaches(flat: torch.Tensor, cut: torch.Tensor, strict: bool) -> torch.Tensor:

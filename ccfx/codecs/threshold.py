@@ -41,12 +41,7 @@ from .registry import register
 def threshold_encode_reference(x: torch.Tensor, tau: float, capacity: int):
     """The definition: of the ``capacity`` largest magnitudes, those ``> tau``, largest first
     (``tau`` compared in ``x``'s dtype, as torch compares a tensor with a Python float)."""
-    flat = x.reshape(-1)
-    mag, idx = torch.topk(_sparse.magnitude(flat), capacity, sorted=True)
-    keep = mag > tau  # sorted descending: the kept slots come first
-    values = torch.where(keep, flat[idx], torch.zeros((), dtype=flat.dtype, device=flat.device))
-    idx = torch.where(keep, idx, 0).to(_sparse.INDEX_DTYPE)
-    return values, idx, keep.sum().to(torch.int32).view(1)
+    return _sparse.top_above(x, tau, capacity)
 
 
 def threshold_encode_compact(x: torch.Tensor, tau: float, capacity: int):

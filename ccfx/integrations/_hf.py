@@ -9,7 +9,8 @@ from transformers import TrainerCallback
 
 from ..errors import CcfxWarning, ConfigError
 from ..runtime.comm_hook import CommHookState
-from . import _checkpoint, _HookAttacher, _world, find_ddp
+from . import _checkpoint
+from ._ddp import _HookAttacher, _world, find_ddp
 
 
 class HFCodecCallback(_HookAttacher, TrainerCallback):

@@ -12,7 +12,8 @@ except ImportError:  # pragma: no cover (CI installs pytorch-lightning)
 from typing import Any
 
 from ..errors import CcfxWarning
-from . import _checkpoint, _HookAttacher, find_ddp
+from . import _checkpoint
+from ._ddp import _HookAttacher, find_ddp
 
 
 class LightningCodecCallback(_HookAttacher, pl.Callback):

@@ -16,8 +16,9 @@ import os
 import socket
 from collections.abc import Sequence
 
+from ..cluster_files import from_dict, to_dict
+from ..cluster_spec import ClusterSpec, Device, make_link
 from ..errors import ConfigError
-from .cluster import Cluster, Device, make_link
 from .probe import probe_pair
 
 
@@ -31,7 +32,8 @@ def _local_memory(backend: str) -> tuple[str, int]:
 
 
 def probe(group=None, *, seconds: float = 0.05, repeats: int = 3, memory=None,
-          names: Sequence[str] | None = None) -> Cluster:
+          names: Sequence[str] | None = None, cls=ClusterSpec):
+    """The group's matrix cluster, a ``cls`` (``Cluster.probe`` passes the planner's)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -60,12 +62,12 @@ def probe(group=None, *, seconds: float = 0.05, repeats: int = 3, memory=None,
     dist.gather_object(mine, reports, dst=src, group=group)
     out = [None]
     if rank == 0:
-        out = [_cluster(reports, transport, memory, names).to_dict()]
+        out = [to_dict(_cluster(reports, transport, memory, names))]
     dist.broadcast_object_list(out, src=src, group=group)
-    return Cluster.from_dict(out[0])
+    return from_dict(out[0], cls)
 
 
-def _cluster(reports: list[dict], transport: str, memory, names) -> Cluster:
+def _cluster(reports: list[dict], transport: str, memory, names) -> ClusterSpec:
     world = len(reports)
     names = list(names) if names is not None else [f"rank{r}" for r in range(world)]
     per_host: dict[str, int] = {}
@@ -80,4 +82,4 @@ def _cluster(reports: list[dict], transport: str, memory, names) -> Cluster:
     matrix = [[None if i == j else make_link(*reports[i]["row"][j], transport,
                                              where=f"probe[{i}][{j}]")
                for j in range(world)] for i in range(world)]
-    return Cluster(tuple(devices), matrix=tuple(tuple(r) for r in matrix))
+    return ClusterSpec(tuple(devices), matrix=tuple(tuple(r) for r in matrix))
