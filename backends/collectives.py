@@ -45,10 +45,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
+from ccfx import _torch_compat as tc
 from ccfx import codecs
 from ccfx.codecs.state import CodecState
 from ccfx.config import AUTO, Config
-from ccfx.errors import CollectiveError
+from ccfx.errors import CollectiveError, first_line
 from ccfx.passes.compress_collectives import (
     FoundCollective,
     Rewrite,
@@ -58,6 +59,7 @@ from ccfx.passes.compress_collectives import (
 from ccfx.passes.graph_utils import copy_graph, device_of
 from ccfx.plan import Collective, GraphPlan
 from ccfx.runtime.ledger import Ledger
+from ccfx.wire.world import dist as _dist
 
 log = logging.getLogger("ccfx")
 
@@ -74,12 +76,6 @@ def collective_channel(graph: int, index: int) -> str:
     return f"graph{graph}.collective{index}"
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
 def active() -> bool:
     """Whether a process group exists (functional collectives need one): only then does the
     backend look for collectives."""
@@ -87,9 +83,7 @@ def active() -> bool:
 
 
 def _group(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
+    return tc.resolve_process_group(name)
 
 
 def _backend(name: str) -> str:
@@ -142,10 +136,8 @@ class Collectives:
         found = find_collectives(gm, self.world_of)
         if not found:
             return compile_fn(gm)
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         base = len(plan.collectives)
-        with unset_fake_temporarily():  # compiled inside AOT's fake mode: real timings
+        with tc.unset_fake_temporarily():  # compiled inside AOT's fake mode: real timings
             auto = self._plan_auto(plan, desc, part, gm, found, base)
         rewrites = [self._decide(base + f.position, f, auto) for f in found]
         counters = _row_counters(gm, found, rewrites)
@@ -154,7 +146,7 @@ class Collectives:
         counters = {base + pos: fn for pos, fn in counters.items()}
         agreed = self._agree(plan.index, desc, part, found, rows)
 
-        with unset_fake_temporarily():  # compiled inside AOT's fake mode: real state tensors
+        with tc.unset_fake_temporarily():  # compiled inside AOT's fake mode: real state tensors
             device = device_of(gm)
             for r in rewrites:
                 if r.compressed is not None:
@@ -509,8 +501,7 @@ def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, gra
                 book.record_collective(graph, index, raw, wire)
         return out
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return tc.mark_boxed(run)
 
 
 def failed(e: BaseException, what: str, described: str) -> CollectiveError:
@@ -518,8 +509,7 @@ def failed(e: BaseException, what: str, described: str) -> CollectiveError:
     graph, its collectives, gloo's first line, and the peer that looks dead if one does."""
     from ccfx.wire import agree
 
-    text = str(e).strip()
-    first = text.splitlines()[0] if text else type(e).__name__
+    first = first_line(e)
     agree.gave_up(f"the collectives of {what}", first)
     who = agree.blame(e)
     who = f" {who[0].upper()}{who[1:]}." if who else ""

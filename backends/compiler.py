@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,10 +30,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ccfx import _torch_compat as tc
 from ccfx import codecs
 from ccfx.codecs.state import CodecState
 from ccfx.config import AUTO, Config
 from ccfx.errors import CcfxError, CcfxWarning, ConfigError, optimize_ddp_error
+from ccfx.observability import emit_plan_artifact
+from ccfx.observability import install as _install_torch_logs
 from ccfx.passes import annotate, cut_edges, partition, run_passes
 from ccfx.passes.facts import NodeFacts, kind_of, need, stage_of
 from ccfx.passes.graph_utils import val
@@ -43,13 +45,14 @@ from ccfx.plan import GraphPlan, Plan
 from ccfx.runtime.cut_op import Hop, hop_of, register_hop
 from ccfx.runtime.data_parallel import DataParallel, inside_ddp
 from ccfx.runtime.ledger import Ledger
-from ccfx.viz.observability import emit_plan_artifact
-from ccfx.viz.observability import install as _install_torch_logs
 
 from . import fallbacks
 from .collectives import Collectives
 from .collectives import active as collectives_active
 from .dp_link import collective_decisions, group_link
+from .dynamo_context import OwnerToken, config_of_wrapper, contexts_of, running_compile
+from .dynamo_context import through_dynamo as _through_dynamo
+from .dynamo_context import wrapper_of as _wrapper_of
 from .lowering import LoweredGraphs, lower
 from .plan_builder import build_graph_plan
 
@@ -91,6 +94,8 @@ class CompiledGraph:
 
 class CcfxBackend:
     """A configured ccfx backend; pass it as ``torch.compile(model, backend=...)``."""
+
+    _ccfx_compiler = "backend"  # dynamo_context.MARK: Dynamo's wrapper of it is ccfx's
 
     def __init__(self, config: Config | None = None, mode: str | None = None, *,
                  option_sources: dict[str, str] | None = None,
@@ -134,7 +139,7 @@ class CcfxBackend:
         if self.config.sync_every is None or not (dist.is_available() and dist.is_initialized()
                                                   and dist.get_world_size() > 1):
             return
-        ctx, _ = _dynamo_callers()
+        ctx, _ = running_compile()
         outer = getattr(ctx, "_ccfx_local_steps", None)
         if outer is None or outer() is None:
             warnings.warn(
@@ -269,9 +274,13 @@ class CcfxBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
         kwargs.pop("ccfx_owner", None)
+        _adopt(self)
+        return self._compile_passing_errors(gm, example_inputs, **kwargs)
+
+    def _compile_passing_errors(self, gm: torch.fx.GraphModule, example_inputs: Sequence,
+                                **kwargs):
         fallbacks.arm()
         try:
-            _adopt(self)
             return self._compile(gm, example_inputs, **kwargs)
         except CcfxError as e:
             raise _through_dynamo(e) from e
@@ -356,18 +365,16 @@ class CcfxBackend:
         """Inside DDP's forward with Dynamo's DDP optimizer on, Dynamo hands this backend one
         piece of the graph per DDP bucket: pipeline stages need the whole graph. Refused here,
         at the first piece, not later with an error about the pieces."""
-        from torch._dynamo.utils import get_optimize_ddp_mode
-        from torch.nn.parallel import DistributedDataParallel
-
         cfg = self.config
         if not (cfg.stages > 1 or cfg.split_points) or not inside_ddp() \
-                or get_optimize_ddp_mode() != "ddp_optimizer":
+                or tc.get_optimize_ddp_mode() != "ddp_optimizer":
             return
-        ddp = DistributedDataParallel._get_active_ddp_module()
-        ctx, _ = _dynamo_callers()
+        ddp = tc.get_active_ddp_module()
+        ctx, _ = running_compile()
+        inner = tc.orig_module(ddp.module)
         name = next((n or type(ddp.module).__name__ for n, m in ddp.module.named_modules()
                      if ctx is not None and getattr(m, "dynamo_ctx", None) is ctx),
-                    type(getattr(ddp.module, "_orig_mod", ddp.module)).__name__)
+                    type(inner if inner is not None else ddp.module).__name__)
         raise optimize_ddp_error(name)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs):
@@ -467,23 +474,6 @@ def _record_buckets(graph_plan: GraphPlan, dp: DataParallel, link=None) -> None:
         graph_plan.prediction = dp.prediction(index)
 
 
-@functools.cache
-def _passthrough_type(cls: type) -> type:
-    from torch._dynamo.exc import ShortenTraceback
-
-    def __init__(self, message):
-        ShortenTraceback.__init__(self, message, first_useful_frame=None)
-
-    return type(cls.__name__, (cls, ShortenTraceback), {"__init__": __init__,
-                                                       "__module__": cls.__module__})
-
-
-def _through_dynamo(e: CcfxError) -> CcfxError:
-    """Dynamo wraps a backend's exceptions in BackendCompilerFailed, except ShortenTraceback:
-    re-raise ours as a subclass of both, so users catch the ccfx type they were promised."""
-    return _passthrough_type(type(e))(str(e))
-
-
 def _rewrite_backward(dp_ref, index, gm, compile_fn, decompositions, record):
     dp = dp_ref()
     if dp is None:  # the compiled model is gone; nothing to synchronize for
@@ -529,40 +519,9 @@ def live_backends() -> int:
     return len(_LIVE)
 
 
-class _OwnerToken:
-    """Put in a torch.compile wrapper's kwargs: equal only to itself, so Dynamo never serves
-    this compile's cached graphs to another torch.compile call (it compares wrappers with ==)."""
-
-    __slots__ = ()
-
-    def __eq__(self, other):
-        return self is other
-
-    def __hash__(self):
-        return id(self)
-
-
-def _dynamo_callers():
-    """The Dynamo context running this compile (its ``compile_wrapper`` frame's ``self``) and
-    the ``torch.compile`` wrapper that called the backend, either of them None if not found."""
-    from torch import _TorchCompileWrapper
-    from torch._dynamo.eval_frame import _TorchDynamoContext
-
-    ctx = wrapper = None
-    frame = sys._getframe(1)
-    while frame is not None and (ctx is None or wrapper is None):
-        candidate = frame.f_locals.get("self")
-        if wrapper is None and isinstance(candidate, _TorchCompileWrapper):
-            wrapper = candidate
-        if ctx is None and isinstance(candidate, _TorchDynamoContext):
-            ctx = candidate
-        frame = frame.f_back
-    return ctx, wrapper
-
-
 def _adopt(backend: CcfxBackend) -> None:
     """Keep ``backend`` on the Dynamo context of the compile that is running."""
-    ctx, _ = _dynamo_callers()
+    ctx, _ = running_compile()
     if ctx is not None and getattr(ctx, "_ccfx_backend", None) is None:
         ctx._ccfx_backend = backend
 
@@ -575,7 +534,7 @@ RECOMPILE_LIMIT = 64
 
 
 def _raise_recompile_limit() -> None:
-    config = torch._dynamo.config
+    config = tc.dynamo_config
     if config.recompile_limit < RECOMPILE_LIMIT:
         log.info("ccfx: raising torch._dynamo.config.recompile_limit from %d to %d",
                  config.recompile_limit, RECOMPILE_LIMIT)
@@ -584,29 +543,42 @@ def _raise_recompile_limit() -> None:
 
 def ccfx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options=None, mode=None,
                  ccfx_owner=None):
-    """Entry point of ``backend="ccfx"``; ``options`` is the dict given to torch.compile."""
-    ctx, wrapper = _dynamo_callers()
-    backend = getattr(ctx, "_ccfx_backend", None)
+    """Entry point of ``backend="ccfx"``; ``options`` is the dict given to torch.compile. The
+    first compile of a torch.compile call finds its Dynamo context and wrapper on the stack
+    and leaves an :class:`OwnerToken` in the wrapper's kwargs: later compiles get the backend
+    from the token (Dynamo passes the kwargs), without walking the stack."""
+    backend = ccfx_owner.backend() if ccfx_owner is not None else None
     if backend is None:
-        _raise_recompile_limit()
-        try:
-            config, sources = Config.resolve(options)
-            pending = ctx.__dict__.pop(_PENDING, None) if ctx is not None else None
-            backend = CcfxBackend(config, mode=mode, option_sources=sources,
-                                  codec_state=pending)
-        except CcfxError as e:
-            raise _through_dynamo(e) from e
-        if ctx is not None:
-            ctx._ccfx_backend = backend
-        else:
-            import warnings
-
-            warnings.warn("ccfx could not find torch.compile's context: this graph gets a "
-                          "backend of its own, and ccfx.plan_of() will not find it",
-                          CcfxWarning, stacklevel=2)
+        ctx, wrapper = running_compile()
+        backend = getattr(ctx, "_ccfx_backend", None)
+        if backend is None:
+            backend = _new_backend(ctx, options, mode)
         if wrapper is not None and "ccfx_owner" not in wrapper.kwargs:
-            wrapper.kwargs["ccfx_owner"] = _OwnerToken()
-    return backend(gm, example_inputs, mode=mode)
+            wrapper.kwargs["ccfx_owner"] = OwnerToken(backend)
+    return backend._compile_passing_errors(gm, example_inputs, mode=mode)
+
+
+ccfx_backend._ccfx_compiler = "entry"  # type: ignore[attr-defined]  (dynamo_context.MARK)
+
+
+def _new_backend(ctx, options, mode) -> CcfxBackend:
+    """The backend of a ``backend="ccfx"`` compile, kept on its Dynamo context ``ctx``."""
+    _raise_recompile_limit()
+    try:
+        config, sources = Config.resolve(options)
+        pending = ctx.__dict__.pop(_PENDING, None) if ctx is not None else None
+        backend = CcfxBackend(config, mode=mode, option_sources=sources, codec_state=pending)
+    except CcfxError as e:
+        raise _through_dynamo(e) from e
+    if ctx is not None:
+        ctx._ccfx_backend = backend
+    else:
+        import warnings
+
+        warnings.warn("ccfx could not find torch.compile's context: this graph gets a "
+                      "backend of its own, and ccfx.plan_of() will not find it",
+                      CcfxWarning, stacklevel=3)
+    return backend
 
 
 def config_of(obj) -> Config | None:
@@ -617,28 +589,8 @@ def config_of(obj) -> Config | None:
         return backend_of(obj).config
     except ConfigError:
         pass
-    ctx = getattr(obj, "dynamo_ctx", None)
-    fn = _wrapper_of(ctx)
-    if fn is None:
-        return None
-    if isinstance(fn.compiler_fn, CcfxBackend):
-        return fn.compiler_fn.config
-    return Config.resolve((getattr(fn, "kwargs", None) or {}).get("options"))[0]
-
-
-def _wrapper_of(ctx):
-    """Dynamo's wrapper of ccfx's backend (its ``compiler_fn`` is :func:`ccfx_backend` or a
-    :class:`CcfxBackend`) in the callback chain of ``ctx``; None if it does not compile with
-    ccfx."""
-    fn = getattr(ctx, "callback", None)
-    for _ in range(8):  # CatchErrorsWrapper -> ConvertFrame -> WrapBackendDebug -> the backend
-        if fn is None:
-            return None
-        inner = getattr(fn, "compiler_fn", None)
-        if inner is ccfx_backend or isinstance(inner, CcfxBackend):
-            return fn
-        fn = getattr(fn, "_torchdynamo_orig_backend", None)
-    return None
+    fn = _wrapper_of(getattr(obj, "dynamo_ctx", None))
+    return config_of_wrapper(fn) if fn is not None else None
 
 
 #: The Dynamo context's attribute for the CodecState handed out before the backend existed.
@@ -651,7 +603,7 @@ def codec_state_before_first_call(obj) -> CodecState | None:
     ``backend="ccfx"``, whose backend is made at the first compile, a holder kept on the
     Dynamo context, which that backend adopts. Loaded now, it applies the checkpoint as the
     compile makes each channel, before the first encode."""
-    for ctx in _contexts_of(obj):
+    for ctx in contexts_of(obj):
         fn = _wrapper_of(ctx)
         if fn is None:
             continue
@@ -666,28 +618,12 @@ def codec_state_before_first_call(obj) -> CodecState | None:
     return None
 
 
-def _contexts_of(obj) -> list:
-    """The Dynamo contexts a compiled module (``torch.compile(model)``, ``model.compile()``)
-    or compiled function may run under."""
-    from torch._dynamo.eval_frame import _TorchDynamoContext
-
-    candidates = [getattr(obj, "dynamo_ctx", None)]
-    inner = getattr(obj, "_compiled_call_impl", None)  # nn.Module.compile()
-    for fn in (obj, inner):
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                candidates.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                pass
-    return [c for c in candidates if isinstance(c, _TorchDynamoContext)]
-
-
 def backend_of(obj) -> CcfxBackend:
     """The CcfxBackend behind a compiled module (``torch.compile(model)``, or a model after
     ``model.compile()``), a compiled function, or a backend itself."""
     if isinstance(obj, CcfxBackend):
         return obj
-    contexts = _contexts_of(obj)
+    contexts = contexts_of(obj)
     for c in contexts:
         if getattr(c, "_ccfx_backend", None) is not None:
             return c._ccfx_backend

@@ -17,7 +17,8 @@ What Dynamo does call for every frame it tries is its compile callbacks
 ``on_compile_end``), and it counts every graph break and every frame it gave up on, with the
 reason, in ``torch._dynamo.utils.counters`` (``"graph_break"``, ``"unimplemented"``). ccfx
 registers one start and one end callback (:func:`arm`); a callback finds the compile's Dynamo
-context on the stack (as the backend itself does) and ignores compiles that are not ccfx's.
+context on the stack (as the backend's first compile does: Dynamo's callbacks get a compile id,
+not the compiled object) and ignores compiles that are not ccfx's.
 Per context a :class:`Watch` records the reasons counted during its compiles and whether ccfx
 compiled a graph in each. ``torch._dynamo.reset()`` clears every registered callback: ccfx
 registers again when it is imported (the first ``torch.compile(..., backend="ccfx")`` of a
@@ -57,14 +58,17 @@ never synchronizes).
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from ccfx import _torch_compat as tc
 from ccfx.errors import CcfxError, CcfxWarning, ConfigError
+
+from .dynamo_context import config_of_context as _config_of
+from .dynamo_context import through_dynamo
 
 #: The share of the model's parameters outside ccfx's graphs from which ccfx warns (with
 #: ``stages`` > 1: raises). A quarter: below it, ccfx's graphs still carry most of the
@@ -120,18 +124,12 @@ _current: Watch | None = None
 
 def arm() -> None:
     """Register ccfx's compile callbacks with Dynamo, once (again after torch._dynamo.reset())."""
-    handler = torch._dynamo.callback_handler
-    if _on_start not in handler.start_callbacks:
-        handler.register_start_callback(_on_start)
-    if _on_end not in handler.end_callbacks:
-        handler.register_end_callback(_on_end)
+    tc.arm_compile_callbacks(_on_start, _on_end)
 
 
 def _on_start(args) -> None:
     global _current
-    from torch._dynamo.callback import CallbackTrigger
-
-    if args.callback_trigger is not CallbackTrigger.DYNAMO:
+    if args.callback_trigger is not tc.CallbackTrigger.DYNAMO:
         return
     _current = _watch_of_running_compile()
     if _current is None:
@@ -142,10 +140,8 @@ def _on_start(args) -> None:
 
 def _on_end(args) -> None:
     global _current
-    from torch._dynamo.callback import CallbackTrigger
-
     watch, _current = _current, None
-    if watch is None or args.callback_trigger is not CallbackTrigger.DYNAMO:
+    if watch is None or args.callback_trigger is not tc.CallbackTrigger.DYNAMO:
         return
     new = _new_reasons(watch.before)
     for reason in new[_BREAK] + new[_GAVE_UP]:
@@ -160,15 +156,13 @@ def _on_end(args) -> None:
 
 
 def _snapshot() -> dict[str, dict[str, int]]:
-    from torch._dynamo.utils import counters
-
+    counters = tc.dynamo_counters
     return {key: dict(counters[key]) for key in (_BREAK, _GAVE_UP)}
 
 
 def _new_reasons(before: dict) -> dict[str, list[str]]:
     """The reasons Dynamo counted since ``before``, per counter."""
-    from torch._dynamo.utils import counters
-
+    counters = tc.dynamo_counters
     return {key: [r for r, n in counters[key].items() if n > before.get(key, {}).get(r, 0)]
             for key in (_BREAK, _GAVE_UP)}
 
@@ -177,20 +171,17 @@ def _new_reasons(before: dict) -> dict[str, list[str]]:
 
 def _watch_of_running_compile() -> Watch | None:
     """The Watch of the ccfx-compiled model whose frame Dynamo is compiling (made at its first
-    compile), None if the compile is not ccfx's."""
-    from torch._dynamo.eval_frame import _TorchDynamoContext
-
+    compile), None if the compile is not ccfx's. Dynamo's callback is not told which
+    compile it is: the stack says (above Dynamo's callback runner)."""
     ctx = fn = module = None
-    frame = sys._getframe(2)
-    while frame is not None:
-        me = frame.f_locals.get("self")
-        if ctx is None and isinstance(me, _TorchDynamoContext):
-            ctx, fn = me, frame.f_locals.get("fn")
+    for f_locals in tc.caller_locals(2):
+        me = f_locals.get("self")
+        if ctx is None and isinstance(me, tc.DynamoContext):
+            ctx, fn = me, f_locals.get("fn")
         elif ctx is not None and isinstance(me, torch.nn.Module) \
                 and getattr(me, "dynamo_ctx", None) is ctx:
-            module = getattr(me, "_orig_mod", None)  # torch.compile(model)
+            module = tc.orig_module(me)  # torch.compile(model)
             break
-        frame = frame.f_back
     if ctx is None or getattr(ctx, "fullgraph", False):
         return None  # fullgraph=True: Dynamo raises where it would break or give up
     watch = getattr(ctx, "_ccfx_fallbacks", None)
@@ -211,29 +202,6 @@ def _watch_of_running_compile() -> Watch | None:
     return watch
 
 
-def _config_of(ctx):
-    """The ccfx Config a Dynamo context compiles with, None if its backend is not ccfx's (its
-    callback wraps the backend: CatchErrorsWrapper -> ConvertFrame -> ... -> the backend)."""
-    from ccfx.config import Config
-
-    from .compiler import CcfxBackend, ccfx_backend
-
-    backend = getattr(ctx, "_ccfx_backend", None)
-    if backend is not None:
-        return backend.config
-    fn = getattr(ctx, "callback", None)
-    for _ in range(8):
-        if fn is None:
-            return None
-        inner = getattr(fn, "compiler_fn", None)  # torch.compile's wrapper of the backend
-        if isinstance(inner, CcfxBackend):  # backend=ccfx.backend(...)
-            return inner.config
-        if inner is ccfx_backend:  # backend="ccfx"
-            return Config.resolve((getattr(fn, "kwargs", None) or {}).get("options"))[0]
-        fn = getattr(fn, "_torchdynamo_orig_backend", None)
-    return None
-
-
 def _add_call_hook(ctx, watch: Watch) -> None:
     """Run :func:`_on_call` at the entry of every call of the compiled model, first among the
     context's hooks (an error leaves no other hook entered)."""
@@ -245,7 +213,7 @@ def _add_call_hook(ctx, watch: Watch) -> None:
             _on_call(w)
         return _nothing
 
-    ctx.enter_exit_hooks.insert(0, enter)
+    tc.enter_exit_hooks(ctx).insert(0, enter)
 
 
 def _nothing() -> None:
@@ -332,10 +300,8 @@ def _say(watch: Watch, what: str, reasons: list[str], *, outside_trainable: bool
 def _raise(watch: Watch):
     """Raise ``watch.error`` (as a type Dynamo lets through), dropping the gradient hooks that
     waited for it."""
-    from .compiler import _through_dynamo
-
     _drop_hooks(watch)
-    raise _through_dynamo(watch.error)
+    raise through_dynamo(watch.error)
 
 
 def _at_first_backward(watch: Watch) -> None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ccfx import _torch_compat as tc
+
 
 @dataclass
 class LoweredGraphs:
@@ -77,9 +79,7 @@ def _eager(graphs: LoweredGraphs, rewrite: BackwardRewrite | None,
             return finish(gm)
         return compile_graph
 
-    from torch._dynamo.backends.common import aot_autograd
-
-    return aot_autograd(
+    return tc.aot_autograd(
         fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"), keep_inference_input_mutations=True,
         partition_fn=_partition,
@@ -91,22 +91,13 @@ def _partition(joint, inputs, **kwargs):
     ``ccfx.shard``'s gathers), which get inductor's min-cut one: the default saves every
     untagged forward node that backward reads, such as the transpose of a gathered weight,
     which keeps the whole weight alive until backward."""
-    from torch._functorch.partitioners import (
-        default_partition,
-        has_recomputable_ops,
-        min_cut_rematerialization_partition,
-    )
-
-    chosen = (min_cut_rematerialization_partition if has_recomputable_ops(joint)
-              else default_partition)
+    chosen = (tc.min_cut_rematerialization_partition if tc.has_recomputable_ops(joint)
+              else tc.default_partition)
     return chosen(joint, inputs, **kwargs)
 
 
 def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite | None,
               collectives: CollectivesRewrite | None = None):
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-
     def inner(gm, example_inputs, **kwargs):
         kind = ("backward" if kwargs.get("is_backward") else
                 "inference" if kwargs.get("is_inference") else "forward")
@@ -115,28 +106,28 @@ def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite 
             inputs = [n.meta["val"] for n in rewritten.graph.nodes if n.op == "placeholder"]
             # Keep each collective where the pass put it: inductor's default memory
             # reordering moves waits early and collectives late.
-            with torch._inductor.config.patch(reorder_for_peak_memory=False):
-                return compile_fx_inner(rewritten, inputs, **kwargs)
+            with tc.inductor_config.patch(reorder_for_peak_memory=False):
+                return tc.compile_fx_inner(rewritten, inputs, **kwargs)
 
         def finish(g: torch.fx.GraphModule):
             if kind == "backward" and rewrite is not None:
-                return rewrite(g, compile_rewritten, select_decomp_table(),
+                return rewrite(g, compile_rewritten, tc.select_decomp_table(),
                                graphs.backward.append)
             getattr(graphs, kind).append(g)
             if g is gm:
-                return compile_fx_inner(gm, example_inputs, **kwargs)
+                return tc.compile_fx_inner(gm, example_inputs, **kwargs)
             return compile_rewritten(g)
 
         if collectives is not None:
-            return collectives(kind, gm, finish, select_decomp_table())
+            return collectives(kind, gm, finish, tc.select_decomp_table())
         return finish(gm)
 
     patches = None
     if mode:
-        patches = torch._inductor.list_mode_options(mode)
+        patches = tc.inductor_mode_options(mode)
 
     def compile_graph(gm, example_inputs):
-        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        return tc.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
     return compile_graph
 
@@ -147,8 +138,8 @@ def _rewriting_backward():
     that cache. And the backward compiles with the forward (not lazily at the first
     ``.backward()``), so buckets, collectives, their codec state and the plan exist after the
     first call, and every rank checks the bucket and collective plans at the same point."""
-    return torch._functorch.config.patch(enable_autograd_cache=False,
-                                         force_non_lazy_backward_lowering=True)
+    return tc.functorch_config.patch(enable_autograd_cache=False,
+                                     force_non_lazy_backward_lowering=True)
 
 
 def lower(gm: torch.fx.GraphModule, example_inputs: Sequence, lowering: str,

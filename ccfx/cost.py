@@ -18,6 +18,8 @@ import sympy
 import torch
 import torch.fx
 
+from ccfx import _torch_compat as tc
+
 ZERO = sympy.Integer(0)
 
 #: Ops that move no data or only reinterpret it.
@@ -57,9 +59,9 @@ def op_name(node: torch.fx.Node) -> str:
     target = node.target
     if node.op == "call_method":
         return str(target)
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, tc.OpOverload):
         return target.overloadpacket.__name__
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, tc.OpOverloadPacket):
         return target.__name__
     if target is operator.getitem:
         return "getitem"
@@ -154,11 +156,9 @@ def evaluate(expr, hints: dict | None) -> int:
 
 def hints_of(gm: torch.fx.GraphModule) -> dict:
     """symbol → example value, from the fake mode's ShapeEnv of the graph's placeholders."""
-    from torch._guards import detect_fake_mode
-
     vals = [n.meta.get("val", n.meta.get("example_value")) for n in gm.graph.nodes
             if n.op == "placeholder"]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    mode = tc.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     env = getattr(mode, "shape_env", None)
     if env is None:
         return {}
@@ -166,10 +166,8 @@ def hints_of(gm: torch.fx.GraphModule) -> dict:
     hints = dict(table)
     # unbacked sizes (``.item()``, ``.tolist()`` with capture_scalar_outputs) have no example
     # value: costs take the smallest value their range allows, at least 1
-    from torch.utils._sympy.symbol import SymT, symbol_is_type
-
     for sym, bounds in getattr(env, "var_to_range", {}).items():
-        if sym not in hints and symbol_is_type(sym, SymT.UNBACKED_INT):
+        if sym not in hints and tc.symbol_is_type(sym, tc.SymT.UNBACKED_INT):
             lower = bounds.lower
             hints[sym] = max(1, int(lower) if lower.is_finite else 1)
     return hints

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
+from ccfx import _torch_compat as tc
 from ccfx import cost
 
 from .facts import NodeFacts, fact, put
@@ -53,11 +54,9 @@ def _ensure_vals(gm: torch.fx.GraphModule, example_inputs) -> None:
                if n.op != "output" and val(n) is None and not is_stage_marker(n)]
     if not missing:
         return
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    mode = tc.detect_fake_mode(example_inputs) or tc.FakeTensorMode(allow_non_fake_inputs=True)
     FakeTensorProp(gm, mode).propagate(*example_inputs)
 
 

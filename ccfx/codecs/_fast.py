@@ -46,6 +46,8 @@ import os
 
 import torch
 
+from .. import _torch_compat as tc
+
 #: Shapes (and dtypes, parameters) each reference compiles for before dynamo runs it eagerly.
 RECOMPILE_LIMIT = 64
 
@@ -62,7 +64,7 @@ def _eligible(x) -> bool:
     mode = _mode()
     if mode == "0" or type(x) is not torch.Tensor:
         return False
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    if torch.compiler.is_compiling() or tc.len_torch_dispatch_stack() > 0:
         return False
     return mode == "1" or (x.device.type == "cpu" and x.numel() >= _min_numel())
 
@@ -126,7 +128,7 @@ def fast(fn):
                 return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False)
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with torch.no_grad(), tc.dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
 
     wrapper.eager = fn

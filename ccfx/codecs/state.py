@@ -75,6 +75,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import _torch_compat as tc
 from ..errors import ConfigError
 
 Tensors = dict[str, torch.Tensor]
@@ -330,10 +331,8 @@ class CodecState(torch.nn.Module):
 
     def _set_codecs(self) -> None:
         """``meta.codecs``: every channel's codec spec, as the bytes of their JSON."""
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         text = json.dumps(self._specs, sort_keys=True).encode()
-        with unset_fake_temporarily():  # a backward compiles inside a fake mode
+        with tc.unset_fake_temporarily():  # a backward compiles inside a fake mode
             t = torch.tensor(list(text), dtype=torch.uint8)
         self._meta_module(["codecs"]).register_buffer("codecs", t)
         self._codecs = t
@@ -394,8 +393,6 @@ class CodecState(torch.nn.Module):
                        legacy: str | None) -> None:
         """Check a deferred load's state of ``channel`` against ``tensors`` (just made, not yet
         used: the codec has not encoded anything) and copy it into them."""
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         if legacy is not None:  # a checkpoint of the earlier scheme
             for k in [k for k in self._pending if k.startswith(legacy)]:
                 if k[len(legacy):] in tensors:
@@ -408,7 +405,7 @@ class CodecState(torch.nn.Module):
         saved_spec = self._pending_codecs.pop(channel, None)
         if saved_spec is not None:
             _refuse_other_codecs({channel: saved_spec}, {channel: str(spec)})
-        with torch.no_grad(), unset_fake_temporarily():
+        with torch.no_grad(), tc.unset_fake_temporarily():
             for name, t in tensors.items():
                 t.copy_(saved[key(channel, name)])
 

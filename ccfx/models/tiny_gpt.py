@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ccfx import _torch_compat as tc
+
 
 @dataclass
 class GPTConfig:
@@ -107,7 +109,7 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits ``(B, T, vocab_size)``, or ``(logits, loss)`` when ``targets`` is given."""
         T = idx.shape[1]
-        torch._check(T <= self.config.block_size)
+        tc.torch_check(T <= self.config.block_size)
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:

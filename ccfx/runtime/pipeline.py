@@ -31,7 +31,6 @@ the same values: that is what tests/test_pipeline.py checks.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,12 +38,14 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.profiler import record_function
 
+from .. import _torch_compat as tc
 from .. import codecs
 from ..codecs.state import STAGE_ATTR, edge_channel, state_of
 from ..errors import CollectiveError, ConfigError
 from ..passes.graph_utils import val
 from ..passes.split_stages import Port, StageInterface
 from ..wire import agree
+from ..wire.fingerprints import short_hash
 from ..wire.format import WireFormat
 from ..wire.schedules import epilogue_backwards
 from .ledger import Ledger
@@ -364,17 +365,17 @@ def _unquoted(text: str) -> str:
 
 
 def _install_wait() -> None:
-    """Route torch's schedules' posting and waiting through the two wrappers above."""
-    from torch.distributed.pipelining import schedules
-
-    wait, post = (getattr(schedules, n, None) for n in ("_wait_batch_p2p", "_batch_p2p"))
+    """Route torch's schedules' posting and waiting through the two wrappers above. A
+    PipelineStage override cannot: the stage makes the P2P ops (``dist.P2POp`` takes only
+    ``isend``/``irecv``), the schedule posts them and waits for torch's own ``Work``."""
+    wait, post = tc.pipeline_p2p()
     if wait is None or post is None or getattr(wait, "_ccfx", False):
         return  # another torch (the schedules wait elsewhere: raw errors), or done already
     global _TORCH_WAIT, _TORCH_POST
     _TORCH_WAIT, _TORCH_POST = wait, post
     for ours in (_wait_batch_p2p, _batch_p2p):
         ours._ccfx = True  # type: ignore[attr-defined]
-    schedules._wait_batch_p2p, schedules._batch_p2p = _wait_batch_p2p, _batch_p2p
+    tc.set_pipeline_p2p(_wait_batch_p2p, _batch_p2p)
 
 
 _TORCH_WAIT = _TORCH_POST = None
@@ -423,7 +424,7 @@ def fingerprint(interfaces: Sequence[StageInterface]) -> str:
     """A hash of what every stage sends and receives (shapes, dtypes, codecs): ranks compare
     it before the first step, so disagreeing ranks fail with an error instead of garbage."""
     text = repr([(i.index, i.num_stages, i.inputs, i.outputs) for i in interfaces])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return short_hash(text)
 
 
 def plan_description(interfaces: Sequence[StageInterface]) -> dict:
@@ -439,8 +440,7 @@ def plan_description(interfaces: Sequence[StageInterface]) -> dict:
             desc[f"{where}, backward"] = p.grad_codec
         ports = [[(p.name, p.edge, p.hop, p.shape, str(p.dtype), p.requires_grad)
                   for p in ps] for ps in (i.inputs, i.outputs)]
-        desc[f"stage {i.index} shapes"] = hashlib.sha256(
-            repr((i.index, i.num_stages, ports)).encode()).hexdigest()[:16]
+        desc[f"stage {i.index} shapes"] = short_hash(repr((i.index, i.num_stages, ports)))
     return desc
 
 
