@@ -17,9 +17,10 @@ def _expr_str(expr) -> str:
 
 
 def build_graph_plan(gm: torch.fx.GraphModule, index: int) -> GraphPlan:
+    """The plan of graph ``index``: its stages (nodes, cost, parameters), cut edges with
+    their codecs and bytes, and its tied parameters, from the facts the passes left."""
     meta = gm.meta["ccfx"]
     part: PartitionFacts = meta["partition"]
-    hints = meta.get("hints", {})
     n_stages = part.num_stages
     symbolic = False
 
@@ -54,7 +55,17 @@ def build_graph_plan(gm: torch.fx.GraphModule, index: int) -> GraphPlan:
               param_bytes=stage_param_bytes[s], params=stage_params[s])
         for s in range(n_stages)
     ]
+    return GraphPlan(index=index, requested_stages=part.requested, num_stages=n_stages,
+                     balance=part.balance, stages=stages, edges=_cut_edges(gm, index),
+                     shared=shared, notes=list(part.notes), symbolic=symbolic,
+                     left_whole=part.left_whole)
 
+
+def _cut_edges(gm: torch.fx.GraphModule, index: int) -> list[CutEdge]:
+    """The graph's cut edges: each one's stages, hops, shape and dtype, codecs, and raw and
+    wire bytes (as expressions and at the hints)."""
+    meta = gm.meta["ccfx"]
+    hints = meta.get("hints", {})
     by_name = {n.name: n for n in gm.graph.nodes}
     edges = []
     e: EdgeFacts
@@ -73,7 +84,4 @@ def build_graph_plan(gm: torch.fx.GraphModule, index: int) -> GraphPlan:
             wire_bytes_fwd=cost.evaluate(fwd, hints), wire_bytes_fwd_expr=_expr_str(fwd),
             wire_bytes_bwd=cost.evaluate(bwd, hints), users=list(e.users),
         ))
-    return GraphPlan(index=index, requested_stages=part.requested, num_stages=n_stages,
-                     balance=part.balance, stages=stages, edges=edges, shared=shared,
-                     notes=list(part.notes), symbolic=symbolic,
-                     left_whole=part.left_whole)
+    return edges

@@ -44,10 +44,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from ccfx import _torch_compat as tc
 from ccfx.cost import FREE
 from ccfx.errors import CcfxError, ConfigError
 from ccfx.planner.cluster import Cluster
@@ -56,7 +55,7 @@ from ccfx.planner.layout_search import search
 from ccfx.planner.model_facts import LayerFacts, ModelFacts
 
 
-class _OpCounter(TorchDispatchMode):
+class _OpCounter(tc.TorchDispatchMode):
     """Counts the aten ops each part of the forward runs (views and other free ops left out,
     :data:`ccfx.cost.FREE`, and queries such as ``prim::device``): what a CPU spends per op beyond its FLOPs
     (:func:`ccfx.planner.compute.machine_rate`'s second figure)."""
@@ -164,6 +163,9 @@ def _split_inputs(example_inputs) -> tuple[tuple, dict]:
 
 
 def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
+    """The model's facts per repeated block from one forward on fake tensors: FLOPs, ops,
+    parameters, saved activations and each block's output (the whole model one layer where
+    it has no repeated blocks)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"plan_parallel: the model is a {type(model).__name__}: give the "
                           "torch.nn.Module (not a compiled wrapper or a function)")
@@ -176,58 +178,16 @@ def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
     container, blocks = find_blocks(model)
     block_ids = {id(b) for _, b in blocks}
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = tc.FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         params = {n: _fake(p).requires_grad_(p.requires_grad)
                   for n, p in model.named_parameters()}
         buffers = {n: _fake(b) for n, b in model.named_buffers()}
         fake_args, fake_kwargs = _fake(args), _fake(kwargs)
-    param_ids = {id(p) for p in params.values()}
-
-    current = ["pre"]
-    flops_at: dict[str, float] = {}
-    saved: dict[str, dict[int, int]] = {}
-    outs: dict[str, torch.Tensor] = {}
-    keep = []
-    counter = FlopCounterMode(display=False)
-    ops = _OpCounter(current)
-
-    def pack(t):
-        base = t._base if t._base is not None else t
-        if id(base) not in param_ids and id(t) not in param_ids:
-            keep.append(base)  # alive until the trace ends: ids stay unique
-            saved.setdefault(current[0], {})[id(base)] = base.nbytes
-        return t
-
-    handles = []
-    for name, block in blocks:
-        def pre(mod, a, name=name):
-            flops_at[name + ":start"] = counter.get_total_flops()
-            current[0] = name
-
-        def post(mod, a, out, name=name):
-            flops_at[name + ":end"] = counter.get_total_flops()
-            current[0] = "post"
-            t = _first_tensor(out)
-            if t is not None:
-                outs[name] = t
-
-        handles.append(block.register_forward_pre_hook(pre))
-        handles.append(block.register_forward_hook(post))
-    try:
-        with fake_mode, counter, ops, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.func.functional_call(model, {**params, **buffers}, fake_args, fake_kwargs)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
-        raise ConfigError(
-            f"plan_parallel: the model's forward did not run on fake tensors ({type(e).__name__}:"
-            f" {str(e).splitlines()[0] if str(e) else ''}): the planner traces shapes only, so a "
-            "forward that reads data values (.item(), boolean masks) cannot be planned; give "
-            "ModelFacts yourself (ccfx.planner.model_facts)") from e
-    finally:
-        for h in handles:
-            h.remove()
-    total = counter.get_total_flops()
+    trace = _BlockTrace({id(p) for p in params.values()})
+    trace.run(model, blocks, fake_mode, {**params, **buffers}, fake_args, fake_kwargs)
+    total = trace.counter.get_total_flops()
+    saved, ops = trace.saved, trace.ops
 
     if not blocks:  # one layer: the whole model
         return ModelFacts((LayerFacts(
@@ -238,8 +198,77 @@ def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
             batch, _tp_plan(model), "fake-tensor trace (no repeated blocks found: one layer)",
             ops.main_matmul())
 
-    # parameters outside the blocks: before the container (embeddings) or after (head); a tied
-    # parameter used on both sides is held by both
+    pre_params, post_params = _params_outside_blocks(model, container, block_ids)
+    layers = [_block_facts(trace, i, name, block, len(blocks), total, pre_params, post_params)
+              for i, (name, block) in enumerate(blocks)]
+    return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace",
+                      ops.main_matmul())
+
+
+class _BlockTrace:
+    """What one fake-tensor forward records per block ("pre" and "post" for the rest): the
+    FLOP counter at its start and end, the bytes of the tensors autograd saves in it, its
+    ops and its output."""
+
+    def __init__(self, param_ids: set[int]):
+        self.param_ids = param_ids
+        self.current = ["pre"]
+        self.flops_at: dict[str, float] = {}
+        self.saved: dict[str, dict[int, int]] = {}
+        self.outs: dict[str, torch.Tensor] = {}
+        self.keep: list[torch.Tensor] = []
+        self.counter = FlopCounterMode(display=False)
+        self.ops = _OpCounter(self.current)
+
+    def pack(self, t):
+        """A saved-tensor hook: count a saved activation (not a parameter) once per base."""
+        base = tc.view_base(t)
+        if id(base) not in self.param_ids and id(t) not in self.param_ids:
+            self.keep.append(base)  # alive until the trace ends: ids stay unique
+            self.saved.setdefault(self.current[0], {})[id(base)] = base.nbytes
+        return t
+
+    def hook(self, block: torch.nn.Module, name: str) -> list:
+        """Hooks on ``block`` that mark where its forward starts and ends; their handles."""
+        def pre(mod, a):
+            self.flops_at[name + ":start"] = self.counter.get_total_flops()
+            self.current[0] = name
+
+        def post(mod, a, out):
+            self.flops_at[name + ":end"] = self.counter.get_total_flops()
+            self.current[0] = "post"
+            t = _first_tensor(out)
+            if t is not None:
+                self.outs[name] = t
+
+        return [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+
+    def run(self, model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]],
+            fake_mode, state: dict, fake_args, fake_kwargs) -> None:
+        """Run the model's forward on fake tensors with every block hooked; a ConfigError
+        where the forward cannot run on fake tensors (it reads data values)."""
+        handles = []
+        for name, block in blocks:
+            handles += self.hook(block, name)
+        try:
+            with fake_mode, self.counter, self.ops, \
+                    torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+                torch.func.functional_call(model, state, fake_args, fake_kwargs)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"plan_parallel: the model's forward did not run on fake tensors ({type(e).__name__}:"
+                f" {str(e).splitlines()[0] if str(e) else ''}): the planner traces shapes only, so a "
+                "forward that reads data values (.item(), boolean masks) cannot be planned; give "
+                "ModelFacts yourself (ccfx.planner.model_facts)") from e
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _params_outside_blocks(model: torch.nn.Module, container: str, block_ids: set[int]
+                           ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Parameters outside the blocks: before the container (embeddings) or after (head); a
+    tied parameter used on both sides is held by both."""
     pre_params: dict[int, torch.Tensor] = {}
     post_params: dict[int, torch.Tensor] = {}
     side = pre_params
@@ -251,38 +280,42 @@ def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
             continue
         for p in mod.parameters(recurse=False):
             side[id(p)] = p
-    layers = []
-    for i, (name, block) in enumerate(blocks):
-        if name not in outs:
-            raise ConfigError(f"plan_parallel: block {name} did not run in the forward: the "
-                              "planner needs every repeated block on the forward path")
-        ps = list(block.parameters())
-        extra = []
-        fl = flops_at[name + ":end"] - flops_at[name + ":start"]
-        sv = sum(saved.get(name, {}).values())
-        n_ops = ops.counts.get(name, 0)
-        if i == 0:
-            extra += list(pre_params.values())
-            fl += flops_at[name + ":start"]
-            sv += sum(saved.get("pre", {}).values())
-            n_ops += ops.counts.get("pre", 0)
-        if i == len(blocks) - 1:
-            extra += list(post_params.values())
-            fl += total - flops_at[name + ":end"]
-            sv += sum(saved.get("post", {}).values())
-            n_ops += ops.counts.get("post", 0)
-        every = ps + extra
-        out = outs[name]
-        largest = max((b for k in (name, "pre" if i == 0 else None,
-                                    "post" if i == len(blocks) - 1 else None)
-                        for b in saved.get(k, {}).values()), default=0)
-        layers.append(LayerFacts(
-            name, float(fl), sum(p.numel() for p in every),
-            sum(p.numel() * p.element_size() for p in every), int(sv), tuple(out.shape),
-            str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every), n_ops,
-            int(largest)))
-    return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace",
-                      ops.main_matmul())
+    return pre_params, post_params
+
+
+def _block_facts(trace: _BlockTrace, i: int, name: str, block: torch.nn.Module, n_blocks: int,
+                 total: float, pre_params: dict, post_params: dict) -> LayerFacts:
+    """Block ``i``'s layer facts; the first also holds what runs before the blocks, the last
+    what runs after."""
+    saved, ops, flops_at = trace.saved, trace.ops, trace.flops_at
+    if name not in trace.outs:
+        raise ConfigError(f"plan_parallel: block {name} did not run in the forward: the "
+                          "planner needs every repeated block on the forward path")
+    ps = list(block.parameters())
+    extra = []
+    fl = flops_at[name + ":end"] - flops_at[name + ":start"]
+    sv = sum(saved.get(name, {}).values())
+    n_ops = ops.counts.get(name, 0)
+    if i == 0:
+        extra += list(pre_params.values())
+        fl += flops_at[name + ":start"]
+        sv += sum(saved.get("pre", {}).values())
+        n_ops += ops.counts.get("pre", 0)
+    if i == n_blocks - 1:
+        extra += list(post_params.values())
+        fl += total - flops_at[name + ":end"]
+        sv += sum(saved.get("post", {}).values())
+        n_ops += ops.counts.get("post", 0)
+    every = ps + extra
+    out = trace.outs[name]
+    largest = max((b for k in (name, "pre" if i == 0 else None,
+                                "post" if i == n_blocks - 1 else None)
+                    for b in saved.get(k, {}).values()), default=0)
+    return LayerFacts(
+        name, float(fl), sum(p.numel() for p in every),
+        sum(p.numel() * p.element_size() for p in every), int(sv), tuple(out.shape),
+        str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every), n_ops,
+        int(largest))
 
 
 def as_cluster(cluster) -> Cluster:
@@ -336,7 +369,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from ccfx.viz.cli import load_factory
+    from ccfx.factory import load_factory
 
     try:
         made = load_factory(args.model)()

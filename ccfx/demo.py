@@ -15,8 +15,6 @@ Two identical copies of ``TinyGPT`` (same initialisation, same batches, same opt
 from __future__ import annotations
 
 import copy
-import itertools
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,59 +26,16 @@ import ccfx
 from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, batches, load_corpus
 from ccfx.viz.progress import progress as progress_bar
 
-DEMO_STEPS = 120
-DP_DEMO_STEPS = 100
-DEMO_BATCH_SIZE = 16
-DEMO_LR = 3e-3
-BASELINES = ("eager", "ccfx")
-
-
-def demo_model_config(vocab_size: int) -> GPTConfig:
-    """The demo's GPT: 4 layers, width 256, 4 heads, context 64 (about 3.2 M parameters)."""
-    return GPTConfig(vocab_size=vocab_size, block_size=64, n_layer=4, n_head=4, n_embd=256)
-
-
-@dataclass
-class RunResult:
-    """One training run: loss per step and wall times (seconds)."""
-
-    name: str
-    losses: list[float]
-    step_times: list[float]
-    #: Per step, bytes that crossed stage boundaries (ledger): raw, and on the wire.
-    raw_bytes: list[int] = field(default_factory=list)
-    wire_bytes: list[int] = field(default_factory=list)
-    #: The loss on held-out batches after training, where measured.
-    eval_loss: float | None = None
-
-    @property
-    def total_s(self) -> float:
-        return sum(self.step_times)
-
-    @property
-    def first_step_s(self) -> float:
-        """The first step, which includes compilation for a compiled model."""
-        return self.step_times[0] if self.step_times else 0.0
-
-    @property
-    def steady_step_s(self) -> float:
-        """Median time of the steps after the first."""
-        rest = self.step_times[1:] or self.step_times
-        return statistics.median(rest) if rest else 0.0
-
-    def curve(self, points: int = 12) -> list[float]:
-        """The loss curve in ``points`` windows: the mean loss of each consecutive window."""
-        n = len(self.losses)
-        points = min(points, n)
-        if points < 1:
-            return []
-        bounds = [round(i * n / points) for i in range(points + 1)]
-        return [sum(self.losses[a:b]) / (b - a) for a, b in itertools.pairwise(bounds)]
-
-    def final_loss(self, last: int = 10) -> float:
-        """Mean loss over the last ``last`` steps."""
-        tail = self.losses[-last:]
-        return sum(tail) / len(tail)
+from .demo_common import (
+    BASELINES,
+    DEMO_BATCH_SIZE,
+    DEMO_LR,
+    DEMO_STEPS,
+    DP_DEMO_STEPS,
+    RunResult,
+    demo_model_config,
+)
+from .plan import human_bytes
 
 
 @dataclass
@@ -203,19 +158,8 @@ def run_demo(
 
     torch.manual_seed(seed)
     base_model = TinyGPT(config).to(device)
-    comp_model = copy.deepcopy(base_model)  # same init; deepcopy keeps the weight tying
     num_parameters = base_model.num_parameters()
-
-    def compile_with(model: nn.Module, opts: dict) -> nn.Module:
-        return compile_fn(model) if compile_fn is not None else ccfx_compile(model, **opts)
-
-    if baseline == "ccfx":
-        base_run_model = compile_with(base_model, {**options, "activation_codec": "none"})
-        base_name = f"baseline (ccfx {stages} stages, no codec)"
-    else:
-        base_run_model = base_model
-        base_name = "baseline (eager, uncompressed)"
-    compiled = compile_with(comp_model, options)
+    base_run_model, base_name, compiled = _demo_models(base_model, options, baseline, compile_fn)
 
     common = {
         "data": data, "steps": steps, "batch_size": batch_size, "block_size": config.block_size,
@@ -236,12 +180,23 @@ def run_demo(
     )
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+def _demo_models(base_model: nn.Module, options: dict, baseline: str,
+                 compile_fn: Callable[[nn.Module], nn.Module] | None
+                 ) -> tuple[nn.Module, str, nn.Module]:
+    """The baseline to train (eager, or ccfx without a codec) and its name, and the
+    compressed model compiled from a copy of the same init (deepcopy keeps the tying)."""
+    comp_model = copy.deepcopy(base_model)  # same init; deepcopy keeps the weight tying
+
+    def compile_with(model: nn.Module, opts: dict) -> nn.Module:
+        return compile_fn(model) if compile_fn is not None else ccfx_compile(model, **opts)
+
+    if baseline == "ccfx":
+        base_run_model = compile_with(base_model, {**options, "activation_codec": "none"})
+        base_name = f"baseline (ccfx {options['stages']} stages, no codec)"
+    else:
+        base_run_model = base_model
+        base_name = "baseline (eager, uncompressed)"
+    return base_run_model, base_name, compile_with(comp_model, options)
 
 
 def format_demo(result: DemoResult, last: int = 10) -> str:
@@ -293,7 +248,7 @@ def format_demo(result: DemoResult, last: int = 10) -> str:
                         ("total   ", raw, wire)):
         if r:
             out.append(
-                f"  {label} {_human_bytes(r):>10} raw -> {_human_bytes(w):>10} on the wire "
+                f"  {label} {human_bytes(r):>10} raw -> {human_bytes(w):>10} on the wire "
                 f"({w / r:.3f} of raw, {r / max(w, 1):.2f}x less)"
             )
     if not raw:

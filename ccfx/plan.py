@@ -248,29 +248,6 @@ class Plan:
     def num_stages(self) -> int:
         return max((g.num_stages for g in self.graphs), default=0)
 
-    def build_stages(self, rank: int | None = None, device="cpu", group=None, **kw):
-        """This rank's pipeline stages, built from the compiled model this plan describes
-        (:func:`ccfx.build_stages`)."""
-        import ccfx
-
-        return ccfx.build_stages(self._live_backend(), rank, device, group, **kw)
-
-    def build_stage(self, rank: int | None = None, device="cpu", group=None):
-        """This rank's one pipeline stage (:func:`ccfx.build_stage`)."""
-        import ccfx
-
-        return ccfx.build_stage(self._live_backend(), rank, device, group)
-
-    def _live_backend(self):
-        owner = getattr(self, "_owner", None)
-        backend = owner() if owner is not None else None
-        if backend is None:
-            from .errors import ConfigError
-
-            raise ConfigError("this plan is not attached to a live compiled model (it was read "
-                              "from JSON, or the model is gone): use ccfx.plan_of(compiled)")
-        return backend
-
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps({"format": PLAN_FORMAT, **dataclasses.asdict(self)}, indent=indent)
 
@@ -350,6 +327,37 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 def format_plan(plan: Plan) -> str:
     """The plan as text. Codec specs appear as the user wrote them where this process saw it
     (:func:`ccfx.codecs.spelled`); the JSON keeps the canonical form."""
+    out = [_plan_head(plan)]
+    if len(plan.graphs) > 1:
+        whole = [g.index for g in plan.graphs if g.left_whole]
+        cut = sum(1 for g in plan.graphs if g.num_stages > 1)
+        kept = (f"; graph(s) {', '.join(map(str, whole))} left whole (too small to cut, or "
+                "holding no parameters)" if whole else "")
+        split = (f"{cut} graph(s) cut into stages, each its own pipeline" if cut
+                 else "each graph compiled on its own")
+        out.append(f"  (graph breaks split the model: {split}{kept}. "
+                   "Compile with fullgraph=True for one.)")
+    for g in plan.graphs:
+        out += _graph_text(g)
+    if plan.data_parallel is not None:
+        dp = plan.data_parallel
+        out.append("")
+        backend = _backend_text(dp)
+        out.append(f"data parallel: world size {dp.world_size}"
+                   + (f" ({backend})" if backend else "") + f", gradient codec "
+                   f"{spelled(dp.gradient_codec)}" + (f", {dp.warmup_steps} uncompressed warm-up steps"
+                                             if dp.warmup_steps else ""))
+        if dp.note:
+            out.append(f"  note: {dp.note}")
+    changed = {k: v for k, v in plan.option_sources.items() if v != "default"}
+    if changed:
+        out.append("options from: " + ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
+    return "\n".join(out)
+
+
+def _plan_head(plan: Plan) -> str:
+    """The plan's first line: its graphs and the codecs that apply (activation codec only
+    where there are stages, gradient codec and world size, collective codec)."""
     codec = spelled(plan.config.get("activation_codec"))
     grad_codec = spelled(plan.config.get("activation_grad_codec"))
     if grad_codec and grad_codec != codec:
@@ -370,86 +378,81 @@ def format_plan(plan: Plan) -> str:
         table = plan.config.get("collective_overrides")
         if table:
             head += " (" + ", ".join(f"{k}: {spelled(v)}" for k, v in sorted(table.items())) + ")"
-    out = [head]
-    if len(plan.graphs) > 1:
-        whole = [g.index for g in plan.graphs if g.left_whole]
-        cut = sum(1 for g in plan.graphs if g.num_stages > 1)
-        kept = (f"; graph(s) {', '.join(map(str, whole))} left whole (too small to cut, or "
-                "holding no parameters)" if whole else "")
-        split = (f"{cut} graph(s) cut into stages, each its own pipeline" if cut
-                 else "each graph compiled on its own")
-        out.append(f"  (graph breaks split the model: {split}{kept}. "
-                   "Compile with fullgraph=True for one.)")
-    for g in plan.graphs:
-        out.append("")
-        out.append(
-            f"graph {g.index}: {g.num_stages} stage(s) (asked {g.requested_stages}), "
-            f"balanced by {g.balance}, imbalance {g.imbalance:.3f}"
-        )
-        for note in g.notes:
-            out.append(f"  note: {note}")
-        rows = [
-            [s.index, len(s.nodes), f"{s.cost:.4g}", human_bytes(s.param_bytes), s.nodes[0] if s.nodes else "",
-             s.nodes[-1] if s.nodes else ""]
-            for s in g.stages
-        ]
-        out += ["  " + r for r in _table(rows, ["stage", "nodes", "cost", "params", "first", "last"])]
-        if g.edges:
-            out.append("")
-            rows = []
-            for e in g.edges:
-                raw = f"{e.raw_bytes}" + (f" ({e.raw_bytes_expr})" if g.symbolic else "")
-                rows.append([
-                    e.index, e.source, f"{e.source_stage}->{','.join(map(str, e.dest_stages))}",
-                    len(e.hops), "x".join(map(str, e.shape)), e.dtype.replace("torch.", ""),
-                    spelled(e.codec) if e.grad_codec in (None, e.codec)
-                    else f"{spelled(e.codec)} / {spelled(e.grad_codec)}",
-                    raw, e.wire_bytes_fwd, e.wire_bytes_bwd,
-                ])
-            out += ["  " + r for r in _table(
-                rows, ["edge", "source", "stages", "hops", "shape", "dtype", "codec", "raw B/hop",
-                       "wire fwd", "wire bwd"])]
-            raw = sum(e.total_raw_bytes for e in g.edges)
-            wire = sum(e.total_wire_fwd for e in g.edges)
-            ratio = wire / raw if raw else 1.0
-            out.append(
-                f"  forward per compiled call (one microbatch when a pipeline schedule runs it): "
-                f"{human_bytes(raw)} raw -> {human_bytes(wire)} on the wire "
-                f"({ratio:.3f})"
-            )
-        if g.shared:
-            out.append("  shared parameters (used in several stages, gradients summed):")
-            for p in g.shared:
-                out.append(f"    {p.name}: stages {p.stages}, {human_bytes(p.nbytes)}")
-        if g.buckets:
-            out.append("")
-            out.append("  gradient buckets (in the order backward makes them):")
-            rows = [[b.index, len(b.params), b.numel, spelled(b.codec), b.collective,
-                     human_bytes(b.raw_bytes), human_bytes(b.wire_bytes), f"{b.ratio:.4f}",
-                     b.reason or _param_summary(b.params)] for b in g.buckets]
-            out += ["  " + r for r in _table(
-                rows, ["bucket", "params", "numel", "codec", "collective", "raw/step",
-                       "wire/step", "ratio", "holds"])]
-            raw = sum(b.raw_bytes for b in g.buckets)
-            wire = sum(b.wire_bytes for b in g.buckets)
-            out.append(f"  gradients per step per rank: {human_bytes(raw)} raw -> "
-                       f"{human_bytes(wire)} on the wire ({wire / raw if raw else 1.0:.4f})")
-        if g.collectives:
-            out += _collectives_table(g.collectives)
-    if plan.data_parallel is not None:
-        dp = plan.data_parallel
-        out.append("")
-        backend = _backend_text(dp)
-        out.append(f"data parallel: world size {dp.world_size}"
-                   + (f" ({backend})" if backend else "") + f", gradient codec "
-                   f"{spelled(dp.gradient_codec)}" + (f", {dp.warmup_steps} uncompressed warm-up steps"
-                                             if dp.warmup_steps else ""))
-        if dp.note:
-            out.append(f"  note: {dp.note}")
-    changed = {k: v for k, v in plan.option_sources.items() if v != "default"}
-    if changed:
-        out.append("options from: " + ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
-    return "\n".join(out)
+    return head
+
+
+def _graph_text(g: GraphPlan) -> list[str]:
+    """One graph's section: its stages, cut edges, shared parameters, gradient buckets and
+    collectives."""
+    out = [""]
+    out.append(
+        f"graph {g.index}: {g.num_stages} stage(s) (asked {g.requested_stages}), "
+        f"balanced by {g.balance}, imbalance {g.imbalance:.3f}"
+    )
+    for note in g.notes:
+        out.append(f"  note: {note}")
+    rows = [
+        [s.index, len(s.nodes), f"{s.cost:.4g}", human_bytes(s.param_bytes), s.nodes[0] if s.nodes else "",
+         s.nodes[-1] if s.nodes else ""]
+        for s in g.stages
+    ]
+    out += ["  " + r for r in _table(rows, ["stage", "nodes", "cost", "params", "first", "last"])]
+    if g.edges:
+        out += _edges_table(g)
+    if g.shared:
+        out.append("  shared parameters (used in several stages, gradients summed):")
+        for p in g.shared:
+            out.append(f"    {p.name}: stages {p.stages}, {human_bytes(p.nbytes)}")
+    if g.buckets:
+        out += _buckets_table(g.buckets)
+    if g.collectives:
+        out += _collectives_table(g.collectives)
+    return out
+
+
+def _edges_table(g: GraphPlan) -> list[str]:
+    """The cut edges of one graph: each edge's stages, shape, codec and bytes per hop, and
+    the forward's raw and wire bytes per compiled call."""
+    out = [""]
+    rows = []
+    for e in g.edges:
+        raw = f"{e.raw_bytes}" + (f" ({e.raw_bytes_expr})" if g.symbolic else "")
+        rows.append([
+            e.index, e.source, f"{e.source_stage}->{','.join(map(str, e.dest_stages))}",
+            len(e.hops), "x".join(map(str, e.shape)), e.dtype.replace("torch.", ""),
+            spelled(e.codec) if e.grad_codec in (None, e.codec)
+            else f"{spelled(e.codec)} / {spelled(e.grad_codec)}",
+            raw, e.wire_bytes_fwd, e.wire_bytes_bwd,
+        ])
+    out += ["  " + r for r in _table(
+        rows, ["edge", "source", "stages", "hops", "shape", "dtype", "codec", "raw B/hop",
+               "wire fwd", "wire bwd"])]
+    raw = sum(e.total_raw_bytes for e in g.edges)
+    wire = sum(e.total_wire_fwd for e in g.edges)
+    ratio = wire / raw if raw else 1.0
+    out.append(
+        f"  forward per compiled call (one microbatch when a pipeline schedule runs it): "
+        f"{human_bytes(raw)} raw -> {human_bytes(wire)} on the wire "
+        f"({ratio:.3f})"
+    )
+    return out
+
+
+def _buckets_table(buckets: list[Bucket]) -> list[str]:
+    """The gradient buckets in the order backward makes them: codec, collective, bytes per
+    step and what each holds, and the gradients' raw and wire bytes per step per rank."""
+    out = ["", "  gradient buckets (in the order backward makes them):"]
+    rows = [[b.index, len(b.params), b.numel, spelled(b.codec), b.collective,
+             human_bytes(b.raw_bytes), human_bytes(b.wire_bytes), f"{b.ratio:.4f}",
+             b.reason or _param_summary(b.params)] for b in buckets]
+    out += ["  " + r for r in _table(
+        rows, ["bucket", "params", "numel", "codec", "collective", "raw/step",
+               "wire/step", "ratio", "holds"])]
+    raw = sum(b.raw_bytes for b in buckets)
+    wire = sum(b.wire_bytes for b in buckets)
+    out.append(f"  gradients per step per rank: {human_bytes(raw)} raw -> "
+               f"{human_bytes(wire)} on the wire ({wire / raw if raw else 1.0:.4f})")
+    return out
 
 
 def _collectives_table(rows: list[Collective]) -> list[str]:

@@ -140,6 +140,8 @@ def _model_and_data(factory: str | None, batch: int, seed: int, rank_in_dp: int)
 
 
 def _rank_main(args) -> int:
+    """One rank of ``ccfx run``: compile the model on the (dp, pp) mesh, build its stages,
+    train ``args.steps`` steps under the schedule, and print each step from one rank."""
     import datetime
 
     import torch
@@ -157,15 +159,7 @@ def _rank_main(args) -> int:
     pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     model, next_batch, loss_fn = _model_and_data(args.factory, args.batch_size, 0, dp_rank)
-    options = {"stages": stages, "activation_codec": args.codec,
-               "activation_grad_codec": args.grad_codec or args.codec,
-               "gradient_codec": args.gradient_codec, "lowering": args.lowering}
-    auto = "auto" in (options["activation_codec"], options["activation_grad_codec"],
-                      options["gradient_codec"])
-    if auto:
-        options.update(_link_options(args), microbatches=args.microbatches)
-        if args.schedule in ("1F1B", "GPipe"):
-            options["pipeline_schedule"] = args.schedule
+    options, auto = _compile_options(args, stages)
     compiled = torch.compile(model, backend="ccfx", fullgraph=True, options=options)
     x, y = next_batch()
     compiled(x.chunk(args.microbatches)[0])
@@ -181,10 +175,46 @@ def _rank_main(args) -> int:
     cls = getattr(schedules, f"Schedule{args.schedule}")
     single = issubclass(cls, schedules.PipelineScheduleSingle)
     sched = cls(built[0] if single else built, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    prof = _train(args, sched, built, ledger, next_batch, (x, y), dp_rank == 0)
+    if prof is not None:
+        prof.stop()
+        path = _rank_path(args.trace, rank)
+        prof.export_chrome_trace(path)
+        print(f"rank {rank}: trace written to {path}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def _compile_options(args, stages: int) -> tuple[dict, bool]:
+    """The backend's options from the command line, and whether a codec is ``auto`` (then
+    the links, the microbatches and the schedule are the planner's too)."""
+    options = {"stages": stages, "activation_codec": args.codec,
+               "activation_grad_codec": args.grad_codec or args.codec,
+               "gradient_codec": args.gradient_codec, "lowering": args.lowering}
+    auto = "auto" in (options["activation_codec"], options["activation_grad_codec"],
+                      options["gradient_codec"])
+    if auto:
+        options.update(_link_options(args), microbatches=args.microbatches)
+        if args.schedule in ("1F1B", "GPipe"):
+            options["pipeline_schedule"] = args.schedule
+    return options, auto
+
+
+def _train(args, sched, built, ledger, next_batch, first_batch: tuple, dp_leader: bool):
+    """The training steps: each timed from a barrier, gradients synced, the optimizer
+    stepped; the last stage's first replica prints the loss, the slowest rank's time and
+    the bytes per link of all ranks. Returns the profiler (``--trace``) to stop, or None."""
+    import torch
+    import torch.distributed as dist
+
+    import ccfx
+
+    world = dist.get_world_size()
+    x, y = first_batch
     params = [p for s in built for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr)
     first, last = any(s.is_first for s in built), any(s.is_last for s in built)
-    reporter = last and dp_rank == 0
+    reporter = last and dp_leader
     prof = _profiler(args.trace)
     seen = _links(ledger)
     for step in range(args.steps):
@@ -209,21 +239,20 @@ def _rank_main(args) -> int:
         dist.all_gather_object(gathered, (elapsed, sent))
         if reporter:
             loss = sum(float(v.detach()) for v in losses) / len(losses)
-            slowest = max(g[0] for g in gathered)
-            links: dict[str, list[int]] = {}
-            for _, per_rank in gathered:
-                for k, (raw, wire) in per_rank.items():
-                    acc = links.setdefault(k, [0, 0])
-                    acc[0] += raw
-                    acc[1] += wire
-            print(format_step(step, loss, slowest, links, args.microbatches), flush=True)
-    if prof is not None:
-        prof.stop()
-        path = _rank_path(args.trace, rank)
-        prof.export_chrome_trace(path)
-        print(f"rank {rank}: trace written to {path}", flush=True)
-    dist.destroy_process_group()
-    return 0
+            print(format_step(step, loss, max(g[0] for g in gathered), _sum_links(gathered),
+                              args.microbatches), flush=True)
+    return prof
+
+
+def _sum_links(gathered: list) -> dict[str, list[int]]:
+    """Per link, the raw and wire bytes of one step summed over the ranks' reports."""
+    links: dict[str, list[int]] = {}
+    for _, per_rank in gathered:
+        for k, (raw, wire) in per_rank.items():
+            acc = links.setdefault(k, [0, 0])
+            acc[0] += raw
+            acc[1] += wire
+    return links
 
 
 def format_step(step: int, loss: float, seconds: float, links, microbatches: int) -> str:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ccfx import _torch_compat as tc
 from ccfx.errors import CcfxError
 
 from .facts import CollectiveFacts, put
@@ -136,7 +137,7 @@ def _is_collective(node: torch.fx.Node) -> bool:
 
 
 def _op_name(target) -> str:
-    return target._overloadpacket.__name__ if hasattr(target, "_overloadpacket") else str(target)
+    return target.overloadpacket.__name__ if hasattr(target, "overloadpacket") else str(target)
 
 
 def _val(node) -> object:
@@ -266,8 +267,6 @@ def compress_collectives(gm: torch.fx.GraphModule, found: Sequence[FoundCollecti
     has a compressed form; tag the others (see the module docstring). ``comm_for(group_name,
     world)``: the comm the phases issue their collectives through (default: a
     ``FunctionalComm`` on that group)."""
-    from torch._guards import detect_fake_mode
-
     if len(found) != len(rewrites):
         raise CcfxError(f"compress_collectives: {len(found)} collectives but {len(rewrites)} "
                         "decisions")
@@ -277,9 +276,43 @@ def compress_collectives(gm: torch.fx.GraphModule, found: Sequence[FoundCollecti
     pos = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    fake_mode = tc.detect_fake_mode([n.meta.get("val") for n in placeholders])
     first_op = next(n for n in nodes if n.op != "placeholder")
+    state_nodes, state_inputs = _state_placeholders(graph, found, rewrites, fake_mode, first_op)
 
+    replaced: list[tuple[torch.fx.Node, torch.fx.Node]] = []
+    for f, r in zip(found, rewrites):
+        node = by_name[f.node]
+        if r.compressed is None:
+            put(node, CollectiveFacts(r.index, "none", reason=r.reason or f.problem))
+            continue
+        if f.problem:
+            raise CcfxError(f"collective {r.index} ({f.op}) cannot be replaced: {f.problem}")
+        wait = by_name[f.wait]
+        anchors = _anchors(nodes, pos[node], pos[wait], len(r.compressed.phases))
+        carry = _splice_phases(graph, f, r, node, anchors, comm_for(f.group_name, f.world),
+                               state_nodes[f.position], decompositions)
+        out = carry[0] if len(carry) == 1 else None
+        _check_result(f, r, out, wait)
+        replaced.append((node, wait))
+        wait.replace_all_uses_with(out)
+    for node, wait in replaced:
+        graph.erase_node(wait)
+        graph.erase_node(node)
+    meta = gm.meta.setdefault("ccfx", {})
+    meta["collectives"] = list(found)
+    meta["collective_state_inputs"] = state_inputs
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _state_placeholders(graph: torch.fx.Graph, found: Sequence[FoundCollective],
+                        rewrites: Sequence[Rewrite], fake_mode, first_op: torch.fx.Node
+                        ) -> tuple[dict[int, list[torch.fx.Node]], list[tuple[int, str]]]:
+    """A placeholder per codec state tensor of each replaced collective (before the first
+    op): the placeholders by the collective's position, and (collective, state name) in
+    input order."""
     state_nodes: dict[int, list[torch.fx.Node]] = {}
     state_inputs = []
     with graph.inserting_before(first_op):
@@ -296,53 +329,37 @@ def compress_collectives(gm: torch.fx.GraphModule, found: Sequence[FoundCollecti
                 row.append(node)
                 state_inputs.append((r.index, name))
             state_nodes[f.position] = row
+    return state_nodes, state_inputs
 
-    replaced: list[tuple[torch.fx.Node, torch.fx.Node]] = []
-    for f, r in zip(found, rewrites):
-        node = by_name[f.node]
-        if r.compressed is None:
-            put(node, CollectiveFacts(r.index, "none", reason=r.reason or f.problem))
-            continue
-        if f.problem:
-            raise CcfxError(f"collective {r.index} ({f.op}) cannot be replaced: {f.problem}")
-        wait = by_name[f.wait]
-        phases = list(r.compressed.phases)
-        anchors = _anchors(nodes, pos[node], pos[wait], len(phases))
-        comm = comm_for(f.group_name, f.world)
-        x = node.args[0]
-        sizes = _size_nodes(node) if f.kind == "all_to_all" else []
-        carry: list[torch.fx.Node] = []
-        for k, (phase, anchor) in enumerate(zip(phases, anchors)):
-            # the split sizes the graph computes (SymInts: .tolist() under
-            # capture_scalar_outputs) are inputs of the traced phase, bound to those nodes
-            inputs = [x, *sizes, *state_nodes[f.position], *carry]
-            n_z, n_s = len(sizes), len(state_nodes[f.position])
 
-            def fn(*flat, k=k, n_z=n_z, n_s=n_s, comm=comm, cc=r.compressed, node=node,
-                   sizes=sizes):
-                if n_z:
-                    cc = cc.bind(*_bound_splits(node, sizes, flat[1:1 + n_z]))
-                rest = flat[1 + n_z:]
-                return list(cc.phases[k](flat[0], list(rest[:n_s]), list(rest[n_s:]), comm))
+def _splice_phases(graph: torch.fx.Graph, f: FoundCollective, r: Rewrite, node: torch.fx.Node,
+                   anchors: list[torch.fx.Node], comm, state: list[torch.fx.Node],
+                   decompositions) -> list[torch.fx.Node]:
+    """Trace each phase of the compressed form of collective ``node`` and splice it at its
+    anchor, each phase taking the input, the split sizes, the codec state and the previous
+    phase's outputs; the last phase's outputs."""
+    x = node.args[0]
+    sizes = _size_nodes(node) if f.kind == "all_to_all" else []
+    carry: list[torch.fx.Node] = []
+    for k, anchor in enumerate(anchors):
+        # the split sizes the graph computes (SymInts: .tolist() under
+        # capture_scalar_outputs) are inputs of the traced phase, bound to those nodes
+        inputs = [x, *sizes, *state, *carry]
+        n_z, n_s = len(sizes), len(state)
 
-            traced = trace_phase(fn, [n.meta["val"] for n in inputs], decompositions)
-            carry = splice_traced(graph, traced, inputs, anchor,
-                                  CollectiveFacts(r.index, r.codec, phase=k))
-            if k == 0:
-                _move_row_counts(node, carry)
-        out = carry[0] if len(carry) == 1 else None
-        _check_result(f, r, out, wait)
-        replaced.append((node, wait))
-        wait.replace_all_uses_with(out)
-    for node, wait in replaced:
-        graph.erase_node(wait)
-        graph.erase_node(node)
-    meta = gm.meta.setdefault("ccfx", {})
-    meta["collectives"] = list(found)
-    meta["collective_state_inputs"] = state_inputs
-    graph.lint()
-    gm.recompile()
-    return gm
+        def fn(*flat, k=k, n_z=n_z, n_s=n_s, comm=comm, cc=r.compressed, node=node,
+               sizes=sizes):
+            if n_z:
+                cc = cc.bind(*_bound_splits(node, sizes, flat[1:1 + n_z]))
+            rest = flat[1 + n_z:]
+            return list(cc.phases[k](flat[0], list(rest[:n_s]), list(rest[n_s:]), comm))
+
+        traced = trace_phase(fn, [n.meta["val"] for n in inputs], decompositions)
+        carry = splice_traced(graph, traced, inputs, anchor,
+                              CollectiveFacts(r.index, r.codec, phase=k))
+        if k == 0:
+            _move_row_counts(node, carry)
+    return carry
 
 
 def _size_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.fx
 
+from ccfx import _torch_compat as tc
 from ccfx.errors import CcfxError
 from ccfx.wire.exchange import Exchange, exchange_for
 from ccfx.wire.policy import BucketAssignment, GradSlot
@@ -79,45 +80,18 @@ def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
     """Splice each bucket's exchange into the backward ``gm`` (see the module docstring).
     ``state[i]`` holds bucket i's codec state tensors (real, for their shapes and dtypes);
     they become placeholders ``ccfx_state_<i>_<name>`` appended to the inputs in that order."""
-    from torch._guards import detect_fake_mode
-
     graph = gm.graph
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    fake_mode = tc.detect_fake_mode([n.meta.get("val") for n in placeholders])
     out_node = _output_node(gm)
     grads_out = list(out_node.args[0])
     first_op = next(n for n in nodes if n.op != "placeholder")
-
-    state_nodes: list[list[torch.fx.Node]] = []
-    with graph.inserting_before(first_op):
-        for b, named in zip(buckets, state):
-            row = []
-            for name in sorted(named):
-                node = graph.placeholder(f"ccfx_state_{b.index}_{name}")
-                node.meta["val"] = fake_mode.from_tensor(named[name], static_shapes=True)
-                put(node, BucketFacts(b.index, state=name))
-                row.append(node)
-            state_nodes.append(row)
-
+    state_nodes = _bucket_state_placeholders(graph, buckets, state, fake_mode, first_op)
     exchanges: list[Exchange] = [exchange_for(b.layout, b.spec, b.collective) for b in buckets]
-    after_ready = [nodes[b.ready + 1] if nodes[b.ready].op != "placeholder" else first_op
-                   for b in buckets]
-    # (anchor, bucket, phase) in the order they are inserted: phases of one bucket in turn
-    work = []
-    for i, ex in enumerate(exchanges):
-        n_phases = len(ex.phases)
-        for k in range(n_phases):
-            if k == n_phases - 1:
-                anchor, order = out_node, len(nodes)
-            else:
-                j = min(i + k, len(buckets) - 1)
-                anchor, order = after_ready[j], buckets[j].ready
-            work.append((order, i, k, anchor))
-    work.sort(key=lambda w: w[:3])
 
     carry: dict[int, list[torch.fx.Node]] = {i: [] for i in range(len(buckets))}
-    for _, i, k, anchor in work:
+    for _, i, k, anchor in _phase_anchors(nodes, buckets, exchanges, out_node, first_op):
         b, ex = buckets[i], exchanges[i]
         grad_nodes = [grads_out[s.output_index] for s in b.slots]
         inputs = [*grad_nodes, *state_nodes[i], *carry[i]]
@@ -143,5 +117,45 @@ def grad_buckets(gm: torch.fx.GraphModule, buckets: Sequence[BucketAssignment],
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _bucket_state_placeholders(graph: torch.fx.Graph, buckets: Sequence[BucketAssignment],
+                               state: Sequence[Mapping[str, torch.Tensor]], fake_mode,
+                               first_op: torch.fx.Node) -> list[list[torch.fx.Node]]:
+    """A placeholder per codec state tensor of each bucket (before the first op), per
+    bucket in name order."""
+    state_nodes: list[list[torch.fx.Node]] = []
+    with graph.inserting_before(first_op):
+        for b, named in zip(buckets, state):
+            row = []
+            for name in sorted(named):
+                node = graph.placeholder(f"ccfx_state_{b.index}_{name}")
+                node.meta["val"] = fake_mode.from_tensor(named[name], static_shapes=True)
+                put(node, BucketFacts(b.index, state=name))
+                row.append(node)
+            state_nodes.append(row)
+    return state_nodes
+
+
+def _phase_anchors(nodes: list[torch.fx.Node], buckets: Sequence[BucketAssignment],
+                   exchanges: list[Exchange], out_node: torch.fx.Node,
+                   first_op: torch.fx.Node) -> list[tuple[int, int, int, torch.fx.Node]]:
+    """(order, bucket, phase, anchor) in the order the phases are inserted: a bucket's
+    phase k after bucket i+k is ready (phases of one bucket in turn), its last at the
+    output."""
+    after_ready = [nodes[b.ready + 1] if nodes[b.ready].op != "placeholder" else first_op
+                   for b in buckets]
+    work = []
+    for i, ex in enumerate(exchanges):
+        n_phases = len(ex.phases)
+        for k in range(n_phases):
+            if k == n_phases - 1:
+                anchor, order = out_node, len(nodes)
+            else:
+                j = min(i + k, len(buckets) - 1)
+                anchor, order = after_ready[j], buckets[j].ready
+            work.append((order, i, k, anchor))
+    work.sort(key=lambda w: w[:3])
+    return work
 
 

@@ -209,15 +209,8 @@ def partition(
     index = {n: i for i, n in enumerate(ops)}
     notes: list[str] = []
     hints = gm.meta.get("ccfx", {}).get("hints", {})
-    node_costs = _node_costs(ops, balance)
-    values = [costs.evaluate(c, hints) for c in node_costs]
-    if sum(values) == 0:
-        notes.append(f"no {balance} cost in this graph: balanced by node count")
-        node_costs = [sympy.Integer(1)] * len(ops)
-        values = [1] * len(ops)
-    prefix = [0]
-    for v in values:
-        prefix.append(prefix[-1] + v)
+    node_costs, values = _costs_or_count(ops, balance, hints, notes)
+    prefix = _prefix_sums(values)
 
     mutated = _mutated_inputs(ops)
     if mutated:
@@ -242,38 +235,16 @@ def partition(
         notes.append(left_whole)
         cuts = []
     else:
-        bearing = sum(1 for v in values if v > 0)
-        n_valid = sum(valid[1:len(ops)])
-        usable = max(1, min(stages, bearing, n_valid + 1))
-        if usable < stages:
-            msg = (f"this graph has {bearing} node(s) with {balance} cost and {n_valid} possible "
-                   f"cut(s): using {usable} stage(s) instead of {stages}")
-            warnings.warn(f"ccfx: {msg}", CcfxWarning, stacklevel=2)
-            notes.append(msg)
-        cuts = _balanced_cuts(prefix, crossing, valid, usable)
+        cuts = _usable_balanced_cuts(values, prefix, crossing, valid, stages, balance, notes)
     num_stages = len(cuts) + 1
-
-    for i, n in enumerate(ops):
-        put(n, StageFacts(bisect.bisect_right(cuts, i)))
-    for n in gm.graph.nodes:
-        if n.op == "output":
-            put(n, StageFacts(num_stages - 1))
-        elif n.op == "placeholder" or n.op == "get_attr":
-            user_stages = tuple(sorted({stage_of(u) for u in n.users} - {None}))
-            if need(n, NodeFacts).kind in STATE_KINDS or n.op == "get_attr" or n in mutated:
-                # replicated where used, never sent
-                put(n, StageFacts(user_stages[0] if user_stages else 0, user_stages, pinned=True))
-            else:
-                put(n, StageFacts(0, user_stages))
+    _assign_stages(gm, ops, cuts, num_stages, mutated)
 
     for i in markers:
         gm.graph.erase_node(ops[i])
     if markers:
         gm.recompile()
 
-    bounds = [0, *cuts, len(ops)]
-    stage_costs = [sum(node_costs[bounds[s]:bounds[s + 1]], sympy.Integer(0))
-                   for s in range(num_stages)]
+    stage_costs = _stage_costs(node_costs, cuts)
     gm.meta.setdefault("ccfx", {})["partition"] = PartitionFacts(
         requested=requested,
         num_stages=num_stages,
@@ -286,6 +257,68 @@ def partition(
         left_whole=left_whole,
     )
     return gm
+
+
+def _prefix_sums(values: list) -> list:
+    """``prefix[i]``: the cost of the first ``i`` ops (``prefix[0] == 0``)."""
+    prefix = [0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    return prefix
+
+
+def _stage_costs(node_costs: list, cuts: list[int]) -> list:
+    """Each stage's cost (symbolic): the sum of its ops' between the cuts."""
+    bounds = [0, *cuts, len(node_costs)]
+    return [sum(node_costs[bounds[s]:bounds[s + 1]], sympy.Integer(0))
+            for s in range(len(cuts) + 1)]
+
+
+def _costs_or_count(ops: list[torch.fx.Node], balance: str, hints: dict,
+                    notes: list[str]) -> tuple[list, list]:
+    """Each op's cost (symbolic) and its value at the hints; one per node where the graph
+    has no cost of ``balance`` at all (a note says so)."""
+    node_costs = _node_costs(ops, balance)
+    values = [costs.evaluate(c, hints) for c in node_costs]
+    if sum(values) == 0:
+        notes.append(f"no {balance} cost in this graph: balanced by node count")
+        node_costs = [sympy.Integer(1)] * len(ops)
+        values = [1] * len(ops)
+    return node_costs, values
+
+
+def _usable_balanced_cuts(values: list, prefix: list, crossing: list, valid: list[bool],
+                          stages: int, balance: str, notes: list[str]) -> list[int]:
+    """Balanced cuts for ``stages`` stages, or as many as the graph's cost-bearing nodes and
+    possible cuts allow (a warning and a note say how many)."""
+    bearing = sum(1 for v in values if v > 0)
+    n_valid = sum(valid[1:len(values)])
+    usable = max(1, min(stages, bearing, n_valid + 1))
+    if usable < stages:
+        msg = (f"this graph has {bearing} node(s) with {balance} cost and {n_valid} possible "
+               f"cut(s): using {usable} stage(s) instead of {stages}")
+        warnings.warn(f"ccfx: {msg}", CcfxWarning, stacklevel=3)
+        notes.append(msg)
+    return _balanced_cuts(prefix, crossing, valid, usable)
+
+
+def _assign_stages(gm: torch.fx.GraphModule, ops: list[torch.fx.Node], cuts: list[int],
+                   num_stages: int, mutated) -> None:
+    """Each op's stage from the cuts; the output on the last stage; a placeholder or
+    attribute on the stages that use it (state and mutated inputs pinned: replicated where
+    used, never sent)."""
+    for i, n in enumerate(ops):
+        put(n, StageFacts(bisect.bisect_right(cuts, i)))
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            put(n, StageFacts(num_stages - 1))
+        elif n.op == "placeholder" or n.op == "get_attr":
+            user_stages = tuple(sorted({stage_of(u) for u in n.users} - {None}))
+            if need(n, NodeFacts).kind in STATE_KINDS or n.op == "get_attr" or n in mutated:
+                # replicated where used, never sent
+                put(n, StageFacts(user_stages[0] if user_stages else 0, user_stages, pinned=True))
+            else:
+                put(n, StageFacts(0, user_stages))
 
 
 def graph_flops(gm: torch.fx.GraphModule) -> int:

@@ -131,80 +131,106 @@ def split_stages(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphM
     children: dict[str, torch.fx.GraphModule] = {}
     interfaces: list[StageInterface] = []
     for s in range(num_stages):
-        graph = torch.fx.Graph()
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        root = torch.nn.Module()
-        params: list[str] = []
-        buffers: list[str] = []
-        in_ports: list[Port] = []
-        if s == 0:
-            for n in placeholders:
-                if kind_of(n) == "input":
-                    env[n] = _copy_meta(graph.placeholder(n.name), n)
-                    in_ports.append(_port(n, n.name, -1, (-1, 0), "none", "none"))
-        else:
-            for c in cuts.get((s - 1, s), []):
-                f = need(c, CutFacts)
-                name = f"{f.source}_from_stage{s - 1}"
-                env[c] = _copy_meta(graph.placeholder(name), c)
-                env[c].meta["ccfx"] = {}
-                put(env[c], NodeFacts("input"), StageFacts(s))  # its port names the edge
-                in_ports.append(_port(c, name, f.edge, (s - 1, s), f.codec, f.grad_codec))
-
-        def lookup(a: torch.fx.Node, s=s, env=env, root=root, graph=graph, params=params,
-                   buffers=buffers) -> torch.fx.Node:
-            if a in env:
-                return env[a]
-            f = fact(a, NodeFacts)
-            if a.op == "placeholder" and f is not None and f.kind in ("param", "buffer"):
-                qualname = f.name or a.name
-                tensor = example[a]
-                _register(root, qualname, tensor, f.kind == "param")
-                (params if f.kind == "param" else buffers).append(qualname)
-            elif a.op == "get_attr":
-                qualname = str(a.target)
-                tensor = _get_attr(gm, qualname)
-                _register(root, qualname, tensor, isinstance(tensor, torch.nn.Parameter))
-            else:
-                raise PartitionError(
-                    f"stage {s} reads {a.name} (stage {stage_of(a)}) without a cut: the graph "
-                    "does not satisfy cut_edges' invariant (run cut_edges before split_stages)")
-            env[a] = _copy_meta(graph.get_attr(qualname), a)
-            return env[a]
-
+        b = _StageBuilder(gm, s, example)
+        in_ports = _stage_inputs(b, placeholders, cuts)
         for n in gm.graph.nodes:
             if n.op in ("placeholder", "output", "get_attr") or stage_of(n) != s:
                 continue
             cut = fact(n, CutFacts)
             if cut is not None and tuple(cut.hop) == (s - 1, s):
                 continue  # arrives as an input of this stage
-            env[n] = _copy_meta(graph.node_copy(n, lookup), n)
-
-        out_ports: list[Port] = []
-        returns: list[str] = []
-        if s < num_stages - 1:
-            values = []
-            for c in cuts.get((s, s + 1), []):
-                f = need(c, CutFacts)
-                values.append(lookup(c.args[0]))
-                out_ports.append(_port(c, f"{f.source}_to_stage{s + 1}", f.edge, (s, s + 1),
-                                       f.codec, f.grad_codec))
-            graph.output(tuple(values))
-        else:
-            result = torch.fx.map_arg(output.args[0], lookup)
-            if isinstance(result, (tuple, list)) and len(result) == 1:
-                result = result[0]
-            returns = _names(result)
-            graph.output(result)
-        child = torch.fx.GraphModule(root, graph, class_name=f"Stage{s}")
+            b.env[n] = _copy_meta(b.graph.node_copy(n, b.lookup), n)
+        out_ports, returns = _stage_outputs(b, num_stages, cuts, output)
+        child = torch.fx.GraphModule(b.root, b.graph, class_name=f"Stage{s}")
         interface = StageInterface(s, num_stages, tuple(in_ports), tuple(out_ports),
-                                   tuple(dict.fromkeys(params)), tuple(dict.fromkeys(buffers)),
-                                   tuple(returns))
+                                   tuple(dict.fromkeys(b.params)),
+                                   tuple(dict.fromkeys(b.buffers)), tuple(returns))
         child.meta["ccfx"] = {"interface": interface}
         children[f"stage_{s}"] = child
         interfaces.append(interface)
 
     return _sequence(gm, placeholders, output, children, cuts, num_stages, interfaces)
+
+
+class _StageBuilder:
+    """Stage ``s``'s graph being built from ``gm``: the node map (``env``), the root module
+    that holds the stage's parameters and buffers, and their names."""
+
+    def __init__(self, gm: torch.fx.GraphModule, s: int, example: dict):
+        self.gm, self.s, self.example = gm, s, example
+        self.graph = torch.fx.Graph()
+        self.env: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.root = torch.nn.Module()
+        self.params: list[str] = []
+        self.buffers: list[str] = []
+
+    def lookup(self, a: torch.fx.Node) -> torch.fx.Node:
+        """``a`` in this stage's graph: copied already, or a parameter, buffer or attribute
+        registered on the stage's root; else a PartitionError (no cut where one is needed)."""
+        if a in self.env:
+            return self.env[a]
+        f = fact(a, NodeFacts)
+        if a.op == "placeholder" and f is not None and f.kind in ("param", "buffer"):
+            qualname = f.name or a.name
+            tensor = self.example[a]
+            _register(self.root, qualname, tensor, f.kind == "param")
+            (self.params if f.kind == "param" else self.buffers).append(qualname)
+        elif a.op == "get_attr":
+            qualname = str(a.target)
+            tensor = _get_attr(self.gm, qualname)
+            _register(self.root, qualname, tensor, isinstance(tensor, torch.nn.Parameter))
+        else:
+            raise PartitionError(
+                f"stage {self.s} reads {a.name} (stage {stage_of(a)}) without a cut: the graph "
+                "does not satisfy cut_edges' invariant (run cut_edges before split_stages)")
+        self.env[a] = _copy_meta(self.graph.get_attr(qualname), a)
+        return self.env[a]
+
+
+def _stage_inputs(b: _StageBuilder, placeholders: list[torch.fx.Node],
+                  cuts: dict) -> list[Port]:
+    """The stage's placeholders and in ports: the model's inputs for the first stage, the
+    cut edges arriving from the previous stage for the others."""
+    s, graph, env = b.s, b.graph, b.env
+    in_ports: list[Port] = []
+    if s == 0:
+        for n in placeholders:
+            if kind_of(n) == "input":
+                env[n] = _copy_meta(graph.placeholder(n.name), n)
+                in_ports.append(_port(n, n.name, -1, (-1, 0), "none", "none"))
+        return in_ports
+    for c in cuts.get((s - 1, s), []):
+        f = need(c, CutFacts)
+        name = f"{f.source}_from_stage{s - 1}"
+        env[c] = _copy_meta(graph.placeholder(name), c)
+        env[c].meta["ccfx"] = {}
+        put(env[c], NodeFacts("input"), StageFacts(s))  # its port names the edge
+        in_ports.append(_port(c, name, f.edge, (s - 1, s), f.codec, f.grad_codec))
+    return in_ports
+
+
+def _stage_outputs(b: _StageBuilder, num_stages: int, cuts: dict,
+                   output: torch.fx.Node) -> tuple[list[Port], list[str]]:
+    """The stage's output and out ports: the cut edges leaving for the next stage, or the
+    model's output (and the names it returns) from the last stage."""
+    s = b.s
+    out_ports: list[Port] = []
+    returns: list[str] = []
+    if s < num_stages - 1:
+        values = []
+        for c in cuts.get((s, s + 1), []):
+            f = need(c, CutFacts)
+            values.append(b.lookup(c.args[0]))
+            out_ports.append(_port(c, f"{f.source}_to_stage{s + 1}", f.edge, (s, s + 1),
+                                   f.codec, f.grad_codec))
+        b.graph.output(tuple(values))
+    else:
+        result = torch.fx.map_arg(output.args[0], b.lookup)
+        if isinstance(result, (tuple, list)) and len(result) == 1:
+            result = result[0]
+        returns = _names(result)
+        b.graph.output(result)
+    return out_ports, returns
 
 
 def _names(value) -> list[str]:

@@ -24,24 +24,20 @@ from ccfx.plan import CutEdge, GraphPlan, Plan, human_bytes
 
 from . import collectives as coll
 from .dot import Digraph, Html, html_text
+from .palette import (  # noqa: F401  (STAGE_*: the drawings' colours, named here as before)
+    CODEC_BORDER,
+    CODEC_FILL,
+    STAGE_BORDERS,
+    STAGE_COLOURS,
+    TIED_BORDER,
+    TIED_FILL,
+    stage_border,
+    stage_colour,
+)
 from .view import GraphView, VNode
 
-STAGE_COLOURS = ["#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd", "#d0e0e3",
-                 "#ead1dc"]
-STAGE_BORDERS = ["#3d85c6", "#6aa84f", "#bf9000", "#cc0000", "#674ea7", "#e69138", "#45818e",
-                 "#a64d79"]
-CODEC_FILL, CODEC_BORDER = "#fbd9b0", "#e69138"
-TIED_FILL, TIED_BORDER = "#ffe599", "#bf9000"
 MAX_TABLE_ROWS = 40
 FONT = "Helvetica"
-
-
-def stage_colour(stage: int) -> str:
-    return STAGE_COLOURS[stage % len(STAGE_COLOURS)]
-
-
-def stage_border(stage: int) -> str:
-    return STAGE_BORDERS[stage % len(STAGE_BORDERS)]
 
 
 def _lighten(colour: str, amount: float = 0.6) -> str:
@@ -391,6 +387,8 @@ def graph_dot(views: list[GraphView], depth: int | None = 2, title: str | None =
 
 
 def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> None:
+    """One graph view drawn into ``g``: its nodes (every node, or module boxes at ``depth``)
+    in stage clusters, the codec ops, collectives, tied parameters and the arrows."""
     edges = _edge_index(view)
     shared = {v.name for v in view.nodes
               if v.kind in ("param", "buffer") and len(v.stages) > 1}
@@ -400,87 +398,10 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
             totals[v.stage] += v.flops
     stage_ids = sorted({v.stage for v in view.nodes if v.stage is not None and v.kind == "op"}
                        | set(range(view.num_stages)))
-
-    rep: dict[str, str] = {}
-    in_stage: dict[int, list[tuple[str, dict]]] = defaultdict(list)
-    outside: list[tuple[str, dict]] = []
-
     if depth is None:
-        for v in view.nodes:
-            nid = prefix + v.name
-            label = _full_label(v, edges)
-            if v.kind == "collective":
-                rep[v.name] = f"{prefix}collective{v.collective}"
-                continue  # one node per collective, drawn below
-            if v.kind == "object":
-                continue  # a process group handle: not drawn
-            if v.kind == "cut":
-                rep[v.name] = nid
-                continue  # drawn below with the codec style
-            if v.name in shared:
-                rep[v.name] = nid
-                continue
-            rep[v.name] = nid
-            if v.kind == "op":
-                in_stage[v.stage].append((nid, {"label": label, "fillcolor": stage_colour(v.stage),
-                                                    "color": stage_border(v.stage)}))
-            elif v.kind in ("param", "buffer", "saved"):
-                in_stage[v.stage].append((nid, {
-                    "label": label, "fontsize": 8, "style": "filled,dashed",
-                    "fillcolor": _lighten(stage_colour(v.stage)), "color": stage_border(v.stage)}))
-            else:
-                outside.append((nid, _io_attrs(v, label)))
+        rep, in_stage, outside = _node_items(view, edges, shared, prefix)
     else:
-        boxes, rep = _collapse(view, depth, prefix)
-        for v in view.nodes:
-            if v.kind == "collective":
-                rep[v.name] = f"{prefix}collective{v.collective}"
-        param_owner: dict[str, str] = {}
-        by_name = {v.name: v for v in view.nodes}
-        box_params: dict[str, int] = defaultdict(int)
-        for box in boxes:
-            for m in box.members:
-                for a in m.inputs:
-                    p = by_name.get(a)
-                    if p is not None and p.kind in ("param", "buffer") and a not in shared \
-                            and a not in param_owner:
-                        param_owner[a] = box.id
-                        box_params[box.id] += p.nbytes
-        leaving: dict[str, set] = defaultdict(set)
-        for v in view.nodes:
-            for a in v.inputs:
-                if a in rep and rep[a] != rep.get(v.name, prefix + v.name):
-                    leaving[rep[a]].add(a)
-        for box in boxes:
-            flops = sum(m.flops for m in box.members)
-            n_ops = len(box.members)
-            title = box.path or _op_names(box.members)
-            if box.path and box.label_suffix:  # a module drawn in pieces: say which piece
-                names = {m.op for m in box.members}
-                title += f": {_op_names(box.members)}" if len(names) <= 3 else box.label_suffix
-            lines = [title,
-                     f"{n_ops} op{'s' if n_ops != 1 else ''} · {fmt_flops(flops)}"]
-            if box_params[box.id]:
-                lines.append(f"params {human_bytes(box_params[box.id])}")
-            out = sorted(leaving.get(box.id, ()))
-            if len(out) == 1:
-                v = by_name[out[0]]
-                lines.append(f"out {fmt_shape(v.shape)} {v.dtype}")
-            elif out:
-                lines.append(f"out {len(out)} tensors")
-            in_stage[box.stage].append((box.id, {
-                "label": "\n".join(lines), "fillcolor": stage_colour(box.stage),
-                "color": stage_border(box.stage)}))
-        # aot graphs output saved activations (forward) or every gradient (backward): the
-        # "out" line of each box says what leaves it, arrows to one output node would not help
-        io_kinds = ("input", "tangent", "output") if view.which == "partitioned" else (
-            "input", "tangent")
-        for v in view.nodes:
-            if v.kind in io_kinds:
-                rep[v.name] = prefix + v.name
-                outside.append((prefix + v.name, _io_attrs(v, _full_label(v, edges))))
-            elif v.name in shared:
-                rep[v.name] = prefix + v.name
+        rep, in_stage, outside = _box_items(view, depth, edges, shared, prefix)
 
     # stage clusters
     for s in stage_ids:
@@ -491,24 +412,7 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
                 g.node(nid, **attrs)
     for nid, attrs in outside:
         g.node(nid, **attrs)
-
-    # codec ops: one node per op (every node), or one per stage boundary (modules)
-    cuts = [v for v in view.nodes if v.kind == "cut"]
-    if depth is None:
-        for v in cuts:
-            _codec_node(g, prefix + v.name, _full_label(v, edges))
-    else:
-        bundles: dict[tuple, list[CutEdge]] = {}
-        for v in cuts:
-            k = (v.hop, v.direction) if v.hop is not None else ((v.stage, v.stage), v.direction)
-            bundles.setdefault(k, [])
-            if v.edge in edges and edges[v.edge] not in bundles[k]:
-                bundles[k].append(edges[v.edge])
-            rep[v.name] = f"{prefix}cut_{k[0][0]}_{k[0][1]}_{k[1]}"
-        for (hop, direction), es in sorted(bundles.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-            es = sorted(es, key=lambda e: e.index)
-            _codec_node(g, f"{prefix}cut_{hop[0]}_{hop[1]}_{direction}",
-                        codec_table(hop, direction, es))
+    _draw_codec_ops(g, view, depth, edges, rep, prefix)
 
     # collectives: one node per collective where it runs (forward / backward graphs), a table
     # per part beside the partitioned graph (its collectives are not nodes of that graph)
@@ -521,16 +425,146 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
         coll.draw_tables(g, view.plan, prefix)
 
     # tied parameters
-    by_name = {v.name: v for v in view.nodes}
-    tied_ids = {prefix + v.name for v in view.nodes if v.name in shared}
-    output_ids = {prefix + v.name for v in view.nodes if v.kind == "output"}
     for v in view.nodes:
         if v.name in shared:
             _tied_node(g, prefix + v.name, v.qualname or v.name, v.stages, v.nbytes)
+    _draw_arrows(g, view, rep, in_stage, shared, rows, prefix)
 
-    # arrows
-    kept = {f"c{i}" for i, c in rows.items() if c.codec == "none"}
-    box_stage = {nid: s for s, items in in_stage.items() for nid, _ in items}
+
+def _node_items(view: GraphView, edges: dict[int, CutEdge], shared: set[str], prefix: str
+                ) -> tuple[dict[str, str], dict[int, list[tuple[str, dict]]],
+                           list[tuple[str, dict]]]:
+    """Every node drawn: which drawn node stands for each node (``rep``), the nodes of each
+    stage cluster and those outside any (inputs, outputs) with their attributes."""
+    rep: dict[str, str] = {}
+    in_stage: dict[int, list[tuple[str, dict]]] = defaultdict(list)
+    outside: list[tuple[str, dict]] = []
+    for v in view.nodes:
+        nid = prefix + v.name
+        label = _full_label(v, edges)
+        if v.kind == "collective":
+            rep[v.name] = f"{prefix}collective{v.collective}"
+            continue  # one node per collective, drawn below
+        if v.kind == "object":
+            continue  # a process group handle: not drawn
+        if v.kind == "cut":
+            rep[v.name] = nid
+            continue  # drawn below with the codec style
+        if v.name in shared:
+            rep[v.name] = nid
+            continue
+        rep[v.name] = nid
+        if v.kind == "op":
+            in_stage[v.stage].append((nid, {"label": label, "fillcolor": stage_colour(v.stage),
+                                                "color": stage_border(v.stage)}))
+        elif v.kind in ("param", "buffer", "saved"):
+            in_stage[v.stage].append((nid, {
+                "label": label, "fontsize": 8, "style": "filled,dashed",
+                "fillcolor": _lighten(stage_colour(v.stage)), "color": stage_border(v.stage)}))
+        else:
+            outside.append((nid, _io_attrs(v, label)))
+    return rep, in_stage, outside
+
+
+def _box_items(view: GraphView, depth: int, edges: dict[int, CutEdge], shared: set[str],
+               prefix: str) -> tuple[dict[str, str], dict[int, list[tuple[str, dict]]],
+                                     list[tuple[str, dict]]]:
+    """Modules down to ``depth`` drawn as boxes: which drawn node stands for each node
+    (``rep``), the boxes of each stage cluster and the inputs drawn outside any."""
+    boxes, rep = _collapse(view, depth, prefix)
+    for v in view.nodes:
+        if v.kind == "collective":
+            rep[v.name] = f"{prefix}collective{v.collective}"
+    by_name = {v.name: v for v in view.nodes}
+    box_params = _box_param_bytes(boxes, by_name, shared)
+    leaving: dict[str, set] = defaultdict(set)
+    for v in view.nodes:
+        for a in v.inputs:
+            if a in rep and rep[a] != rep.get(v.name, prefix + v.name):
+                leaving[rep[a]].add(a)
+    in_stage: dict[int, list[tuple[str, dict]]] = defaultdict(list)
+    for box in boxes:
+        in_stage[box.stage].append((box.id, {
+            "label": _box_label(box, box_params[box.id], sorted(leaving.get(box.id, ())),
+                                by_name),
+            "fillcolor": stage_colour(box.stage), "color": stage_border(box.stage)}))
+    # aot graphs output saved activations (forward) or every gradient (backward): the
+    # "out" line of each box says what leaves it, arrows to one output node would not help
+    io_kinds = ("input", "tangent", "output") if view.which == "partitioned" else (
+        "input", "tangent")
+    outside: list[tuple[str, dict]] = []
+    for v in view.nodes:
+        if v.kind in io_kinds:
+            rep[v.name] = prefix + v.name
+            outside.append((prefix + v.name, _io_attrs(v, _full_label(v, edges))))
+        elif v.name in shared:
+            rep[v.name] = prefix + v.name
+    return rep, in_stage, outside
+
+
+def _box_param_bytes(boxes: list[_Box], by_name: dict[str, VNode], shared: set[str]
+                     ) -> dict[str, int]:
+    """The bytes of the (untied) parameters each box reads, each counted in the first box
+    that reads it."""
+    param_owner: dict[str, str] = {}
+    box_params: dict[str, int] = defaultdict(int)
+    for box in boxes:
+        for m in box.members:
+            for a in m.inputs:
+                p = by_name.get(a)
+                if p is not None and p.kind in ("param", "buffer") and a not in shared \
+                        and a not in param_owner:
+                    param_owner[a] = box.id
+                    box_params[box.id] += p.nbytes
+    return box_params
+
+
+def _box_label(box: _Box, param_bytes: int, out: list[str], by_name: dict[str, VNode]) -> str:
+    """A box's label: its module (or ops), ops and FLOPs, parameters, and what leaves it."""
+    flops = sum(m.flops for m in box.members)
+    n_ops = len(box.members)
+    title = box.path or _op_names(box.members)
+    if box.path and box.label_suffix:  # a module drawn in pieces: say which piece
+        names = {m.op for m in box.members}
+        title += f": {_op_names(box.members)}" if len(names) <= 3 else box.label_suffix
+    lines = [title,
+             f"{n_ops} op{'s' if n_ops != 1 else ''} · {fmt_flops(flops)}"]
+    if param_bytes:
+        lines.append(f"params {human_bytes(param_bytes)}")
+    if len(out) == 1:
+        v = by_name[out[0]]
+        lines.append(f"out {fmt_shape(v.shape)} {v.dtype}")
+    elif out:
+        lines.append(f"out {len(out)} tensors")
+    return "\n".join(lines)
+
+
+def _draw_codec_ops(g: Digraph, view: GraphView, depth: int | None,
+                    edges: dict[int, CutEdge], rep: dict[str, str], prefix: str) -> None:
+    """The codec ops: one node per op (every node), or one per stage boundary and direction
+    (modules; ``rep`` then points each cut at its boundary's node)."""
+    cuts = [v for v in view.nodes if v.kind == "cut"]
+    if depth is None:
+        for v in cuts:
+            _codec_node(g, prefix + v.name, _full_label(v, edges))
+        return
+    bundles: dict[tuple, list[CutEdge]] = {}
+    for v in cuts:
+        k = (v.hop, v.direction) if v.hop is not None else ((v.stage, v.stage), v.direction)
+        bundles.setdefault(k, [])
+        if v.edge in edges and edges[v.edge] not in bundles[k]:
+            bundles[k].append(edges[v.edge])
+        rep[v.name] = f"{prefix}cut_{k[0][0]}_{k[0][1]}_{k[1]}"
+    for (hop, direction), es in sorted(bundles.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        es = sorted(es, key=lambda e: e.index)
+        _codec_node(g, f"{prefix}cut_{hop[0]}_{hop[1]}_{direction}",
+                    codec_table(hop, direction, es))
+
+
+def _arrow_tags(view: GraphView, rep: dict[str, str]) -> dict[tuple[str, str], list[str]]:
+    """Each arrow between drawn nodes, with the collectives (``c<i>``) and cut edges
+    (``e<i>``) it carries."""
+    by_name = {v.name: v for v in view.nodes}
     drawn: dict[tuple[str, str], list[str]] = {}
     for v in view.nodes:
         head = rep.get(v.name)
@@ -552,7 +586,19 @@ def _draw_view(g: Digraph, view: GraphView, depth: int | None, prefix: str) -> N
                 tag = f"e{cut.edge}" if cut.edge is not None else ""
                 if tag and tag not in drawn[(tail, head)]:
                     drawn[(tail, head)].append(tag)
-    for (tail, head), tags in drawn.items():
+    return drawn
+
+
+def _draw_arrows(g: Digraph, view: GraphView, rep: dict[str, str],
+                 in_stage: dict[int, list[tuple[str, dict]]], shared: set[str],
+                 rows: dict, prefix: str) -> None:
+    """The arrows: tied parameters', to outputs (grey), through codecs or collectives
+    (labelled), between stages without a codec (dashed), and plain ones."""
+    tied_ids = {prefix + v.name for v in view.nodes if v.name in shared}
+    output_ids = {prefix + v.name for v in view.nodes if v.kind == "output"}
+    kept = {f"c{i}" for i, c in rows.items() if c.codec == "none"}
+    box_stage = {nid: s for s, items in in_stage.items() for nid, _ in items}
+    for (tail, head), tags in _arrow_tags(view, rep).items():
         tags.sort(key=lambda t: int(t[1:]))
         if tail in tied_ids:
             _tied_edge(g, tail, head)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ccfx.errors import CcfxWarning
 from ccfx.plan import Plan, human_bytes
+from ccfx.version import __version__
 
 from . import svgplot
 from .drawing import CODEC_BORDER, fmt_cost, fmt_shape, stage_border, stage_colour
@@ -376,29 +377,14 @@ def _ledger_section(ledger) -> str:
 def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str | None = None,
                 depth=2, notes: Sequence[str] = ()) -> str:
     """The report as one HTML string (see :func:`write_report`)."""
-    from . import _resolve, normalize_depth, to_dot
+    from .front import _resolve, normalize_depth, to_dot
 
     backend, plan = _resolve(backend_or_plan)
     ledger = getattr(backend, "ledger", None)
-    codec = plan.config.get("activation_codec", "?")
-    if plan.buckets and not plan.edges and plan.data_parallel is not None:
-        from ccfx.codecs import spelled
-
-        default = (f"ccfx report · data parallel on {plan.data_parallel.world_size} rank(s) · "
-                   f"gradients {spelled(plan.data_parallel.gradient_codec)}")
-    elif plan.collectives and not plan.edges and not plan.buckets:
-        from .collectives import codec_text
-
-        default = (f"ccfx report · {len(plan.collectives)} collectives · collective codec "
-                   f"{codec_text(plan.config)}")
-    else:
-        default = f"ccfx report · {plan.num_stages} stages · activations {codec}"
-    title = title or default
-    import ccfx
-
+    title = title or _default_title(plan)
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = [f"<h1>{escape(title)}</h1>",
-            f'<p class="muted">ccfx {escape(ccfx.__version__)} · written {escape(when)}</p>']
+            f'<p class="muted">ccfx {escape(__version__)} · written {escape(when)}</p>']
     body += [f'<p class="note">{escape(n)}</p>' for n in notes]
     body.append(_summary(plan, ledger, _series(wire_per_step, "wire bytes")))
     body.append("<h2>Drawing</h2>")
@@ -424,28 +410,8 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
     if any(g.decisions for g in plan.graphs):
         body.append("<h2>Planner</h2>")
         body.append(_planner_section(plan))
-    loss_series = _series(losses, "loss")
-    if loss_series:
-        body.append("<h2>Loss</h2>")
-        body.append('<div class="chart">' + svgplot.line_chart(
-            loss_series, title="Training loss, with and without compression"
-            if len(loss_series) > 1 else "Training loss", y_label="loss",
-            colours=run_colours(loss_series)) + "</div>")
-        rows = [[k, len(v), svgplot.default_fmt(v[-1]) if v else "–",
-                 svgplot.default_fmt(min((x for x in v if math.isfinite(x)), default=math.nan))]
-                for k, v in loss_series.items()]
-        body.append(_table(["run", "steps", "last", "min"], rows, numeric=(1, 2, 3)))
-    wire_series = _series(wire_per_step, "wire bytes")
-    if wire_series or (ledger is not None and ledger.steps):
-        body.append("<h2>Wire bytes per step</h2>")
-    if wire_series:
-        body.append('<div class="chart">' + svgplot.line_chart(
-            wire_series, title="Bytes on the wire per step", y_label="bytes",
-            fmt=human_bytes, zero=True, binary=True,
-            colours=run_colours(wire_series)) + "</div>")
-        rows = [[k, len(v), human_bytes(sum(x for x in v if math.isfinite(x)))]
-                for k, v in wire_series.items()]
-        body.append(_table(["run", "steps", "total"], rows, numeric=(1, 2)))
+    body += _loss_section(_series(losses, "loss"))
+    body += _wire_section(_series(wire_per_step, "wire bytes"), ledger)
     body.append(_ledger_section(ledger))
     body.append("<h2>Configuration</h2>")
     body.append(_config_table(plan.config))
@@ -455,6 +421,56 @@ def report_html(backend_or_plan, losses=None, wire_per_step=None, *, title: str 
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{escape(title)}</title><style>{CSS}</style></head><body>\n"
             + "\n".join(body) + "\n</body></html>\n")
+
+
+def _default_title(plan: Plan) -> str:
+    """The report's title where none is given: data parallel, collectives or stages, with
+    the codec that applies."""
+    codec = plan.config.get("activation_codec", "?")
+    if plan.buckets and not plan.edges and plan.data_parallel is not None:
+        from ccfx.codecs import spelled
+
+        return (f"ccfx report · data parallel on {plan.data_parallel.world_size} rank(s) · "
+                f"gradients {spelled(plan.data_parallel.gradient_codec)}")
+    if plan.collectives and not plan.edges and not plan.buckets:
+        from .collectives import codec_text
+
+        return (f"ccfx report · {len(plan.collectives)} collectives · collective codec "
+                f"{codec_text(plan.config)}")
+    return f"ccfx report · {plan.num_stages} stages · activations {codec}"
+
+
+def _loss_section(loss_series: Mapping[str, list[float]]) -> list[str]:
+    """The loss chart and a table of each run's steps, last and lowest loss (none without
+    losses)."""
+    if not loss_series:
+        return []
+    rows = [[k, len(v), svgplot.default_fmt(v[-1]) if v else "–",
+             svgplot.default_fmt(min((x for x in v if math.isfinite(x)), default=math.nan))]
+            for k, v in loss_series.items()]
+    return ["<h2>Loss</h2>",
+            '<div class="chart">' + svgplot.line_chart(
+                loss_series, title="Training loss, with and without compression"
+                if len(loss_series) > 1 else "Training loss", y_label="loss",
+                colours=run_colours(loss_series)) + "</div>",
+            _table(["run", "steps", "last", "min"], rows, numeric=(1, 2, 3))]
+
+
+def _wire_section(wire_series: Mapping[str, list[float]], ledger) -> list[str]:
+    """The wire bytes per step heading (also where only the ledger has steps), chart and a
+    table of each run's total."""
+    out = []
+    if wire_series or (ledger is not None and ledger.steps):
+        out.append("<h2>Wire bytes per step</h2>")
+    if wire_series:
+        out.append('<div class="chart">' + svgplot.line_chart(
+            wire_series, title="Bytes on the wire per step", y_label="bytes",
+            fmt=human_bytes, zero=True, binary=True,
+            colours=run_colours(wire_series)) + "</div>")
+        rows = [[k, len(v), human_bytes(sum(x for x in v if math.isfinite(x)))]
+                for k, v in wire_series.items()]
+        out.append(_table(["run", "steps", "total"], rows, numeric=(1, 2)))
+    return out
 
 
 def write_report(path: str | os.PathLike, backend_or_plan, losses=None, wire_per_step=None, *,

@@ -139,29 +139,38 @@ def line_chart(series: Mapping[str, Sequence[float]], *, title: str, x_label: st
         parts.append(_text(14, top + ph / 2, y_label, anchor="middle", size=11,
                            extra=f' transform="rotate(-90 14 {top + ph / 2:.1f})"'))
     for si, name in enumerate(names):
-        colour = _colour(name, si, colours)
-        runs: list[list[str]] = [[]]
-        for i, v in enumerate(data[name]):
-            if math.isfinite(v):
-                runs[-1].append(f"{px(i + x_start):.1f},{py(v):.1f}")
-            elif runs[-1]:
-                runs.append([])
-        finite = [v for v in data[name] if math.isfinite(v)]
-        tip = f"{name}: {len(finite)} points"
-        if finite:
-            tip += f", last {fmt(finite[-1])}, min {fmt(min(finite))}"
-        parts.append(f'<g><title>{escape(tip)}</title>')
-        for run in runs:
-            if len(run) == 1:
-                x, y = run[0].split(",")
-                parts.append(f'<circle cx="{x}" cy="{y}" r="2.5" fill="{colour}"/>')
-            elif run:
-                parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" '
-                             f'points="{" ".join(run)}"/>')
-        parts.append("</g>")
+        points = [f"{px(i + x_start):.1f},{py(v):.1f}" if math.isfinite(v) else None
+                  for i, v in enumerate(data[name])]
+        parts += _series_svg(name, data[name], points, _colour(name, si, colours), fmt)
     legend, _ = _legend(names, left + 4, 38, colours)
     parts += legend
     return "".join(parts) + "</svg>"
+
+
+def _series_svg(name: str, values: list[float], points: list[str | None], colour: str,
+                fmt: Callable[[float], str]) -> list[str]:
+    """One series as a group with a tooltip (points, last, min): a polyline per run of
+    finite values (``points``: "x,y" or None), a dot for a run of one."""
+    runs: list[list[str]] = [[]]
+    for point in points:
+        if point is not None:
+            runs[-1].append(point)
+        elif runs[-1]:
+            runs.append([])
+    finite = [v for v in values if math.isfinite(v)]
+    tip = f"{name}: {len(finite)} points"
+    if finite:
+        tip += f", last {fmt(finite[-1])}, min {fmt(min(finite))}"
+    out = [f'<g><title>{escape(tip)}</title>']
+    for run in runs:
+        if len(run) == 1:
+            x, y = run[0].split(",")
+            out.append(f'<circle cx="{x}" cy="{y}" r="2.5" fill="{colour}"/>')
+        elif run:
+            out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" '
+                       f'points="{" ".join(run)}"/>')
+    out.append("</g>")
+    return out
 
 
 def bar_chart(categories: Sequence[str], series: Mapping[str, Sequence[float]], *, title: str,

@@ -157,94 +157,133 @@ def _placeholder_index(node: torch.fx.Node) -> int | None:
     return None
 
 
+@dataclass
+class _AotSource:
+    """What places an AOT forward/backward graph's nodes: the partitioned graph it came
+    from (its nodes, placeholders, cut uids, symbolic hints), the forward's stages by
+    ``seq_nr`` and by name, and the nodes already built."""
+
+    part: torch.fx.GraphModule
+    backward: bool
+    last_stage: int
+    forward_stage_by_seq: dict[int, int]
+    forward_stage_by_name: dict[str, int]
+    part_nodes: dict[str, torch.fx.Node] = field(default_factory=dict)
+    part_placeholders: list[torch.fx.Node] = field(default_factory=list)
+    uids: dict = field(default_factory=dict)
+    hints: dict = field(default_factory=dict)
+    built: dict[str, VNode] = field(default_factory=dict)
+
+
 def _aot_view(gm: torch.fx.GraphModule, part: torch.fx.GraphModule, plan: GraphPlan, index: int,
               which: str, forward_stage_by_seq: dict[int, int], forward_stage_by_name: dict[str, int],
               ) -> GraphView:
-    backward = which == "backward"
-    part_nodes = {n.name: n for n in part.graph.nodes}
-    part_placeholders = [n for n in part.graph.nodes if n.op == "placeholder"]
-    uids = _uid_map(part)
-    hints = part.meta.get("ccfx", {}).get("hints", {})
-    last_stage = max(plan.num_stages - 1, 0)
-
+    """The view of an AOT forward or backward graph ``gm``, each node placed in a stage from
+    the partitioned graph ``part`` it came from."""
+    src = _AotSource(part, which == "backward", max(plan.num_stages - 1, 0),
+                     forward_stage_by_seq, forward_stage_by_name,
+                     {n.name: n for n in part.graph.nodes},
+                     [n for n in part.graph.nodes if n.op == "placeholder"], _uid_map(part),
+                     part.meta.get("ccfx", {}).get("hints", {}))
     nodes: list[VNode] = []
-    built: dict[str, VNode] = {}
     for n in gm.graph.nodes:
-        value = n.meta.get("val")
-        shape, dtype = _shape_dtype(value)
-        stack = n.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or \
-            n.meta.get("nn_module_stack")
-        bucket = fact(n, BucketFacts)  # spliced by passes.grad_buckets
-        paths = ((f"gradient bucket {bucket.bucket}",) if bucket is not None
-                 else _stack_paths(stack))
-        v = VNode(name=n.name, kind="op", stage=None, paths=paths,
-                  op=n.op if n.op in ("placeholder", "output") else cost.op_name(n),
-                  shape=shape, dtype=dtype, inputs=[a.name for a in n.all_input_nodes])
-        if isinstance(value, torch.Tensor):
-            v.nbytes = cost.evaluate(cost.nbytes(value), hints) if hints else _int(
-                value.numel() * value.element_size())
-        collective = fact(n, CollectiveFacts)  # spliced by passes.compress_collectives
-        if collective is not None:
-            # the collective left alone, a node of its compressed form, or its codec state:
-            # all drawn as one node per collective; its stage comes from its inputs
-            v.kind, v.collective = "collective", collective.collective
-        elif n.op == "placeholder" and _is_object(value):
-            v.kind = "object"  # a process group handle (ccfx.shard's gathers): not data
-        elif n.op == "placeholder":
-            k = _placeholder_index(n)
-            desc = type(n.meta.get("desc")).__name__
-            if k is not None and k < len(part_placeholders):
-                src = part_placeholders[k]
-                f, where = fact(src, NodeFacts), fact(src, StageFacts)
-                v.kind, v.stage = (f.kind if f is not None else "input"), stage_of(src)
-                v.qualname = f.name if f is not None else None
-                v.stages = where.stages if where is not None else ()
-                v.paths = tuple(module_paths(src))
-            elif desc == "TangentAOTInput":
-                v.kind, v.stage = "tangent", last_stage
-            elif backward and n.name in forward_stage_by_name:
-                v.kind, v.stage = "saved", forward_stage_by_name[n.name]
-            elif isinstance(value, (int, torch.SymInt)):
-                v.kind = "symint"
-            else:
-                v.kind = "input"
-        elif n.op == "output":
-            v.kind = "output"
-        elif _is_cut(n):
-            edge, hop = uids.get(int(n.args[3]), (None, None))
-            v.kind, v.edge, v.hop = "cut", edge, hop
-            v.direction = "bwd" if backward else "fwd"
-            if hop is not None:
-                v.stage = hop[0] if backward else hop[1]
-        else:
-            if backward:
-                # a gradient accumulation sums contributions from several places: it is placed
-                # by its inputs (below), not by the forward op whose seq_nr it carries, and it
-                # belongs to the innermost module that encloses all of them
-                if not n.meta.get("is_gradient_acc"):
-                    v.stage = forward_stage_by_seq.get(n.meta.get("seq_nr"))
-                elif not v.paths:
-                    v.paths = _common_paths([built[a].paths for a in v.inputs
-                                             if a in built and built[a].paths])
-            else:
-                for s in _sources(n.meta.get("from_node")):
-                    src = part_nodes.get(s.name)
-                    if src is not None and s.graph_id in (id(part.graph), -1):
-                        v.stage = stage_of(src)
-                        break
-                else:
-                    for s in _sources(n.meta.get("from_node")):
-                        if s.name in part_nodes:
-                            v.stage = stage_of(part_nodes[s.name])
-                            break
-            try:
-                v.flops = cost.evaluate(cost.node_flops(n), hints)
-            except Exception:  # noqa: BLE001  (cost is a hint; an odd op costs nothing)
-                v.flops = 0
+        v = _aot_node(n, src)
         nodes.append(v)
-        built[v.name] = v
-    _fill_stages(nodes, backward, last_stage)
+        src.built[v.name] = v
+    _fill_stages(nodes, src.backward, src.last_stage)
     return GraphView(index, which, nodes, plan, "flops")
+
+
+def _aot_node(n: torch.fx.Node, src: _AotSource) -> VNode:
+    """One AOT graph node as a view node: its modules, shape and bytes, and its kind and
+    stage (collective, process group, placeholder, output, codec cut or op)."""
+    backward, hints = src.backward, src.hints
+    value = n.meta.get("val")
+    shape, dtype = _shape_dtype(value)
+    stack = n.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or \
+        n.meta.get("nn_module_stack")
+    bucket = fact(n, BucketFacts)  # spliced by passes.grad_buckets
+    paths = ((f"gradient bucket {bucket.bucket}",) if bucket is not None
+             else _stack_paths(stack))
+    v = VNode(name=n.name, kind="op", stage=None, paths=paths,
+              op=n.op if n.op in ("placeholder", "output") else cost.op_name(n),
+              shape=shape, dtype=dtype, inputs=[a.name for a in n.all_input_nodes])
+    if isinstance(value, torch.Tensor):
+        v.nbytes = cost.evaluate(cost.nbytes(value), hints) if hints else _int(
+            value.numel() * value.element_size())
+    collective = fact(n, CollectiveFacts)  # spliced by passes.compress_collectives
+    if collective is not None:
+        # the collective left alone, a node of its compressed form, or its codec state:
+        # all drawn as one node per collective; its stage comes from its inputs
+        v.kind, v.collective = "collective", collective.collective
+    elif n.op == "placeholder" and _is_object(value):
+        v.kind = "object"  # a process group handle (ccfx.shard's gathers): not data
+    elif n.op == "placeholder":
+        _place_placeholder(v, n, value, src)
+    elif n.op == "output":
+        v.kind = "output"
+    elif _is_cut(n):
+        edge, hop = src.uids.get(int(n.args[3]), (None, None))
+        v.kind, v.edge, v.hop = "cut", edge, hop
+        v.direction = "bwd" if backward else "fwd"
+        if hop is not None:
+            v.stage = hop[0] if backward else hop[1]
+    else:
+        _place_op(v, n, src)
+        try:
+            v.flops = cost.evaluate(cost.node_flops(n), hints)
+        except Exception:  # noqa: BLE001  (cost is a hint; an odd op costs nothing)
+            v.flops = 0
+    return v
+
+
+def _place_placeholder(v: VNode, n: torch.fx.Node, value, src: _AotSource) -> None:
+    """A placeholder's kind and stage: the partitioned graph's input it stands for, a
+    tangent (the last stage), a saved activation (its forward stage), a symbolic size or
+    an input."""
+    k = _placeholder_index(n)
+    desc = type(n.meta.get("desc")).__name__
+    if k is not None and k < len(src.part_placeholders):
+        ph = src.part_placeholders[k]
+        f, where = fact(ph, NodeFacts), fact(ph, StageFacts)
+        v.kind, v.stage = (f.kind if f is not None else "input"), stage_of(ph)
+        v.qualname = f.name if f is not None else None
+        v.stages = where.stages if where is not None else ()
+        v.paths = tuple(module_paths(ph))
+    elif desc == "TangentAOTInput":
+        v.kind, v.stage = "tangent", src.last_stage
+    elif src.backward and n.name in src.forward_stage_by_name:
+        v.kind, v.stage = "saved", src.forward_stage_by_name[n.name]
+    elif isinstance(value, (int, torch.SymInt)):
+        v.kind = "symint"
+    else:
+        v.kind = "input"
+
+
+def _place_op(v: VNode, n: torch.fx.Node, src: _AotSource) -> None:
+    """An op's stage: in the backward its forward op's (by ``seq_nr``), in the forward the
+    partitioned graph's node it came from."""
+    if src.backward:
+        # a gradient accumulation sums contributions from several places: it is placed
+        # by its inputs (below), not by the forward op whose seq_nr it carries, and it
+        # belongs to the innermost module that encloses all of them
+        built = src.built
+        if not n.meta.get("is_gradient_acc"):
+            v.stage = src.forward_stage_by_seq.get(n.meta.get("seq_nr"))
+        elif not v.paths:
+            v.paths = _common_paths([built[a].paths for a in v.inputs
+                                     if a in built and built[a].paths])
+        return
+    part_nodes = src.part_nodes
+    for s in _sources(n.meta.get("from_node")):
+        node = part_nodes.get(s.name)
+        if node is not None and s.graph_id in (id(src.part.graph), -1):
+            v.stage = stage_of(node)
+            return
+    for s in _sources(n.meta.get("from_node")):
+        if s.name in part_nodes:
+            v.stage = stage_of(part_nodes[s.name])
+            return
 
 
 def _common_paths(paths: list[tuple[str, ...]]) -> tuple[str, ...]:

@@ -60,18 +60,7 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
         choice[e.index] = _set(choice[e.index], d, "none")
     base = model.predict(choice)
     base_s = score(choice)
-    # Start from the best uniform choice (one codec wherever it is a candidate): on a link per
-    # direction the step waits for the slower one, so compressing one direction alone can look
-    # worthless when compressing both is not; the descent then refines edge by edge.
-    start, start_s = dict(choice), base_s
-    for spec in {s for _, _, specs in searched for s in specs} - {"none"}:
-        trial = dict(choice)
-        for e, d, specs in searched:
-            if spec in specs:
-                trial[e.index] = _set(trial[e.index], d, spec)
-        t = score(trial)
-        if t < start_s:
-            start, start_s = trial, t
+    start, start_s = _best_uniform(choice, searched, score, base_s)
     if start_s < base_s * (1 - min_gain):
         choice = start
     tables: dict[tuple[int, str], list[tuple[str, float]]] = {}
@@ -90,6 +79,31 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
         # all together the lossy codecs do not buy min_gain: send everything raw
         for e, d, _ in searched:
             choice[e.index] = _set(choice[e.index], d, "none")
+    decisions = _edge_decisions(model, base, choice, tables, min_gain,
+                                steps_multiplier is not None)
+    return PipelineDecisions(choice, decisions, base, model.predict(choice))
+
+
+def _best_uniform(choice: dict, searched: list, score: Callable[[dict], float],
+                  base_s: float) -> tuple[dict, float]:
+    """The best uniform choice (one codec wherever it is a candidate) and its score: on a
+    link per direction the step waits for the slower one, so compressing one direction alone
+    can look worthless when compressing both is not; the descent then refines edge by edge."""
+    start, start_s = dict(choice), base_s
+    for spec in {s for _, _, specs in searched for s in specs} - {"none"}:
+        trial = dict(choice)
+        for e, d, specs in searched:
+            if spec in specs:
+                trial[e.index] = _set(trial[e.index], d, spec)
+        t = score(trial)
+        if t < start_s:
+            start, start_s = trial, t
+    return start, start_s
+
+
+def _edge_decisions(model: PipelineModel, base: PipelinePrediction, choice: dict, tables: dict,
+                    min_gain: float, time_to_loss: bool) -> list[Decision]:
+    """A decision per searched edge and direction: the chosen codec, its table, and why."""
     decisions = []
     for e in model.edges:
         for d in ("fwd", "bwd"):
@@ -98,11 +112,11 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
                 continue
             spec = choice[e.index][0 if d == "fwd" else 1]
             reason = _reason(model, base, e, d, spec, table, min_gain)
-            if steps_multiplier is not None:
+            if time_to_loss:
                 reason += (" [time to loss: each figure is the steps multiplier x the "
                            "predicted step]")
             decisions.append(Decision(f"edge {e.index} {DIRECTIONS[d]}", spec, table, reason))
-    return PipelineDecisions(choice, decisions, base, model.predict(choice))
+    return decisions
 
 
 def _usable(specs: Sequence[str], dtype) -> list[str]:

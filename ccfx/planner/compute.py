@@ -167,14 +167,34 @@ def measure_model(model: torch.nn.Module, args: Sequence, kwargs: dict, *, flops
     table = _read_json(path) if cache else {}
     if key in table:
         return MeasuredCompute(**table[key])
+    timed = _time_passes(model, args, kwargs, batch, (small, large), repeats)
+    if timed is None:
+        return None
+    fwd, bwd = timed
+    numel = min(param_numel, 1 << 22)
+    opt_s = _adamw_step_s(numel)
+    (fpf, fpo), (bpf, bpo) = (_fit_per_flop_and_op(t, flops, ops, batch, small, large)
+                              for t in (fwd, bwd))
+    out = MeasuredCompute(fpf, fpo, bpf, bpo, opt_s / numel, rate, torch.get_num_threads())
+    if cache:
+        table[key] = out.__dict__
+        _write_json(path, table)
+    return out
 
+
+def _time_passes(model: torch.nn.Module, args: Sequence, kwargs: dict, batch: int,
+                 sizes: Sequence[int], repeats: int
+                 ) -> tuple[dict[int, float], dict[int, float]] | None:
+    """The fastest forward and backward seconds of the model at each slice of ``sizes``
+    samples of its example batch (the first run a warm-up); None without a differentiable
+    output."""
     def sliced(value, n):
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
             return value[:n]
         return value
 
     fwd, bwd = {}, {}
-    for n in (small, large):
+    for n in sizes:
         a = [sliced(v, n) for v in args]
         k = {name: sliced(v, n) for name, v in kwargs.items()}
         f_times, b_times = [], []
@@ -194,34 +214,40 @@ def measure_model(model: torch.nn.Module, args: Sequence, kwargs: dict, *, flops
                 b_times.append(t2 - t1)
         fwd[n], bwd[n] = min(f_times), min(b_times)
     model.zero_grad(set_to_none=True)
+    return fwd, bwd
 
-    def fit(times):
-        """(per FLOP, per op) through the two points; a negative intercept (noise) → 0."""
-        f_small, f_large = flops * small / batch, flops * large / batch
-        slope = (times[large] - times[small]) / (f_large - f_small)
-        per_op = (times[small] - slope * f_small) / max(ops, 1)
-        if slope <= 0 or per_op < 0:
-            return times[large] / f_large, 0.0
-        return slope, per_op
 
-    numel = min(param_numel, 1 << 22)
+def _fit_per_flop_and_op(times: dict[int, float], flops: float, ops: int, batch: int,
+                         small: int, large: int) -> tuple[float, float]:
+    """(per FLOP, per op) through the two points; a negative intercept (noise) → 0."""
+    f_small, f_large = flops * small / batch, flops * large / batch
+    slope = (times[large] - times[small]) / (f_large - f_small)
+    per_op = (times[small] - slope * f_small) / max(ops, 1)
+    if slope <= 0 or per_op < 0:
+        return times[large] / f_large, 0.0
+    return slope, per_op
+
+
+def _adamw_step_s(numel: int) -> float:
+    """The median seconds of an AdamW step over ``numel`` parameters (its state allocated
+    by a first step)."""
     p = torch.zeros(numel, requires_grad=True)
     p.grad = torch.randn(numel)
     opt = torch.optim.AdamW([p], lr=1e-3)
     opt.step()  # the first step allocates the state
-    opt_s = _median_s(opt.step, torch.device("cpu"), repeats=5)
-    (fpf, fpo), (bpf, bpo) = fit(fwd), fit(bwd)
-    out = MeasuredCompute(fpf, fpo, bpf, bpo, opt_s / numel, rate, torch.get_num_threads())
-    if cache:
-        table[key] = out.__dict__
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-            tmp.replace(path)
-        except OSError:
-            pass
-    return out
+    return _median_s(opt.step, torch.device("cpu"), repeats=5)
+
+
+def _write_json(path, table: dict) -> None:
+    """Write ``table`` to ``path`` atomically (a temporary file renamed); a failure to
+    write leaves the cache as it was."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 def _read_json(path) -> dict:

@@ -79,7 +79,7 @@ from .memory_model import (
     in_flight,
     stage_memory,
 )
-from .model_facts import ModelFacts
+from .model_facts import ModelFacts, StageFacts
 from .pipeline_model import EdgeTraffic, PipelineModel, StageCompute
 
 AXES = ("tp", "pp", "dp")
@@ -345,6 +345,56 @@ def default_timer(cluster: Cluster, facts: ModelFacts | None = None) -> CodecTim
     return CodecTimer(throughput=2e11)
 
 
+@dataclass
+class _Pricing:
+    """What every cost term of one layout's prediction reads: the model, the cluster, the
+    layout with its codec timer and links, where each rank runs, a microbatch's share of the
+    traced batch and each stage's layers and facts."""
+
+    facts: ModelFacts
+    cluster: Cluster
+    layout: Layout
+    timer: CodecTimer
+    links: Links
+    where: tuple[str, ...]
+    samples: int
+    fraction: float
+    stages: list[tuple[int, int]]
+    sf: list[StageFacts]
+
+    def dev(self, s: int, d: int, t: int) -> str:
+        """The device of stage ``s``, replica ``d``, tensor shard ``t``."""
+        return self.where[self.layout.rank(s, d, t)]
+
+
+@dataclass
+class _StageTimes:
+    """Per stage: a microbatch's forward and backward seconds, its tensor-parallel
+    collectives' seconds per pass and their link, the optimizer step, and the factors a
+    codec's time here is scaled by on the critical path and in the gradient sync."""
+
+    fwd: list[float]
+    bwd: list[float]
+    tp_s: list[float]
+    tp_links: list[Link | None]
+    opt_s: list[float]
+    scales: list[float]
+    sync_scales: list[float]
+
+
+@dataclass
+class _PipelineRun:
+    """The pipeline's step (``pipe``), the same without links or codecs (``alone``), when
+    each stage's program ends, and what it was simulated with (per-stage work, hop edges)."""
+
+    per_mb: list[float]
+    compute_mb: list[StageCompute]
+    pipe: float
+    alone: float
+    ends: list[float]
+    edges: list[EdgeTraffic]
+
+
 def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                    timer: CodecTimer | None = None, links: Links | None = None,
                    simulate: bool = True) -> LayoutPrediction:
@@ -353,6 +403,51 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     The traced batch is the whole step's (every replica's microbatches together).
     ``simulate=False``: links, compute and memory only, the pipeline's step left as its
     slowest stage's work (what the search needs to choose codecs, without a simulation)."""
+    split = _check_layout(facts, cluster, layout)
+    timer = timer or default_timer(cluster, facts)
+    links = links or Links(cluster)
+    samples = facts.batch // split
+    stages = layout.stage_layers(facts.num_layers)
+    ctx = _Pricing(facts, cluster, layout, timer, links, layout.placement(cluster), samples,
+                   samples / facts.batch, stages, [facts.stage(lo, hi) for lo, hi in stages])
+    pp, dp = layout.pp, layout.dp
+    notes: list[str] = []
+    times = _stage_times(ctx)
+    priced_hops, priced_groups = links.priced(layout)
+    enc_dec, codec_mem, hop_links = _price_hops(ctx, times, priced_hops)
+    exchange_mem = [0] * pp
+    run = _run_pipeline(ctx, times, enc_dec, hop_links, simulate)
+    pipe = run.pipe
+
+    # data parallel: buckets, sharded, or local steps
+    buckets = syncs = 0.0
+    synced = list(run.ends) if pp > 1 else [pipe]  # when each stage's gradients are averaged
+    dp_links = _dp_links(ctx, priced_groups)
+    if dp > 1 and layout.sync_every:
+        syncs = _local_steps_s(ctx, pipe, dp_links)
+        notes.append(f"local steps: the replicas sync every {layout.sync_every} steps "
+                     f"({layout.outer_codec}); their effect on the loss per step is not priced")
+    elif dp > 1:
+        buckets = _price_buckets(ctx, times, dp_links, priced_groups, run, synced, codec_mem,
+                                 exchange_mem)
+    optimizer = _optimizer_s(pp, synced, times.opt_s, pipe, buckets)
+    step = pipe + buckets + syncs + optimizer
+    compute, collectives, bubble, codec, hop_exposed = _breakdown(ctx, times, run, enc_dec)
+    memory, device_memory, refused = _price_memory(ctx, codec_mem, exchange_mem)
+    where_text = ([p.describe() for p in priced_hops],
+                  [p.describe() if p is not None else "" for p in priced_groups])
+    return LayoutPrediction(layout, step, compute, codec, hop_exposed, buckets, collectives,
+                            syncs, bubble, tuple(memory), tuple(device_memory),
+                            tuple(hop_links), tuple(dp_links), tuple(times.tp_links), refused,
+                            notes, tuple(where_text[0]), tuple(where_text[1]),
+                            (run.compute_mb, run.edges, tuple(hop_links)) if pp > 1 else None,
+                            optimizer, tuple(p.flows if p is not None else 1
+                                             for p in priced_groups))
+
+
+def _check_layout(facts: ModelFacts, cluster: Cluster, layout: Layout) -> int:
+    """How many equal parts the traced batch splits into (dp × microbatches); a ConfigError
+    where the layout's ranks, stages or split do not fit the cluster and the model."""
     if layout.world != cluster.world:
         raise ConfigError(f"layout {layout.describe()} has {layout.world} ranks but the cluster "
                           f"{cluster.world} devices: pp × dp × tp must equal the devices")
@@ -363,212 +458,269 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
     if facts.batch % split:
         raise ConfigError(f"layout {layout.describe()}: the batch of {facts.batch} does not "
                           f"split into dp × microbatches = {split} equal parts")
-    timer = timer or default_timer(cluster, facts)
-    links = links or Links(cluster)
-    pp, dp, tp, m = layout.pp, layout.dp, layout.tp, layout.microbatches
-    where = layout.placement(cluster)
+    return split
 
-    def dev(s, d, t):
-        return where[layout.rank(s, d, t)]
 
-    samples = facts.batch // split
-    fraction = samples / facts.batch
-    stages = layout.stage_layers(facts.num_layers)
-    sf = [facts.stage(lo, hi) for lo, hi in stages]
-    notes: list[str] = []
+def _stage_compute(ctx: _Pricing, st: StageFacts,
+                   devs: list[str]) -> tuple[float, float, float, float]:
+    """A stage's forward, backward and optimizer seconds per microbatch on its slowest
+    device ``devs``, and its scale against this machine's seconds."""
+    tp, meas, cluster = ctx.layout.tp, ctx.facts.measured, ctx.cluster
+    if meas is not None:
+        # the model's own seconds on this machine, scaled to the slowest device
+        scale = max(meas.scale(cluster.device(x).flops) for x in devs)
+        work = st.flops * ctx.fraction / tp
+        fwd = scale * (work * meas.fwd_per_flop + st.ops * meas.fwd_per_op)
+        bwd = scale * (work * meas.bwd_per_flop + st.ops * meas.bwd_per_op)
+        return fwd, bwd, scale * st.param_numel / tp * meas.opt_per_param, scale
+    here = any(cluster.device(x).flops is None for x in devs)
+    rate = min(cluster.device(x).flops or ctx.links.rate_here(ctx.facts, ctx.fraction / tp)
+               for x in devs)
+    # a device measured here also pays a fixed time per op (small models on CPUs
+    # spend it; :func:`ccfx.planner.compute.from_flops` adds the same term)
+    op_s = machine_rate()[1] if here else 0.0
+    f = st.flops * ctx.fraction / tp / rate
+    return f + st.ops * op_s, 2 * f + 2 * st.ops * op_s, 0.0, 1.0
 
-    # compute and tensor parallel, per stage and microbatch
+
+def _stage_tensor_parallel(ctx: _Pricing, s: int, st: StageFacts) -> tuple[float, Link | None]:
+    """Seconds of stage ``s``'s tensor-parallel all-reduces in one pass (Megatron's two per
+    layer; the backward the same again) on its shards' slowest link; (0, None) at tp 1."""
+    tp, dp = ctx.layout.tp, ctx.layout.dp
+    if tp == 1:
+        return 0.0, None
+    link = ctx.links.slowest((ctx.dev(s, d, a), ctx.dev(s, d, b)) for d in range(dp)
+                             for a in range(tp) for b in range(tp))
+    per_layer = 0.0
+    for i in range(st.lo, st.hi):
+        nbytes = ctx.facts.layers[i].out_bytes * ctx.fraction
+        per_layer += link.seconds(2 * (tp - 1) / tp * nbytes) * 2
+    return per_layer, link
+
+
+def _stage_times(ctx: _Pricing) -> _StageTimes:
+    """Compute and tensor parallel per stage and microbatch, stretched where ranks share
+    this machine's cores (:func:`~ccfx.planner.compute.contention`); the optimizer and the
+    buckets' codecs run on every replica of a stage at once."""
+    dp, tp, m = ctx.layout.dp, ctx.layout.tp, ctx.layout.microbatches
     fwd, bwd, tp_s, tp_links, opt_s, scales = [], [], [], [], [], []
-    for s, st in enumerate(sf):
-        devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
-        meas = facts.measured
-        if meas is not None:
-            # the model's own seconds on this machine, scaled to the slowest device
-            scale = max(meas.scale(cluster.device(x).flops) for x in devs)
-            scales.append(scale)
-            work = st.flops * fraction / tp
-            fwd.append(scale * (work * meas.fwd_per_flop + st.ops * meas.fwd_per_op))
-            bwd.append(scale * (work * meas.bwd_per_flop + st.ops * meas.bwd_per_op))
-            opt_s.append(scale * st.param_numel / tp * meas.opt_per_param)
-        else:
-            here = any(cluster.device(x).flops is None for x in devs)
-            rate = min(cluster.device(x).flops or links.rate_here(facts, fraction / tp)
-                       for x in devs)
-            # a device measured here also pays a fixed time per op (small models on CPUs
-            # spend it; :func:`ccfx.planner.compute.from_flops` adds the same term)
-            op_s = machine_rate()[1] if here else 0.0
-            f = st.flops * fraction / tp / rate
-            fwd.append(f + st.ops * op_s)
-            bwd.append(2 * f + 2 * st.ops * op_s)
-            opt_s.append(0.0)
-            scales.append(1.0)
-        if tp > 1:
-            link = links.slowest((dev(s, d, a), dev(s, d, b)) for d in range(dp)
-                                 for a in range(tp) for b in range(tp))
-            per_layer = 0.0
-            for i in range(st.lo, st.hi):
-                nbytes = facts.layers[i].out_bytes * fraction
-                per_layer += link.seconds(2 * (tp - 1) / tp * nbytes) * 2
-            tp_s.append(per_layer)  # forward; the backward the same again
-            tp_links.append(link)
-        else:
-            tp_s.append(0.0)
-            tp_links.append(None)
-
-    # ranks sharing this machine's cores (a harness): their compute stretched by how many
-    # run at once (:func:`~ccfx.planner.compute.contention`); the optimizer and the
-    # buckets' codecs run on every replica of a stage at once
-    meas = facts.measured
+    for s, st in enumerate(ctx.sf):
+        devs = [ctx.dev(s, d, t) for d in range(dp) for t in range(tp)]
+        f, b, o, scale = _stage_compute(ctx, st, devs)
+        fwd.append(f)
+        bwd.append(b)
+        opt_s.append(o)
+        scales.append(scale)
+        collective_s, link = _stage_tensor_parallel(ctx, s, st)
+        tp_s.append(collective_s)
+        tp_links.append(link)
+    meas = ctx.facts.measured
     cores = meas.cores if meas is not None else None
     stretch = contention(cores, [f + b for f, b in zip(fwd, bwd)], dp * tp, m)
     together = max(1.0, dp * tp / cores) if cores else 1.0
-    fwd = [x * stretch for x in fwd]
-    bwd = [x * stretch for x in bwd]
-    opt_s = [x * together for x in opt_s]
     scales = [x * stretch for x in scales]
-    sync_scales = [x / stretch * together for x in scales]
+    return _StageTimes([x * stretch for x in fwd], [x * stretch for x in bwd], tp_s, tp_links,
+                       [x * together for x in opt_s], scales,
+                       [x / stretch * together for x in scales])
 
-    # pipeline hops
+
+def _price_hops(ctx: _Pricing, times: _StageTimes,
+                priced_hops: list) -> tuple[list[float], list[int], list[Link]]:
+    """Per stage, the pipeline hops' codec seconds and codec memory (a payload each side and
+    an error-feedback residual), and each hop's link."""
+    pp, dp, tp, layout = ctx.layout.pp, ctx.layout.dp, ctx.layout.tp, ctx.layout
     enc_dec = [0.0] * pp
     codec_mem = [0] * pp
-    exchange_mem = [0] * pp
     hop_links: list[Link] = []
-    priced_hops, priced_groups = links.priced(layout)
     for h in range(pp - 1):
         if priced_hops:
             link = priced_hops[h].link
         else:
-            link = links.slowest((dev(h, d, t), dev(h + 1, d, t)) for d in range(dp)
-                                 for t in range(tp))
+            link = ctx.links.slowest((ctx.dev(h, d, t), ctx.dev(h + 1, d, t)) for d in range(dp)
+                                     for t in range(tp))
         hop_links.append(link)
-        last = stages[h][1] - 1
-        shape = facts.cut_shape(last, samples)
-        dtype = getattr(torch, facts.layers[last].out_dtype)
+        last = ctx.stages[h][1] - 1
+        shape = ctx.facts.cut_shape(last, ctx.samples)
+        dtype = getattr(torch, ctx.facts.layers[last].out_dtype)
         fspec, bspec = layout.hop_codecs[h] if h < len(layout.hop_codecs) else ("none", "none")
-        cf, cb = timer.cost(fspec, shape, dtype), timer.cost(bspec, shape, dtype)
-        enc_dec[h] += scales[h] * (cf.encode_s + cb.decode_s)
-        enc_dec[h + 1] += scales[h + 1] * (cf.decode_s + cb.encode_s)
+        cf, cb = ctx.timer.cost(fspec, shape, dtype), ctx.timer.cost(bspec, shape, dtype)
+        enc_dec[h] += times.scales[h] * (cf.encode_s + cb.decode_s)
+        enc_dec[h + 1] += times.scales[h + 1] * (cf.decode_s + cb.encode_s)
         for c, spec in ((cf, fspec), (cb, bspec)):
             if spec != "none":  # a payload each side, and an error-feedback residual
                 residual = c.raw_bytes if spec.endswith("ef") or ",ef" in spec else 0
                 codec_mem[h] += c.wire_bytes + residual
                 codec_mem[h + 1] += c.wire_bytes + residual
+    return enc_dec, codec_mem, hop_links
 
+
+def _hop_edges(ctx: _Pricing) -> list[EdgeTraffic]:
+    """The activation each pipeline hop carries, at the microbatch's samples."""
+    edges = []
+    for h in range(ctx.layout.pp - 1):
+        last = ctx.stages[h][1] - 1
+        edges.append(EdgeTraffic(h, f"hop {h}", ctx.facts.cut_shape(last, ctx.samples),
+                                 getattr(torch, ctx.facts.layers[last].out_dtype),
+                                 ((h, h + 1),)))
+    return edges
+
+
+def _run_pipeline(ctx: _Pricing, times: _StageTimes, enc_dec: list[float],
+                  hop_links: list[Link], simulate: bool) -> _PipelineRun:
+    """The pipeline's step: torch's schedule simulated rank by rank over each hop's own link
+    (:class:`~ccfx.planner.pipeline_model.PipelineModel`), when each stage's program ends
+    (its gradients are ready then), and the same schedule with instant links and no codecs
+    (compute and bubble only); without a simulation, the slowest stage's work m times."""
+    pp, m, layout = ctx.layout.pp, ctx.layout.microbatches, ctx.layout
+    fwd, bwd, tp_s = times.fwd, times.bwd, times.tp_s
     per_mb = [fwd[s] + bwd[s] + 2 * tp_s[s] + enc_dec[s] for s in range(pp)]
     compute_mb = [StageCompute(fwd[s] + tp_s[s], bwd[s] + tp_s[s], "flops") for s in range(pp)]
     if pp > 1 and not simulate:
-        pipe = alone = m * max(per_mb)
-        ends = [pipe] * pp
-        edges = []
-    elif pp > 1:
-        # torch's schedule, simulated rank by rank over each hop's own link
-        # (:class:`~ccfx.planner.pipeline_model.PipelineModel`, S10-B's per-hop links): the
-        # step, and when each stage's program ends (its gradients are ready then)
-        edges = []
-        for h in range(pp - 1):
-            last = stages[h][1] - 1
-            edges.append(EdgeTraffic(h, f"hop {h}", facts.cut_shape(last, samples),
-                                     getattr(torch, facts.layers[last].out_dtype),
-                                     ((h, h + 1),)))
-        choice = {h: tuple(layout.hop_codecs[h]) for h in range(min(len(layout.hop_codecs),
-                                                                    pp - 1))}
-        timeline = links.simulate(compute_mb, edges, hop_links, layout.schedule, m, timer,
+        pipe = m * max(per_mb)
+        return _PipelineRun(per_mb, compute_mb, pipe, pipe, [pipe] * pp, [])
+    if pp == 1:
+        pipe = m * per_mb[0]
+        return _PipelineRun(per_mb, compute_mb, pipe, pipe, [pipe], [])
+    edges = _hop_edges(ctx)
+    choice = {h: tuple(layout.hop_codecs[h]) for h in range(min(len(layout.hop_codecs),
+                                                                pp - 1))}
+    timeline = ctx.links.simulate(compute_mb, edges, hop_links, layout.schedule, m, ctx.timer,
                                   choice)
-        pipe, ends = timeline.step_s, list(timeline.end_s)
-        # the same schedule with instant links and no codecs: compute and bubble only
-        alone = links.simulate(compute_mb, edges, [INSTANT] * (pp - 1), layout.schedule, m,
-                               timer, {}).step_s
-    else:
-        pipe = alone = m * per_mb[0]
-        ends = [pipe]
+    alone = ctx.links.simulate(compute_mb, edges, [INSTANT] * (pp - 1), layout.schedule, m,
+                               ctx.timer, {}).step_s
+    return _PipelineRun(per_mb, compute_mb, timeline.step_s, alone, list(timeline.end_s), edges)
 
-    # data parallel: buckets, sharded, or local steps
-    buckets = syncs = 0.0
-    synced = list(ends) if pp > 1 else [pipe]  # when each stage's gradients are averaged
+
+def _dp_links(ctx: _Pricing, priced_groups: list) -> list[Link | None]:
+    """Each stage's data-parallel group's link: as priced, else its slowest pair (None at
+    dp 1)."""
+    dp, tp = ctx.layout.dp, ctx.layout.tp
     dp_links: list[Link | None] = []
-    for s, st in enumerate(sf):
+    for s in range(len(ctx.sf)):
         if dp == 1:
             dp_links.append(None)
         elif s < len(priced_groups) and priced_groups[s] is not None:
             dp_links.append(priced_groups[s].link)
         else:
-            dp_links.append(links.slowest((dev(s, a, t), dev(s, b, t)) for t in range(tp)
-                                          for a in range(dp) for b in range(dp)))
-    if dp > 1 and layout.sync_every:
-        cfg = Config(sync_every=layout.sync_every, outer_codec=layout.outer_codec)
-        worst = 0.0
-        for s, st in enumerate(sf):
-            shapes = [_shard(shape, tp) for shape in st.param_shapes] or [(1,)]
-            pred = predict_local_steps(pipe, shapes, dp, dp_links[s], cfg, timer)
-            worst = max(worst, pred.step_s - pipe)
-        syncs = worst
-        notes.append(f"local steps: the replicas sync every {layout.sync_every} steps "
-                     f"({layout.outer_codec}); their effect on the loss per step is not priced")
-    elif dp > 1:
-        for s, st in enumerate(sf):
-            link = dp_links[s]
-            share = dp if link.shared else 1
-            spec = layout.gradient_codecs[s] if s < len(layout.gradient_codecs) else "none"
-            numel = max(1, st.param_numel // tp)
-            c = timer.cost(spec, (numel,), getattr(torch, st.grad_dtype))
-            n_buckets = max(1, math.ceil(c.raw_bytes / BUCKET_BYTES))
-            gather = spec != "none" and codecs.prototype(spec).reduction != "sum"
-            # the exchange's buckets in memory (ccfx's bucket plan; memory_model.bucket_memory)
-            kept, exchange_mem[s] = bucket_memory(st, spec, dp, tp=tp, sharded=layout.sharded)
-            codec_mem[s] += kept
-            if layout.sharded:
-                gather = link.seconds(0) * n_buckets + (dp - 1) / dp * st.param_bytes / tp \
-                    * share * 8 / (link.gbps * 1e9)
-                scatter = gather
-                buckets += max(0.0, gather - m * fwd[s]) + max(0.0, gather + scatter
-                                                               - m * bwd[s])
-                continue
-            flows = priced_groups[s].flows if s < len(priced_groups) and \
-                priced_groups[s] is not None else 1
-            wire = exchange_wire_s(spec, c.wire_bytes, dp, link, flows)
-            # an all-reduce decodes once; ccfx's default gradient_collective for a gather
-            # codec, the all-gather, decodes all W payloads (its own too: the same sum
-            # everywhere)
-            decodes = dp if gather else 1
-            t_sync = (n_buckets * link.latency_ms * 1e-3 + wire
-                      + sync_scales[s] * (c.encode_s + decodes * c.decode_s))
-            if pp == 1:
-                backward = m * (bwd[s] + tp_s[s])
-                hidden = backward * (n_buckets - 1) / n_buckets
-                buckets = max(buckets, max(t_sync / n_buckets, t_sync - hidden))
-            else:
-                synced[s] = ends[s] + t_sync
-        if pp > 1:
-            buckets = max(synced) - pipe
-    # the optimizer step (a model measured here only): each stage's after its own schedule
-    # and exchange; without a pipeline after the exchange
+            dp_links.append(ctx.links.slowest((ctx.dev(s, a, t), ctx.dev(s, b, t))
+                                              for t in range(tp)
+                                              for a in range(dp) for b in range(dp)))
+    return dp_links
+
+
+def _local_steps_s(ctx: _Pricing, pipe: float, dp_links: list[Link | None]) -> float:
+    """Seconds the outer sync of local steps adds to a step, at its slowest stage
+    (:func:`ccfx.planner.local_model.predict_local_steps` on the group's link)."""
+    layout, tp = ctx.layout, ctx.layout.tp
+    cfg = Config(sync_every=layout.sync_every, outer_codec=layout.outer_codec)
+    worst = 0.0
+    for s, st in enumerate(ctx.sf):
+        shapes = [_shard(shape, tp) for shape in st.param_shapes] or [(1,)]
+        pred = predict_local_steps(pipe, shapes, layout.dp, dp_links[s], cfg, ctx.timer)
+        worst = max(worst, pred.step_s - pipe)
+    return worst
+
+
+def _sharded_exposed_s(ctx: _Pricing, st: StageFacts, link: Link, n_buckets: int,
+                       fwd: float, bwd: float) -> float:
+    """Sharded data parallel: the weights' all-gather in the forward and again in the
+    backward with the gradients' reduce-scatter, each beyond the compute it hides behind."""
+    dp, tp, m = ctx.layout.dp, ctx.layout.tp, ctx.layout.microbatches
+    share = dp if link.shared else 1
+    gather = link.seconds(0) * n_buckets + (dp - 1) / dp * st.param_bytes / tp \
+        * share * 8 / (link.gbps * 1e9)
+    scatter = gather
+    return max(0.0, gather - m * fwd) + max(0.0, gather + scatter - m * bwd)
+
+
+def _bucket_sync_s(spec: str, c, n_buckets: int, link: Link, flows: int, dp: int,
+                   sync_scale: float) -> float:
+    """Seconds of a stage's gradient exchange of codec cost ``c``: a latency per bucket, the
+    wire (:func:`exchange_wire_s`) and the codec's encode and decodes."""
+    gather = spec != "none" and codecs.prototype(spec).reduction != "sum"
+    wire = exchange_wire_s(spec, c.wire_bytes, dp, link, flows)
+    # an all-reduce decodes once; ccfx's default gradient_collective for a gather
+    # codec, the all-gather, decodes all W payloads (its own too: the same sum
+    # everywhere)
+    decodes = dp if gather else 1
+    return (n_buckets * link.latency_ms * 1e-3 + wire
+            + sync_scale * (c.encode_s + decodes * c.decode_s))
+
+
+def _price_buckets(ctx: _Pricing, times: _StageTimes, dp_links: list, priced_groups: list,
+                   run: _PipelineRun, synced: list[float], codec_mem: list[int],
+                   exchange_mem: list[int]) -> float:
+    """Seconds the gradient exchange adds to a step: without a pipeline hidden bucket by
+    bucket behind the backward; under PP × DP each stage's after its own program ends
+    (``synced`` gets when). Adds the exchange's buffers to ``codec_mem``/``exchange_mem``."""
+    layout = ctx.layout
+    pp, dp, tp, m = layout.pp, layout.dp, layout.tp, layout.microbatches
+    buckets = 0.0
+    for s, st in enumerate(ctx.sf):
+        link = dp_links[s]
+        spec = layout.gradient_codecs[s] if s < len(layout.gradient_codecs) else "none"
+        numel = max(1, st.param_numel // tp)
+        c = ctx.timer.cost(spec, (numel,), getattr(torch, st.grad_dtype))
+        n_buckets = max(1, math.ceil(c.raw_bytes / BUCKET_BYTES))
+        # the exchange's buckets in memory (ccfx's bucket plan; memory_model.bucket_memory)
+        kept, exchange_mem[s] = bucket_memory(st, spec, dp, tp=tp, sharded=layout.sharded)
+        codec_mem[s] += kept
+        if layout.sharded:
+            buckets += _sharded_exposed_s(ctx, st, link, n_buckets, times.fwd[s], times.bwd[s])
+            continue
+        flows = priced_groups[s].flows if s < len(priced_groups) and \
+            priced_groups[s] is not None else 1
+        t_sync = _bucket_sync_s(spec, c, n_buckets, link, flows, dp, times.sync_scales[s])
+        if pp == 1:
+            backward = m * (times.bwd[s] + times.tp_s[s])
+            hidden = backward * (n_buckets - 1) / n_buckets
+            buckets = max(buckets, max(t_sync / n_buckets, t_sync - hidden))
+        else:
+            synced[s] = run.ends[s] + t_sync
     if pp > 1:
-        optimizer = max(0.0, max(e + o for e, o in zip(synced, opt_s)) - pipe - buckets)
-    else:
-        optimizer = opt_s[0]
-    step = pipe + buckets + syncs + optimizer
+        buckets = max(synced) - run.pipe
+    return buckets
 
-    # the breakdown: the slowest stage's own work m times; the rest of the pipeline is bubble
-    # or hops
-    # (the simulated step without links or codecs is compute, collectives and bubble; what
-    # the links and codecs add is theirs)
-    s_star = max(range(pp), key=lambda s: per_mb[s])
-    compute = m * (fwd[s_star] + bwd[s_star])
-    collectives = m * 2 * tp_s[s_star]
-    bubble = max(0.0, alone - compute - collectives)
-    added = max(0.0, pipe - alone)
+
+def _optimizer_s(pp: int, synced: list[float], opt_s: list[float], pipe: float,
+                 buckets: float) -> float:
+    """The optimizer step (a model measured here only): each stage's after its own schedule
+    and exchange; without a pipeline after the exchange."""
+    if pp > 1:
+        return max(0.0, max(e + o for e, o in zip(synced, opt_s)) - pipe - buckets)
+    return opt_s[0]
+
+
+def _breakdown(ctx: _Pricing, times: _StageTimes, run: _PipelineRun,
+               enc_dec: list[float]) -> tuple[float, float, float, float, float]:
+    """Compute, collectives, bubble, codecs and exposed hops: the slowest stage's own work m
+    times; the rest of the simulated step without links or codecs is bubble, and what the
+    links and codecs add is theirs."""
+    pp, m = ctx.layout.pp, ctx.layout.microbatches
+    s_star = max(range(pp), key=lambda s: run.per_mb[s])
+    compute = m * (times.fwd[s_star] + times.bwd[s_star])
+    collectives = m * 2 * times.tp_s[s_star]
+    bubble = max(0.0, run.alone - compute - collectives)
+    added = max(0.0, run.pipe - run.alone)
     codec = min(added, m * enc_dec[s_star])
-    hop_exposed = added - codec
+    return compute, collectives, bubble, codec, added - codec
 
-    # memory
+
+def _price_memory(ctx: _Pricing, codec_mem: list[int], exchange_mem: list[int]
+                  ) -> tuple[list[MemoryEstimate], list[int], str | None]:
+    """Each stage's memory estimate, its smallest device's memory, and why the layout is
+    refused (the first stage above ``MEMORY_LIMIT`` of its device; None: it fits)."""
+    layout, cluster, facts = ctx.layout, ctx.cluster, ctx.facts
+    pp, dp, tp, m = layout.pp, layout.dp, layout.tp, layout.microbatches
     memory, device_memory = [], []
     largest = max(x.param_bytes for x in facts.layers)
     refused = None
-    for s, st in enumerate(sf):
-        est = stage_memory(st, fraction=fraction, held=in_flight(layout.schedule, s, pp, m),
-                           microbatches=m, tp=tp, dp=dp, sharded=layout.sharded, largest_layer_bytes=largest,
+    for s, st in enumerate(ctx.sf):
+        est = stage_memory(st, fraction=ctx.fraction,
+                           held=in_flight(layout.schedule, s, pp, m), microbatches=m, tp=tp,
+                           dp=dp, sharded=layout.sharded, largest_layer_bytes=largest,
                            codec_bytes=codec_mem[s], exchange_bytes=exchange_mem[s])
-        devs = [dev(s, d, t) for d in range(dp) for t in range(tp)]
+        devs = [ctx.dev(s, d, t) for d in range(dp) for t in range(tp)]
         smallest = min(devs, key=cluster.memory)
         cap = cluster.memory(smallest)
         memory.append(est)
@@ -576,15 +728,7 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
         if refused is None and est.total > MEMORY_LIMIT * cap:
             refused = (f"stage {s} on {smallest} needs {est.describe()}, above "
                        f"{MEMORY_LIMIT:.0%} of its {cap / 2 ** 30:.3g} GiB")
-    where_text = ([p.describe() for p in priced_hops],
-                  [p.describe() if p is not None else "" for p in priced_groups])
-    return LayoutPrediction(layout, step, compute, codec, hop_exposed, buckets, collectives,
-                            syncs, bubble, tuple(memory), tuple(device_memory),
-                            tuple(hop_links), tuple(dp_links), tuple(tp_links), refused, notes,
-                            tuple(where_text[0]), tuple(where_text[1]),
-                            (compute_mb, edges, tuple(hop_links)) if pp > 1 else None,
-                            optimizer, tuple(p.flows if p is not None else 1
-                                             for p in priced_groups))
+    return memory, device_memory, refused
 
 
 def exchange_wire_s(spec: str, wire_bytes: float, dp: int, link: Link, flows: int = 1) -> float:

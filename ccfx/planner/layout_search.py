@@ -181,14 +181,40 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
     timer = timer or default_timer(cluster, facts)
     config = config or Config()
     links = Links(cluster)
+    priced: list[LayoutPrediction] = []
+    variants: list[LayoutPrediction] = []
+    skipped: list[str] = []
+    for pp, dp, tp, counts in _degrees(facts, cluster, tensor_parallel, microbatches, skipped):
+        for order in orders(pp, dp, tp):
+            _price_order(facts, cluster, Layout(pp, dp, tp, counts[0], schedule, order=order,
+                                                boundaries=tuple(range(pp))),
+                         counts, timer, links, config, local_steps, priced, variants)
+    notes = _admit_local_steps(priced, variants, local_steps)
+
+    # with a target, the score is the time to it: steps × multiplier × step
+    def score(p: LayoutPrediction) -> float:
+        return p.step_s * (steps_multiplier(p.layout) if target_steps else 1.0)
+
+    # the leaders' hop codecs chosen again by ``auto``'s own descent on the simulated step
+    fitting = sorted((p for p in priced if p.fits), key=score)
+    for p in fitting[:top]:
+        better = refine_codecs(facts, cluster, p, timer, links, config, bool(target_steps))
+        if better is not p:
+            priced[priced.index(p)] = better
+    fitting = sorted((p for p in priced if p.fits), key=score)
+    refused = sorted((p for p in priced if not p.fits), key=score)
+    return ParallelPlan(fitting, refused, skipped, facts, cluster, top,
+                        time.perf_counter() - t0, target_steps, notes)
+
+
+def _degrees(facts: ModelFacts, cluster: Cluster, tensor_parallel: bool | None,
+             microbatches: Sequence[int] | None, skipped: list[str]):
+    """Each (pp, dp, tp, microbatch counts) the search prices; why each other pp is skipped
+    goes into ``skipped`` (more stages than layers, no count that splits the batch)."""
     world = cluster.world
     per_node = min(len(v) for v in cluster.by_node().values())
     allow_tp = facts.tp_plan is not None if tensor_parallel is None else tensor_parallel
     tps = [1] + [t for t in (2, 4, 8) if allow_tp and world % t == 0 and per_node % t == 0]
-    flops = [x.flops for x in facts.layers]
-    priced: list[LayoutPrediction] = []
-    variants: list[LayoutPrediction] = []
-    skipped: list[str] = []
     for tp in tps:
         for pp in divisors(world // tp):
             if pp > facts.num_layers:
@@ -204,56 +230,57 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
                 skipped.append(f"pp={pp} dp={dp} tp={tp}: no microbatch count splits the batch "
                                f"of {facts.batch} over {dp} replicas")
                 continue
-            for order in orders(pp, dp, tp):
-                probe = Layout(pp, dp, tp, counts[0], schedule, order=order,
-                               boundaries=tuple(range(pp)))
-                where = probe.placement(cluster)
-                rates = [min(cluster.rate(where[probe.rank(s, d, t)]) for d in range(dp)
-                             for t in range(tp)) for s in range(pp)]
-                bounds = balance(flops, rates)
-                for m in counts:
-                    for sharded in ([False, True] if pp == 1 and dp > 1 else [False]):
-                        layout = Layout(pp, dp, tp, m, schedule, sharded, order, bounds)
-                        base = predict_layout(facts, cluster, layout, timer=timer, links=links,
-                                              simulate=False)
-                        layout = choose_codecs(facts, layout, base, timer, config)
-                        pred = predict_layout(facts, cluster, layout, timer=timer,
-                                              links=links)
-                        priced.append(pred)
-                        if local_steps is not False:
-                            local = _local_steps(facts, cluster, pred, timer, links)
-                            if local is not None:
-                                variants.append(local)
-    fitting = sorted((p for p in priced if p.fits), key=lambda p: p.step_s)
-    notes = []
-    if variants:
-        # local steps change the training (a loss per step the planner cannot price): they
-        # compete only where the slow link dominates even the best every-step layout
-        comm = (fitting[0].hops_s + fitting[0].buckets_s) / fitting[0].step_s if fitting \
-            else 1.0
-        dominated = comm > 0.5
-        if local_steps or dominated:
-            priced += variants
-            notes.append(f"local steps considered: communication is {comm:.0%} of the best "
-                         "every-step layout's step" if dominated else
-                         "local steps considered (asked for)")
-        else:
-            notes.append(f"local steps not considered: communication is {comm:.0%} of the "
-                         "best every-step layout's step (under half)")
-    # with a target, the score is the time to it: steps × multiplier × step
-    def score(p: LayoutPrediction) -> float:
-        return p.step_s * (steps_multiplier(p.layout) if target_steps else 1.0)
+            yield pp, dp, tp, counts
 
-    # the leaders' hop codecs chosen again by ``auto``'s own descent on the simulated step
-    fitting = sorted((p for p in priced if p.fits), key=score)
-    for p in fitting[:top]:
-        better = refine_codecs(facts, cluster, p, timer, links, config, bool(target_steps))
-        if better is not p:
-            priced[priced.index(p)] = better
-    fitting = sorted((p for p in priced if p.fits), key=score)
-    refused = sorted((p for p in priced if not p.fits), key=score)
-    return ParallelPlan(fitting, refused, skipped, facts, cluster, top,
-                        time.perf_counter() - t0, target_steps, notes)
+
+def _price_order(facts: ModelFacts, cluster: Cluster, probe: Layout, counts: list[int],
+                 timer: CodecTimer, links: Links, config: Config, local_steps: bool | None,
+                 priced: list[LayoutPrediction], variants: list[LayoutPrediction]) -> None:
+    """Price the degrees and placement order of ``probe`` at each microbatch count (and
+    sharded where there is no pipeline), its stages balanced by device speed and its codecs
+    chosen; appends to ``priced`` and its local-step variants to ``variants``."""
+    pp, dp, tp, order, schedule = probe.pp, probe.dp, probe.tp, probe.order, probe.schedule
+    where = probe.placement(cluster)
+    rates = [min(cluster.rate(where[probe.rank(s, d, t)]) for d in range(dp)
+                 for t in range(tp)) for s in range(pp)]
+    bounds = balance([x.flops for x in facts.layers], rates)
+    for m in counts:
+        for sharded in ([False, True] if pp == 1 and dp > 1 else [False]):
+            layout = Layout(pp, dp, tp, m, schedule, sharded, order, bounds)
+            base = predict_layout(facts, cluster, layout, timer=timer, links=links,
+                                  simulate=False)
+            layout = choose_codecs(facts, layout, base, timer, config)
+            pred = predict_layout(facts, cluster, layout, timer=timer, links=links)
+            priced.append(pred)
+            if local_steps is not False:
+                local = _local_steps(facts, cluster, pred, timer, links)
+                if local is not None:
+                    variants.append(local)
+
+
+def _admit_local_steps(priced: list[LayoutPrediction], variants: list[LayoutPrediction],
+                       local_steps: bool | None) -> list[str]:
+    """Add the local-step variants to ``priced`` where asked or where communication is over
+    half the best every-step layout's step (their loss per step cannot be priced); the
+    notes that say which."""
+    notes = []
+    if not variants:
+        return notes
+    fitting = sorted((p for p in priced if p.fits), key=lambda p: p.step_s)
+    # local steps change the training (a loss per step the planner cannot price): they
+    # compete only where the slow link dominates even the best every-step layout
+    comm = (fitting[0].hops_s + fitting[0].buckets_s) / fitting[0].step_s if fitting \
+        else 1.0
+    dominated = comm > 0.5
+    if local_steps or dominated:
+        priced += variants
+        notes.append(f"local steps considered: communication is {comm:.0%} of the best "
+                     "every-step layout's step" if dominated else
+                     "local steps considered (asked for)")
+    else:
+        notes.append(f"local steps not considered: communication is {comm:.0%} of the "
+                     "best every-step layout's step (under half)")
+    return notes
 
 
 def refine_codecs(facts: ModelFacts, cluster: Cluster, pred: LayoutPrediction,

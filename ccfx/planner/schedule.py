@@ -111,77 +111,102 @@ def simulate(schedule: str, stages: Sequence[StageCost], microbatches: int,
 
 def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
          links: Sequence[Link]) -> Timeline:
+    """Run every rank's program: each step advances the runnable rank with the earliest
+    clock that can move; where all wait, the earliest ready message goes on its link."""
+    sim = _Simulation(programs, nbytes, links)
     n = len(programs)
-    clock = [0.0] * n
-    pc = [0] * n
-    compute = [0.0] * n
-    waited = [0.0] * n
-    posted: dict[Message, dict[int, float]] = {}
-    times: dict[Message, MessageTime] = {}
-    link_free: dict[object, float] = {}
-    pending: list[tuple[float, int, Message]] = []  # ready messages not yet on a link
-    queued: set[Message] = set()
-    order = 0
-
-    def schedule_ready(upto: float) -> None:
-        # Messages go on their link in the order they became ready, up to time ``upto``
-        # (no rank can post anything earlier than the earliest clock still running).
-        while pending and pending[0][0] <= upto:
-            ready, _, msg = heapq.heappop(pending)
-            link = links[msg.hop]
-            key = ("medium", link) if link.shared else (msg.src, msg.dst)
-            start = max(ready, link_free.get(key, 0.0))
-            size = nbytes(msg)
-            done = start + link.seconds(size)
-            link_free[key] = done
-            times[msg] = MessageTime(msg, size, ready, start, done)
-
     while True:
-        runnable = [r for r in range(n) if pc[r] < len(programs[r])]
+        runnable = [r for r in range(n) if sim.pc[r] < len(programs[r])]
         if not runnable:
             break
-        progressed = False
-        for r in sorted(runnable, key=lambda r: clock[r]):
-            ins = programs[r][pc[r]]
-            if isinstance(ins, Compute):
-                clock[r] += ins.seconds
-                compute[r] += ins.seconds
-            elif isinstance(ins, Post):
-                for msg in ins.messages:
-                    ends = posted.setdefault(msg, {})
-                    ends[r] = clock[r]
-                    sent = len(ends) == 2 or (not links[msg.hop].rendezvous and r == msg.src)
-                    if sent and msg not in queued:
-                        queued.add(msg)
-                        heapq.heappush(pending, (max(ends.values()), order, msg))
-                        order += 1
-            else:
-                schedule_ready(clock[r])
-                if any(m not in times for m in ins.messages):
-                    continue  # blocked: a peer has not posted yet, or its link is busy earlier
-                def finished(m: Message, r: int = r) -> float:
-                    # a buffered send is done once handed to the transport; a receive once
-                    # the bytes are in
-                    t = times[m]
-                    buffered = links[m.hop].buffered_sends
-                    return t.ready_s if buffered and r == m.src else t.done_s
-
-                done = max((finished(m) for m in ins.messages), default=clock[r])
-                if done > clock[r]:
-                    worst = max(ins.messages, key=finished)
-                    # the wait before the message was sent is the pipeline's (its sender was
-                    # still computing); after, the link's
-                    times[worst].waited_s += done - max(clock[r], times[worst].ready_s)
-                    waited[r] += done - clock[r]
-                    clock[r] = done
-            pc[r] += 1
-            progressed = True
-            break
-        if not progressed:
+        if not any(sim.advance(r) for r in sorted(runnable, key=lambda r: sim.clock[r])):
             # every runnable rank waits: put the earliest ready message on its link
-            if not pending:
-                stuck = {r: programs[r][pc[r]] for r in runnable}
+            if not sim.pending:
+                stuck = {r: programs[r][sim.pc[r]] for r in runnable}
                 raise RuntimeError(f"the simulated schedule deadlocks: {stuck}")
-            schedule_ready(pending[0][0])
-    return Timeline(max(clock), compute, waited,
-                    sorted(times.values(), key=lambda t: t.start_s), list(clock))
+            sim.schedule_ready(sim.pending[0][0])
+    return Timeline(max(sim.clock), sim.compute, sim.waited,
+                    sorted(sim.times.values(), key=lambda t: t.start_s), list(sim.clock))
+
+
+class _Simulation:
+    """A simulated step in progress: each rank's clock, program counter, compute and wait;
+    the messages posted, ready but not yet on a link (``pending``), and timed; when each link
+    is free again."""
+
+    def __init__(self, programs: list[list[Instruction]], nbytes: Callable[[Message], int],
+                 links: Sequence[Link]):
+        n = len(programs)
+        self.programs, self.nbytes, self.links = programs, nbytes, links
+        self.clock = [0.0] * n
+        self.pc = [0] * n
+        self.compute = [0.0] * n
+        self.waited = [0.0] * n
+        self.posted: dict[Message, dict[int, float]] = {}
+        self.times: dict[Message, MessageTime] = {}
+        self.link_free: dict[object, float] = {}
+        self.pending: list[tuple[float, int, Message]] = []  # ready messages not yet on a link
+        self.queued: set[Message] = set()
+        self.order = 0
+
+    def schedule_ready(self, upto: float) -> None:
+        """Put messages on their link in the order they became ready, up to time ``upto``
+        (no rank can post anything earlier than the earliest clock still running)."""
+        while self.pending and self.pending[0][0] <= upto:
+            ready, _, msg = heapq.heappop(self.pending)
+            link = self.links[msg.hop]
+            key = ("medium", link) if link.shared else (msg.src, msg.dst)
+            start = max(ready, self.link_free.get(key, 0.0))
+            size = self.nbytes(msg)
+            done = start + link.seconds(size)
+            self.link_free[key] = done
+            self.times[msg] = MessageTime(msg, size, ready, start, done)
+
+    def advance(self, r: int) -> bool:
+        """Run rank ``r``'s next instruction; False where it is a wait that cannot finish yet
+        (a peer has not posted, or its link is busy earlier)."""
+        ins = self.programs[r][self.pc[r]]
+        if isinstance(ins, Compute):
+            self.clock[r] += ins.seconds
+            self.compute[r] += ins.seconds
+        elif isinstance(ins, Post):
+            self.post(r, ins.messages)
+        else:
+            self.schedule_ready(self.clock[r])
+            if any(m not in self.times for m in ins.messages):
+                return False  # blocked: a peer has not posted yet, or its link is busy earlier
+            self.wait(r, ins.messages)
+        self.pc[r] += 1
+        return True
+
+    def post(self, r: int, messages) -> None:
+        """Rank ``r`` posts ``messages``: each is ready once both ends posted it (a send that
+        needs no rendezvous: once its sender did)."""
+        for msg in messages:
+            ends = self.posted.setdefault(msg, {})
+            ends[r] = self.clock[r]
+            sent = len(ends) == 2 or (not self.links[msg.hop].rendezvous and r == msg.src)
+            if sent and msg not in self.queued:
+                self.queued.add(msg)
+                heapq.heappush(self.pending, (max(ends.values()), self.order, msg))
+                self.order += 1
+
+    def wait(self, r: int, messages) -> None:
+        """Rank ``r`` waits for ``messages`` (all timed): its clock moves to the last one's
+        end, the wait counted as the pipeline's before it was sent and the link's after."""
+        def finished(m: Message) -> float:
+            # a buffered send is done once handed to the transport; a receive once
+            # the bytes are in
+            t = self.times[m]
+            buffered = self.links[m.hop].buffered_sends
+            return t.ready_s if buffered and r == m.src else t.done_s
+
+        clock = self.clock[r]
+        done = max((finished(m) for m in messages), default=clock)
+        if done > clock:
+            worst = max(messages, key=finished)
+            # the wait before the message was sent is the pipeline's (its sender was
+            # still computing); after, the link's
+            self.times[worst].waited_s += done - max(clock, self.times[worst].ready_s)
+            self.waited[r] += done - clock
+            self.clock[r] = done

@@ -47,10 +47,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from .. import _torch_compat as tc
 from .. import codecs
 from ..codecs.state import CodecState, bucket_channel
 from ..config import AUTO, Config
 from ..errors import CollectiveError, ConfigError
+from ..errors import first_line as _first_line
 from ..passes.grad_buckets import find_param_grads, grad_buckets
 from ..passes.graph_utils import copy_graph, device_of
 from ..plan import Bucket, DataParallelInfo
@@ -59,6 +61,7 @@ from ..wire.comm import FunctionalComm, LocalComm
 from ..wire.exchange import exchange_for
 from ..wire.link import Link, configured_link, resolve_collective
 from ..wire.policy import assign_buckets
+from ..wire.world import dist as _dist
 from .launcher_env import require_group_under_launcher
 from .ledger import Ledger
 
@@ -87,17 +90,9 @@ class _GraphState:
     group: object = None  # the group, made where it is first needed
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
 def inside_ddp() -> bool:
     """True while DDP's forward runs (torch.compile(DDP(model)) calls backends from there)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel._get_active_ddp_module() is not None
+    return tc.get_active_ddp_module() is not None
 
 
 class DataParallel:
@@ -246,21 +241,10 @@ class DataParallel:
         # per bucket from the cost model
         buckets = assign_buckets(slots, "int8" if auto else cfg.gradient_codec, cfg.bucket_mb,
                                  cfg.compress_min_numel, cfg.min_compression_rate)
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         # The backward compiles with the forward, inside its fake mode: the check and the
         # state tensors must be real.
-        with unset_fake_temporarily():
-            if auto:
-                buckets = self._choose(index, gm, buckets)
-            buckets = self._collectives(buckets)
-            exchanges = [exchange_for(b.layout, b.spec, b.collective) for b in buckets]
-            comm = self._name_group(index, buckets)
-            states = []
-            for b, ex in zip(buckets, exchanges):
-                states.append(self.state.add(bucket_channel(index, b.index), b.spec,
-                                             ex.init_state(device_of(gm)),
-                                             legacy=f"buckets.graph{index}_bucket{b.index}_"))
+        with tc.unset_fake_temporarily():
+            buckets, exchanges, comm, states = self._bucket_exchanges(index, gm, buckets, auto)
         compressed = grad_buckets(copy_graph(gm), buckets, states, comm, decompositions)
         if record is not None:
             record(compressed)
@@ -271,17 +255,40 @@ class DataParallel:
             warm = compile_fn(grad_buckets(copy_graph(gm), plain, [{} for _ in plain], comm,
                                            decompositions))
         g.buckets = [self._plan_bucket(index, b, ex) for b, ex in zip(buckets, exchanges)]
-        plain_rows = [(b.index, b.raw_bytes, b.raw_bytes) for b in g.buckets]
-        rows = [(b.index, b.raw_bytes, b.wire_bytes) for b in g.buckets]
         described = "; ".join(f"bucket {b.index}: {len(b.slots)} params, {b.spec} via "
                               f"{ex.collective}" for b, ex in zip(buckets, exchanges))
 
         # the backward count (what ends warmup_steps) is codec state: a resumed run goes on
         # where the saved one was
-        with unset_fake_temporarily():
+        with tc.unset_fake_temporarily():
             steps = self.state.get_meta(f"graph{index}.backward_steps")  # loaded, or recompiled
             if steps is None:
                 steps = self.state.set_meta(f"graph{index}.backward_steps", g.backward_calls)
+        return self._backward_call(index, steps, warm, variants[0], described)
+
+    def _bucket_exchanges(self, index: int, gm: torch.fx.GraphModule, buckets, auto: bool):
+        """The buckets with their codecs (``auto``: chosen on rank 0) and collectives, their
+        exchanges, the group's comm and each bucket's codec state (real tensors)."""
+        if auto:
+            buckets = self._choose(index, gm, buckets)
+        buckets = self._collectives(buckets)
+        exchanges = [exchange_for(b.layout, b.spec, b.collective) for b in buckets]
+        comm = self._name_group(index, buckets)
+        states = []
+        for b, ex in zip(buckets, exchanges):
+            states.append(self.state.add(bucket_channel(index, b.index), b.spec,
+                                         ex.init_state(device_of(gm)),
+                                         legacy=f"buckets.graph{index}_bucket{b.index}_"))
+        return buckets, exchanges, comm, states
+
+    def _backward_call(self, index: int, steps: torch.Tensor, warm: Callable | None,
+                       compressed: tuple[Callable, list], described: str) -> Callable:
+        """The boxed backward of graph ``index``: the uncompressed ``warm`` one for the
+        warm-up steps, else the compressed one with its codec state; each counts its
+        backward, records its buckets' bytes, and names the buckets when a collective fails."""
+        g, cfg = self._graphs[index], self.config
+        plain_rows = [(b.index, b.raw_bytes, b.raw_bytes) for b in g.buckets]
+        rows = [(b.index, b.raw_bytes, b.wire_bytes) for b in g.buckets]
 
         def run(args):
             if g.group is None and self.world > 1:
@@ -290,7 +297,7 @@ class DataParallel:
             steps.add_(1)
             g.backward_calls = step + 1
             fn, extra, counted = (warm, [], plain_rows) if (
-                warm is not None and step < cfg.warmup_steps) else (*variants[0], rows)
+                warm is not None and step < cfg.warmup_steps) else (*compressed, rows)
             if self.world > 1:
                 agree.entering(f"the gradient collectives of graph {index}", g.group_name,
                                g.collectives, self._ranks())
@@ -298,17 +305,7 @@ class DataParallel:
             try:
                 out = fn(list(args) + extra)
             except RuntimeError as e:
-                agree.gave_up(f"the gradient collectives of graph {index}", _first_line(e))
-                who = agree.blame(e)
-                who = f" {who[0].upper()}{who[1:]}." if who else ""
-                # what peers recompiled, and (no dead peer) why they gave up
-                notes = agree.peer_notes(failures="rank " not in who.lower())
-                who = f"{who} {notes}" if notes else who
-                raise CollectiveError(
-                    f"rank {self.rank} of {self.world}: the backward of graph {index} failed while "
-                    f"its gradient collectives were in flight ({described}; group timeout "
-                    f"{cfg.collective_timeout_s:g} s): {_first_line(e)}.{who} A peer rank died, "
-                    "hung, or is running a different model; see that rank's own error.") from e
+                raise self._backward_failed(index, e, described) from e
             finally:
                 if isinstance(args, list):
                     args.clear()  # the boxed convention: the callee frees its inputs
@@ -316,8 +313,22 @@ class DataParallel:
                 self.ledger.record_bucket(index, b, raw, wire)
             return out
 
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
+        return tc.mark_boxed(run)
+
+    def _backward_failed(self, index: int, e: RuntimeError, described: str) -> CollectiveError:
+        """The error of a backward whose gradient collectives failed: the buckets in flight,
+        who is to blame and what the peers said."""
+        agree.gave_up(f"the gradient collectives of graph {index}", _first_line(e))
+        who = agree.blame(e)
+        who = f" {who[0].upper()}{who[1:]}." if who else ""
+        # what peers recompiled, and (no dead peer) why they gave up
+        notes = agree.peer_notes(failures="rank " not in who.lower())
+        who = f"{who} {notes}" if notes else who
+        return CollectiveError(
+            f"rank {self.rank} of {self.world}: the backward of graph {index} failed while "
+            f"its gradient collectives were in flight ({described}; group timeout "
+            f"{self.config.collective_timeout_s:g} s): {_first_line(e)}.{who} A peer rank died, "
+            "hung, or is running a different model; see that rank's own error.")
 
     def _choose(self, index: int, gm: torch.fx.GraphModule, buckets):
         """``gradient_codec="auto"``: rank 0 prices every bucket (``decide_codecs``, the
@@ -436,8 +447,8 @@ def _dynamo_reason() -> str:
     (``torch._dynamo.utils.guard_failures``: per frame, one line per recompile), as
     ``"Dynamo's guard failed: self.flag == False"``; ``""`` when it recorded nothing new."""
     try:
-        from torch._dynamo.utils import guard_failures
-    except ImportError:  # another torch
+        guard_failures = tc.guard_failures
+    except (ImportError, AttributeError):  # another torch
         return ""
     latest = ""
     for code, failures in list(guard_failures.items()):
@@ -456,10 +467,5 @@ def _dynamo_reason() -> str:
 
 def _shape(s) -> str:
     return "(" + ", ".join(str(d) for d in s) + ")" if s is not None else "(not a tensor)"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 

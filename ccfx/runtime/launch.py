@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import CcfxError
+from ..errors import CcfxError, first_line
 
 
 class RankFailed(CcfxError):
@@ -111,8 +111,6 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
     once a second while no rank has failed; a string it returns stops the ranks and raises
     :class:`RankTimeout` with it (a benchmark's check that its ranks still make progress)."""
     import multiprocessing as mp
-    from multiprocessing import resource_tracker
-    from multiprocessing import spawn as mp_spawn
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -124,59 +122,12 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
                                {**(env or {}), **(rank_env(r) if rank_env else {})},
                                pg_timeout_s, results, stacks[r]))
              for r in range(world_size)]
-    executable = mp_spawn.get_executable()
-    prefix_of = prefix if callable(prefix) else (lambda r: prefix)
-    try:
-        for r, p in enumerate(procs):
-            # multiprocessing starts its "executable": a script that execs Python under prefix
-            rank_prefix = list(prefix_of(r))
-            if rank_prefix:
-                resource_tracker.ensure_running()  # started now, outside the prefix
-                python = os.path.join(tmp.name, f"python{r}")
-                with open(python, "w") as f:
-                    f.write(f"#!/bin/sh\nexec {shlex.join([*rank_prefix, os.fsdecode(executable)])}"
-                            ' "$@"\n')
-                os.chmod(python, 0o755)
-                ctx.set_executable(python)
-            p.start()
-            ctx.set_executable(executable)
-    finally:
-        ctx.set_executable(executable)
+    _start_ranks(ctx, procs, prefix, tmp.name)
     done: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
     errors: dict[int, tuple[float, str]] = {}  # rank → (when it failed, why)
-    exited: dict[int, float] = {}
-    watched, stopped = time.monotonic(), None
+    stopped = None
     try:
-        while len(done) + len(errors) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            if watch is not None and not errors and time.monotonic() - watched >= 1.0:
-                watched, stopped = time.monotonic(), watch()
-                if stopped:
-                    break
-            try:
-                rank, status, value, when = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                now = time.monotonic()
-                for r, p in enumerate(procs):
-                    if r not in done and r not in errors and not p.is_alive():
-                        exited.setdefault(r, now)
-                # a result may still be in flight a moment after its process ends
-                for r, t in exited.items():
-                    if r not in done and r not in errors and now - t > 2.0:
-                        errors[r] = (time.time() - (now - t), (
-                            f"process exited with code {procs[r].exitcode} without reporting "
-                            "(killed, or crashed in C++: its stderr has the stack)"))
-                        deadline = min(deadline, time.monotonic() + grace_s)
-                continue
-            if status == "ok":
-                done[rank] = pickle.loads(value)
-            else:
-                errors[rank] = (when, value)
-                # the other ranks get grace_s to report their own errors (or finish)
-                deadline = min(deadline, time.monotonic() + grace_s)
+        stopped = _collect_results(procs, results, done, errors, timeout_s, grace_s, watch)
     finally:
         where = _stop(procs, stacks, errors, done, world_size)
         tmp.cleanup()
@@ -190,6 +141,83 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
         raise RankTimeout(f"ranks {missing} of {world_size} {why}"
                           + "".join(f"\n  rank {r} was at:\n{where[r]}" for r in sorted(where)))
     return [done[r] for r in range(world_size)]
+
+
+def _start_ranks(ctx, procs: list, prefix: Sequence[str] | Callable[[int], Sequence[str]],
+                 tmp_dir: str) -> None:
+    """Start each rank's process, under its ``prefix`` command where it has one (a script
+    in ``tmp_dir`` that execs Python under it, as multiprocessing's "executable")."""
+    from multiprocessing import resource_tracker
+    from multiprocessing import spawn as mp_spawn
+
+    executable = mp_spawn.get_executable()
+    prefix_of = prefix if callable(prefix) else (lambda r: prefix)
+    try:
+        for r, p in enumerate(procs):
+            # multiprocessing starts its "executable": a script that execs Python under prefix
+            rank_prefix = list(prefix_of(r))
+            if rank_prefix:
+                resource_tracker.ensure_running()  # started now, outside the prefix
+                python = os.path.join(tmp_dir, f"python{r}")
+                with open(python, "w") as f:
+                    f.write(f"#!/bin/sh\nexec {shlex.join([*rank_prefix, os.fsdecode(executable)])}"
+                            ' "$@"\n')
+                os.chmod(python, 0o755)
+                ctx.set_executable(python)
+            p.start()
+            ctx.set_executable(executable)
+    finally:
+        ctx.set_executable(executable)
+
+
+def _collect_results(procs: list, results, done: dict[int, Any],
+                     errors: dict[int, tuple[float, str]], timeout_s: float, grace_s: float,
+                     watch: Callable[[], str | None] | None) -> str | None:
+    """Take the ranks' results into ``done`` and ``errors`` until every rank reported, the
+    time is up (``grace_s`` after a first failure) or ``watch`` says stop (its reason)."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout_s
+    exited: dict[int, float] = {}
+    watched, stopped = time.monotonic(), None
+    while len(done) + len(errors) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        if watch is not None and not errors and time.monotonic() - watched >= 1.0:
+            watched, stopped = time.monotonic(), watch()
+            if stopped:
+                break
+        try:
+            rank, status, value, when = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            if _note_silent_exits(procs, done, errors, exited):
+                deadline = min(deadline, time.monotonic() + grace_s)
+            continue
+        if status == "ok":
+            done[rank] = pickle.loads(value)
+        else:
+            errors[rank] = (when, value)
+            # the other ranks get grace_s to report their own errors (or finish)
+            deadline = min(deadline, time.monotonic() + grace_s)
+    return stopped
+
+
+def _note_silent_exits(procs: list, done: dict[int, Any], errors: dict[int, tuple[float, str]],
+                       exited: dict[int, float]) -> bool:
+    """Record as an error each rank whose process ended over 2 s ago without reporting (a
+    result may still be in flight a moment after its process ends); whether one was."""
+    now = time.monotonic()
+    for r, p in enumerate(procs):
+        if r not in done and r not in errors and not p.is_alive():
+            exited.setdefault(r, now)
+    failed = False
+    for r, t in exited.items():
+        if r not in done and r not in errors and now - t > 2.0:
+            errors[r] = (time.time() - (now - t), (
+                f"process exited with code {procs[r].exitcode} without reporting "
+                "(killed, or crashed in C++: its stderr has the stack)"))
+            failed = True
+    return failed
 
 
 def _stop(procs, stacks: list[str], errors, done, world_size: int) -> dict[int, str]:
@@ -236,7 +264,7 @@ def _failure_message(errors: dict[int, tuple[float, str]], done: dict[int, Any],
     lines = [f"rank {first} of {world_size} failed first:"]
     for r in sorted(set(range(world_size)) - {first}):
         if r in errors:
-            why = errors[r][1].splitlines()[0] if errors[r][1] else ""
+            why = first_line(errors[r][1])
             lines.append(f"  rank {r} failed {errors[r][0] - errors[first][0]:.1f} s later: "
                          f"{why[:300]}")
         elif r not in done:
