@@ -66,6 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _torch_compat as tc
 from .. import codecs
 from ..codecs.state import SCHEME, check, check_place, ddp_channel, named, split_key
 from ..config import COLLECTIVES
@@ -300,7 +301,7 @@ def hook_state_of(model) -> CommHookState | None:
     attached to the model. A state itself is returned as it is."""
     if isinstance(model, CommHookState):
         return model
-    for hook, state in getattr(model, "_comm_hooks", None) or ():
+    for hook, state in tc.ddp_comm_hooks(model):
         if hook is codec_hook and isinstance(state, CommHookState):
             return state
     return None

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _torch_compat as tc
 from ..errors import ConfigError
 
 __all__ = ["ShardInfo", "is_sharded", "shard", "sharded_info"]
@@ -168,7 +169,7 @@ def _storage(t: torch.Tensor) -> int:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        t = t._local_tensor
+        t = tc.dtensor_local(t)
     return t.untyped_storage().data_ptr()
 
 
@@ -214,7 +215,7 @@ class _EagerRecompute:
         wrapped = None
         local = t
         if isinstance(t, DTensor):
-            local = t._local_tensor
+            local = tc.dtensor_local(t)
             wrapped = _Outer(t.device_mesh, tuple(t.placements), t.shape, t.stride())
         if type(local) is not torch.Tensor:
             return t

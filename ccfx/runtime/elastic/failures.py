@@ -7,8 +7,8 @@ import logging
 import socket
 from urllib.parse import urlparse
 
+from ... import _torch_compat as tc
 from ...errors import CollectiveError
-from .torchft_private import _process_group
 
 log = logging.getLogger("ccfx")
 
@@ -33,8 +33,8 @@ class Failures:
         rebuilt its group at its next quorum, or until ``collective_timeout_s``, miss that
         quorum and heal a sync later, its inner steps lost. torchft rebuilds the group at the
         next quorum (an uncommitted step gives a new quorum id)."""
-        pg = _process_group(self.manager)
-        if pg is None or getattr(pg, "_pg", None) is None:
+        pg = tc.torchft_process_group(self.manager)
+        if pg is None or tc.torchft_wrapped_group(pg) is None:
             return
         try:
             pg.abort()

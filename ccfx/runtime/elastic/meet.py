@@ -10,6 +10,7 @@ import socket
 import torch
 
 from ...errors import ConfigError
+from ...wire.fingerprints import short_hash
 from .states import State
 
 
@@ -18,7 +19,7 @@ def fingerprint(fragments, options: dict) -> str:
     outer options. Replicas with different ones must not average."""
     desc = {"params": [[n, list(p.shape), str(p.dtype)] for f in fragments
                        for n, p in zip(f.names, f.local)], "options": options}
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+    return short_hash(json.dumps(desc, sort_keys=True))
 
 
 def _ipv4_columns(host: str, port: int) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from ... import _torch_compat as tc
 from ...codecs._fast import compile_later
 from ...errors import CollectiveError, ConfigError
 from ..heal import HealTransport
@@ -21,7 +22,6 @@ from .meet import Meet, _ipv4_columns, fingerprint
 from .options import COMPILE_JOIN_S, ElasticOptions
 from .spares import Spares
 from .states import State, StateMachine
-from .torchft_private import _process_group, _replica_id
 
 log = logging.getLogger("ccfx")
 
@@ -187,7 +187,7 @@ class Elastic(StateMachine, Meet, Averaging, Healing, CatchUp, Spares, Failures)
         try:
             # inside the try: when the group's rebuild failed in the quorum (torchft reports it
             # and leaves the group unset), this sync is uncommitted like any failed exchange
-            r.comm = comm = TorchftComm(_process_group(self.manager))
+            r.comm = comm = TorchftComm(tc.torchft_process_group(self.manager))
             r.rows = rows = self._meet(comm, r.own, r.interval)
             self._last_rank = comm.rank
             self._check_fingerprints(rows, comm)
@@ -223,9 +223,9 @@ class Elastic(StateMachine, Meet, Averaging, Healing, CatchUp, Spares, Failures)
                 self.manager.load_state_dict(r.torchft_state)
         except RuntimeError as e:
             raise CollectiveError(
-                f"replica {_replica_id(self.manager)}: {self.opts.max_retries + 1} outer syncs "
-                f"in a row were not committed (the last at inner step {outer.step}): replicas "
-                "keep dying or fewer than min_replicas="
+                f"replica {tc.torchft_replica_id(self.manager)}: "
+                f"{self.opts.max_retries + 1} outer syncs in a row were not committed (the last "
+                f"at inner step {outer.step}): replicas keep dying or fewer than min_replicas="
                 f"{self.opts.min_replicas} are alive") from e
         r.exchanged = self._last_exchanged = time.monotonic()
         self._last_rows = r.rows

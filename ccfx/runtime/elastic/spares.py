@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import time
 
+from ... import _torch_compat as tc
 from ..heal import Watch
 from .meet import _alive_url
 from .options import WATCH_SILENT_S
 from .states import State
-from .torchft_private import _replica_id
 
 log = logging.getLogger("ccfx")
 
@@ -41,7 +41,7 @@ class Spares:
         if not self.spare:
             return
         log.info("ccfx: replica %s is a hot spare (the %d training places are held): it syncs "
-                 "with nothing to send until one is free", _replica_id(self.manager),
+                 "with nothing to send until one is free", tc.torchft_replica_id(self.manager),
                  self.opts.trainers)
         while self.spare:
             at = self._next_sync_at(self._last_rows, self._last_exchanged)
@@ -53,7 +53,7 @@ class Spares:
             self.sync([])
         self.since, self.tokens = self.outer.step, 0  # it trains from here
         log.info("ccfx: replica %s takes training place %d at inner step %d",
-                 _replica_id(self.manager), self.slot, self.outer.step)
+                 tc.torchft_replica_id(self.manager), self.slot, self.outer.step)
 
     def _watch_trainers(self, until: float) -> int | None:
         """Until the trainers' next sync (the first of them starts it, or ``until`` +
@@ -81,7 +81,8 @@ class Spares:
             dead = watch.wait(until + WATCH_SILENT_S, more_than=j, or_sync=True)
             if len(dead) <= j and not watch.synced and watch.alive():
                 log.info("ccfx: spare %s heard no trainer start the sync due %.1f s ago: "
-                         "joining it", _replica_id(self.manager), time.monotonic() - until)
+                         "joining it", tc.torchft_replica_id(self.manager),
+                         time.monotonic() - until)
         except BaseException:
             watch.close()
             raise
@@ -103,7 +104,7 @@ class Spares:
         self._catch_up_at, self._last_step_end = at, None
         self.since, self.tokens = self.outer.step, 0
         log.info("ccfx: replica %s takes training place %d at inner step %d, %.1f s before "
-                 "the next sync: its trainer died", _replica_id(self.manager), slot,
+                 "the next sync: its trainer died", tc.torchft_replica_id(self.manager), slot,
                  self.outer.step, max(0.0, at - time.monotonic()))
 
     def _assign_slots(self, rows, rank: int) -> int | None:

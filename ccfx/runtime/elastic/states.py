@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 
-from .torchft_private import _replica_id
+from ... import _torch_compat as tc
 
 log = logging.getLogger("ccfx")
 
@@ -69,7 +69,8 @@ class StateMachine:
                                     f"{allowed}")
         manager = getattr(self, "manager", None)
         log.debug("ccfx: replica %s: %s -> %s (%s)",
-                  "?" if manager is None else _replica_id(manager), old.name, new.name, why)
+                  "?" if manager is None else tc.torchft_replica_id(manager), old.name,
+                  new.name, why)
         self._state = new
 
     @property
