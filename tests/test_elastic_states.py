@@ -18,7 +18,9 @@ def _replica(state: State = State.JOINING) -> Elastic:
     return replica
 
 
-LEGAL = [(a, b) for a, targets in TRANSITIONS.items() for b in targets]
+# sorted: a frozenset of enum members iterates in a per-process order, and xdist's workers
+# must collect the same test ids
+LEGAL = [(a, b) for a in State for b in State if b in TRANSITIONS[a]]
 ILLEGAL = [(a, b) for a in State for b in State if a is not b and b not in TRANSITIONS[a]]
 
 

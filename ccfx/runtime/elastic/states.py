@@ -63,7 +63,7 @@ class StateMachine:
         if new is old:
             return
         if new not in TRANSITIONS[old]:
-            allowed = ", ".join(s.name for s in TRANSITIONS[old]) or "none"
+            allowed = ", ".join(s.name for s in State if s in TRANSITIONS[old]) or "none"
             raise IllegalTransition(f"a fault-tolerant replica cannot go from {old.name} to "
                                     f"{new.name} ({why}); from {old.name} it may go to: "
                                     f"{allowed}")
