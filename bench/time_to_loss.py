@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {n: convergence.steps_summary([r for r in runs if r["variant"] == n])
                for n in fixed_names}
 
-    from ccfx.planner.steps_model import StepsModel, StepsTable, role_table
+    from ccfx.planner.steps_model import StepsModel, role_table
+    from ccfx.steps_table import StepsTable
 
     table = role_table({n: (*FIXED[n], summary[n]["multiplier"])
                         for n in fixed_names if n != "none"})

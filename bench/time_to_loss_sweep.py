@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if "none" not in fixed:
         raise SystemExit(f"{a.reuse}: no 'none' runs: the target is none's loss")
 
-    from ccfx.planner.steps_model import StepsModel, StepsTable, role_table
+    from ccfx.planner.steps_model import StepsModel, role_table
+    from ccfx.steps_table import StepsTable
 
     table = role_table({n: (*ttl.FIXED[n], summary[n]["multiplier"])
                         for n in fixed if n != "none"})

@@ -4,8 +4,8 @@ reach a loss target, per role (``activation``, ``activation_grad``) and codec.
 Plain data, read and checked here, below :mod:`ccfx.config`: the ``steps_multipliers`` option
 (a JSON file ``bench/time_to_loss.py`` wrote, JSON text, or a dict) is kept as the canonical
 JSON of its table (:func:`canonical_json`), so ranks agree whatever path they read it from.
-How ``auto`` prices a choice with it, and where the shipped numbers come from:
-:mod:`ccfx.planner.steps_model`.
+How ``auto`` prices a choice with it: :mod:`ccfx.planner.steps_model`; the shipped numbers:
+:data:`MEASURED`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,9 @@ ROLES = ("activation", "activation_grad")
 
 #: Measured on this machine by ``python -m bench.time_to_loss`` (see ``SOURCE``): the tiny GPT
 #: with 8 blocks at 8 stages, 300 AdamW steps, seeds 0-7; the target is none's smoothed loss at
-#: step 150. Noisy: the per-seed multipliers spread ±0.3 (int8, bf16) to ±0.5 (int4:ef,
-#: PowerSGD) around these means (standard errors 0.12-0.17), because the loss curve is flat
-#: there (bench/README.md). int4:ef's is a lower bound (one seed never reached the target in
-#: 300 steps). The additive model below predicts 1.19 for int8 forward + int4:ef backward;
-#: trained on the same 8 seeds, that mix measured 1.19 ± 0.28 (bench/time_to_loss_sweep.py;
-#: 1.27 over the first 6: the seeds' noise is the larger error).
+#: step 150. Noisy (the loss curve is flat there); int4:ef's is a lower bound (one seed never
+#: reached the target). The additive model of :mod:`ccfx.planner.steps_model` predicts int8
+#: forward + int4:ef backward as that mix trained (bench/RESULTS.md, Time to loss: 1.19).
 MEASURED: dict[str, dict[str, float]] = {
     "activation": {"bf16": 1.0824, "int8": 1.0414},
     "activation_grad": {"bf16": 1.0824, "int8": 1.0414, "int4:ef": 1.1496,

@@ -8,6 +8,7 @@ from torch import nn
 
 import ccfx
 
+from . import toy_models as models
 from .ranks import digest, rng
 
 
@@ -55,7 +56,7 @@ def pp_dp_on_cluster(rank: int, world: int, placement: list[int] | None) -> dict
     pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
     pp_rank = mesh.get_local_rank("pp")
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())])
+    model = models.relu_stack(4, 256)
     compiled = torch.compile(model, backend="ccfx", fullgraph=True, options={
         "stages": 2, "gradient_codec": "int8", "gradient_collective": "auto",
         "lowering": "eager", "cluster": four(), "placement": placement})

@@ -24,6 +24,8 @@ from ccfx.planner.links import (
 )
 from ccfx.planner.pipeline_model import EdgeTraffic, PipelineModel, StageCompute
 
+from . import toy_models as models
+
 FAST, SLOW = Link(100.0, 0.01), Link(0.05, 1.0)
 
 
@@ -211,7 +213,7 @@ def test_placement_is_checked_against_the_cluster():
 
 def mlp(layers: int = 8, width: int = 256) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+    return models.relu_stack(layers, width)
 
 
 def compile_pipeline(options: dict):
@@ -252,7 +254,7 @@ def test_buckets_are_priced_on_the_data_parallel_groups_link(placement, compress
     # the group inside node n0 (1000 Gbit/s) vs across the nodes (5 Mbit/s)
     c = two_by_two(inter=(0.005, 1.0), intra=(1000.0, 0.01))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    model = models.two_layer_mlp(256, 1024)
     compiled = torch.compile(model, backend="ccfx", fullgraph=True, options={
         "data_parallel": True, "gradient_codec": "auto", "lowering": "eager",
         "cluster": c.to_dict(), "placement": placement})

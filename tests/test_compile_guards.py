@@ -192,19 +192,6 @@ def _whole_under_ddp():
 # -- the left-whole warning -------------------------------------------------------------------
 
 
-class _Head(nn.Module):
-    """A few FLOPs without parameters, a graph break, then an MLP."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = models.MLP(32, 8)
-
-    def forward(self, x):
-        x = x * 2 + 1
-        torch._dynamo.graph_break()
-        return self.body(x)
-
-
 class _SmallTail(nn.Module):
     """An MLP, a graph break, then a tail WITH a parameter but few FLOPs."""
 
@@ -219,7 +206,8 @@ class _SmallTail(nn.Module):
         return self.tail(h).sum()
 
 
-@pytest.mark.parametrize("model, graph, which", [(_Head, 0, "other"), (_SmallTail, 1, "larger")])
+@pytest.mark.parametrize("model, graph, which", [(models.BreakThenMLP, 0, "other"),
+                                                (_SmallTail, 1, "larger")])
 def test_the_left_whole_warning_says_which_graphs_get_the_stages(model, graph, which):
     compiled = torch.compile(model(), backend=ccfx.backend(stages=2, lowering="eager"))
     with warnings.catch_warnings(record=True) as caught:

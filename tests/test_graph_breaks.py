@@ -127,19 +127,6 @@ class TinyTail(nn.Module):
         return (h * 2 + 1).sum()
 
 
-class TinyHead(nn.Module):
-    """A few FLOPs, a graph break, then an MLP: the first graph cannot know what follows."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = models.MLP(32, 4)
-
-    def forward(self, x):
-        x = x * 2 + 1
-        torch._dynamo.graph_break()
-        return self.body(x)
-
-
 def test_a_few_flop_tail_is_never_a_stage():
     compiled, _ = compile_ccfx(TinyTail(), stages=2, activation_codec="int8")
     with pytest.warns(ccfx.CcfxWarning, match="graph 1: left whole"):
@@ -192,7 +179,8 @@ def test_gpt2_with_its_loss_break_names_the_graph_left_whole_when_pipelined():
 def test_a_parameterless_prologue_is_left_whole():
     """The first graph cannot know what follows it (nothing bigger has been seen), but it holds
     no parameters: left whole, and the model's main graph after the break gets the stages."""
-    compiled, backend = compile_ccfx(TinyHead(), stages=2, activation_codec="int8")
+    compiled, backend = compile_ccfx(models.BreakThenMLP(depth=4), stages=2,
+                                     activation_codec="int8")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled(torch.randn(4, 32)).sum().backward()

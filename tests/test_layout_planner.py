@@ -235,7 +235,7 @@ def test_options_compile_and_run():
 
 def test_time_to_target_uses_the_steps_multipliers():
     from ccfx.planner.layout import steps_multiplier
-    from ccfx.planner.steps_model import StepsTable
+    from ccfx.steps_table import StepsTable
 
     table = StepsTable.from_dict({"multipliers": {"activation": {"int8": 1.5}}, "source": "t"})
     layout = Layout(3, 1, microbatches=3, boundaries=(0, 1, 2),

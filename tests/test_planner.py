@@ -10,6 +10,8 @@ from ccfx.planner.auto import choose_pipeline_codecs
 from ccfx.planner.pipeline_model import EdgeTraffic, PipelineModel, StageCompute
 from ccfx.wire.schedules import Compute, gpipe_program, one_f_one_b_program
 
+from . import toy_models as models
+
 NO_WIRE = Link(1e6, 0.0)
 
 
@@ -156,7 +158,7 @@ def test_explain_names_the_measured_loss_cost_of_a_hand_picked_codec():
 @pytest.mark.parametrize("gbps,compressed", [(0.005, True), (1000.0, False)])
 def test_gradient_codec_auto_prices_every_bucket(gbps, compressed):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    model = models.two_layer_mlp(256, 1024)
     compiled = torch.compile(model, backend="ccfx", fullgraph=True, options={
         "data_parallel": True, "gradient_codec": "auto", "link_gbps": gbps, "lowering": "eager",
         "auto_loss_budget": 0.05})  # PowerSGD with error feedback (+1.7 %) is a candidate

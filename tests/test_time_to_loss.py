@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 import ccfx
 from bench import convergence
@@ -16,15 +15,10 @@ from ccfx.planner.auto import choose_pipeline_codecs
 from ccfx.planner.candidates import candidates
 from ccfx.planner.codec_cost import CodecCost
 from ccfx.planner.pipeline_model import EdgeTraffic, PipelineModel, StageCompute
-from ccfx.planner.steps_model import (
-    DEFAULT,
-    ROLES,
-    StepsModel,
-    StepsTable,
-    for_config,
-    load,
-    role_table,
-)
+from ccfx.planner.steps_model import StepsModel, for_config, role_table
+from ccfx.steps_table import DEFAULT, ROLES, StepsTable, load
+
+from . import toy_models as models
 
 # ---------------------------------------------------------------------------------------------
 # Steps to a target on synthetic curves: exact.
@@ -266,7 +260,7 @@ def test_compiling_with_time_to_loss_follows_the_table():
     """The compile-time path (plan_edges): the same model and link, int8 chosen under the step
     objective and refused when the table says it needs 5x the steps."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    model = models.two_layer_mlp(256, 512)
     x = torch.randn(32, 256)
     chosen = {}
     for name, extra in (("step", {}), ("ttl", {"objective": "time_to_loss",

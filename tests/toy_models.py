@@ -116,3 +116,27 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.lin(x)
+
+
+class BreakThenMLP(nn.Module):
+    """A few FLOPs without parameters, a graph break, then an MLP: the first graph cannot know
+    what follows."""
+
+    def __init__(self, width=32, depth=8):
+        super().__init__()
+        self.body = MLP(width, depth)
+
+    def forward(self, x):
+        x = x * 2 + 1
+        torch._dynamo.graph_break()
+        return self.body(x)
+
+
+def two_layer_mlp(width=256, hidden=1024):
+    """Linear up to ``hidden``, ReLU, Linear back to ``width``: two weight matrices."""
+    return nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width))
+
+
+def relu_stack(layers=8, width=256):
+    """``layers`` times (Linear(width, width), ReLU), as one nn.Sequential."""
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])

@@ -1,21 +1,13 @@
 """The CPU fast path: codec reference functions compiled by inductor.
 
-Eager torch runs a blockwise codec as a chain of full-size temporaries (the issue measured an
-int8 round trip at 0.20x of clone bandwidth eagerly, 0.80x compiled), so large CPU tensors go
+Eager torch runs a blockwise codec as a chain of full-size temporaries, so large CPU tensors go
 through ``torch.compile``d copies of the same reference functions. Tensors under tracing
 (fake/functional subclasses, dispatch modes, an enclosing torch.compile) and CUDA tensors take
 the eager function (CUDA tensors normally run Triton kernels, not the reference), and so do
 small tensors: a compiled call costs ~0.4 ms of guards and launch, and each new shape a few
-seconds of compile. Round trips measured here (2 cores, eager / compiled, ms):
-
-    elements   int8         fp8           qsgd
-    2**14      0.70 / 0.50  1.37 / 0.37   1.64 / 0.49
-    2**16      0.85 / 0.62  2.13 / 0.70   3.10 / 0.76
-    2**18      2.45 / 0.70  16.2 / 1.24   27.8 / 1.36
-    2**20      32.4 / 2.43  37.5 / 2.87   69.3 / 3.88
-
-so the threshold is 2**17 elements (a 512 KiB fp32 activation), where compiled wins by 2x or
-more and a few seconds of compile per shape are repaid within a few hundred steps.
+seconds of compile. Hence the threshold of 2**17 elements (a 512 KiB fp32 activation): above
+it a compiled round trip wins by 2x or more on CPU, and a few seconds of compile per shape are
+repaid within a few hundred steps.
 
 ``CCFX_CODEC_COMPILE=0`` turns the compiled path off, ``=1`` forces it for every size and device
 (bench/codecs.py uses that to time an inductor-compiled reference against the Triton kernels);

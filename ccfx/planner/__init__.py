@@ -19,7 +19,8 @@ Pieces, one per module:
   codecs → the predicted step (a collective's: its exposed time on the link plus its codec's);
 * ``candidates``: the error budget (codecs whose measured effect on the loss is within it);
 * ``auto``: the search, and a ``Decision`` per edge, direction and bucket that says why;
-* ``cluster`` (+ ``cluster_files``, ``cluster_probe``): devices and the links between them;
+* ``cluster`` (+ ``cluster_probe``): devices and the links between them (the description
+  and its files: :mod:`ccfx.cluster_spec`, :mod:`ccfx.cluster_files`);
   ``links``: which link each hop, data-parallel group and collective crosses under a
   placement, and how flows leaving one node share it;
 * ``steps_model``: steps multipliers per codec and role, for ``objective="time_to_loss"``;

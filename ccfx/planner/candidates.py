@@ -17,8 +17,8 @@ from ..config import Config
 from ..errors import ConfigError
 
 #: role → codec spec → relative change of the final loss against uncompressed, the mean paired
-#: difference over seeds 0-2 measured by ``python -m bench.convergence`` (2026-12-01: tiny GPT
-#: 0.81 M, 4 stages, 300 AdamW steps; the uncompressed runs themselves spread ±1.6 %). A row
+#: difference over seeds 0-2 measured by ``python -m bench.convergence`` (bench/RESULTS.md,
+#: Convergence: tiny GPT 0.81 M, 4 stages, 300 AdamW steps). A row
 #: compresses one role or both: a backward codec measured with a lossy forward (int4 / int4:ef)
 #: carries the forward's error too, an upper bound for the backward alone.
 MEASURED: dict[str, dict[str, float]] = {
@@ -50,7 +50,7 @@ def candidates(role: str, config: Config, *, steps: bool = False) -> list[str]:
 
 
 def _steps_candidates(role: str, config: Config) -> list[str]:
-    from .steps_model import load
+    from ..steps_table import load
 
     table = load(config.steps_multipliers)
     out = ["none", *(s for s in table.specs(role) if s != "none")]

@@ -15,15 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from .. import cluster_files as _files
-from ..cluster_spec import (  # noqa: F401  (the names this module has always offered)
-    LEVELS,
-    TRANSPORTS,
+from ..cluster_spec import (
     ClusterSpec,
     Device,
-    Link,
-    make_link,
-    parse_memory,
-    transport_of,
+    make_link,  # noqa: F401  (ConfigErrors tell users to build Devices and links from here)
 )
 
 

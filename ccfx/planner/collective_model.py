@@ -36,8 +36,8 @@ the budget of both (``activation`` and ``activation_grad``; ``gradient`` and
 ``activation_grad``): bench/convergence measured these roles on pipeline edges and buckets,
 the closest measured stand-ins.
 
-On gloo, torch's CPU ``reduce_scatter_tensor`` costs a whole all-reduce (measured on the shaped
-harness: 4.04 s against 2.03 s for an all-gather of the same bytes, bench/README.md), so an
+On gloo, torch's CPU ``reduce_scatter_tensor`` costs a whole all-reduce (twice an all-gather
+of the same bytes: bench/RESULTS.md, Sharded data parallel), so an
 uncompressed reduce-scatter on a gloo group is priced as one; the compressed one is an
 all-to-all and is not.
 """

@@ -269,8 +269,7 @@ def contention(cores: int | None, stage_work: int | Sequence[float], replicas: i
     drain and its light stages leave cores free for the busy ranks: four ranks on two cores
     run four replicas 2x slower, two 2-stage pipelines 1.75x, a 4-stage pipeline of equal
     stages and 4 microbatches 1.44x, of stages weighing 1, 2, 2, 1 (6 blocks) 1.23x
-    (bench.layouts, quiet: that pipeline's int8 step 0.78 s measured, 1.10 s predicted with a
-    flat 2x)."""
+    (checked on bench/RESULTS.md, Layouts: pp4-dp1)."""
     if not cores:
         return 1.0
     work = [1.0] * stage_work if isinstance(stage_work, int) else list(stage_work)

@@ -759,8 +759,9 @@ def steps_multiplier(layout: Layout, table=None) -> float:
     """How many more steps than uncompressed the layout's hop codecs need to reach a loss
     target (:mod:`ccfx.planner.steps_model`: the table ``bench/time_to_loss`` measures, each
     hop one edge); gradient codecs and local steps count 1 (no multiplier measured for them)."""
+    from ..steps_table import DEFAULT
     from .pipeline_model import EdgeTraffic
-    from .steps_model import DEFAULT, StepsModel
+    from .steps_model import StepsModel
 
     if layout.pp == 1:
         return 1.0

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..steps_table import SOURCE as STEPS_SOURCE
 from .cluster import Cluster
 from .layout import Layout, LayoutPrediction, steps_multiplier
 from .memory_model import MEMORY_LIMIT
 from .model_facts import ModelFacts
-from .steps_model import SOURCE as STEPS_SOURCE
 
 GIB = 2 ** 30
 

@@ -300,7 +300,8 @@ def refine_codecs(facts: ModelFacts, cluster: Cluster, pred: LayoutPrediction,
              "bwd": candidates("activation_grad", config)}
     multiplier = None
     if to_target:
-        from .steps_model import DEFAULT, StepsModel
+        from ..steps_table import DEFAULT
+        from .steps_model import StepsModel
 
         multiplier = StepsModel(DEFAULT, edges)
     chosen = choose_pipeline_codecs(model, lambda e, d: roles[d], min_gain=MIN_GAIN,

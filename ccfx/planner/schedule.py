@@ -9,16 +9,15 @@ A message occupies its link for ``latency + bytes / bandwidth`` from the moment 
 (``Link.rendezvous``: from the moment both ends have posted it); messages on one link go one
 after the other in the order they became ready. A send's work completes as soon as the
 transport has the bytes (``Link.buffered_sends``: TCP's socket buffers, what gloo does), a
-receive's when the last byte is in. These two defaults are the ones that reproduce the
-measured 1F1B steps of bench/pipeline.py on the shaped loopback (1.705 s predicted against
-1.684 s measured for mlp4 at 10 Mbit/s; with rendezvous and blocking sends the simulator
-predicted 1.92 s). A ``Link`` is one direction of one pair of ranks, or, with
-``shared=True``, a single medium every byte crosses (the shaped loopback of bench/shaped.py:
-one token bucket on ``lo`` for every rank and both directions). :func:`simulate` takes one
-link for every hop, or a link per hop (``links[s]`` joins stages s and s+1, both directions:
-a cluster's links, :mod:`ccfx.planner.links`); hops whose links are equal and ``shared`` go
-on one medium, and each message follows its own link's transport (``rendezvous``,
-``buffered_sends``).
+receive's when the last byte is in. These two defaults are the ones that reproduce the measured
+1F1B steps of bench/pipeline.py on the shaped loopback (1.705 s predicted for mlp4 at
+10 Mbit/s; bench/RESULTS.md, Pipeline: 1.684 s). A ``Link`` is one direction of one pair of ranks,
+or, with ``shared=True``, a single medium every byte crosses (the shaped loopback of
+bench/shaped.py: one token bucket on ``lo`` for every rank and both directions).
+:func:`simulate` takes one link for every hop, or a link per hop (``links[s]`` joins stages s
+and s+1, both directions: a cluster's links, :mod:`ccfx.planner.links`); hops whose links are
+equal and ``shared`` go on one medium, and each message follows its own link's transport
+(``rendezvous``, ``buffered_sends``).
 
 What comes out (:class:`Timeline`) is the step time, each rank's compute and waiting time, and
 for every message when it was ready, sent and waited for: a message is *exposed* when some

@@ -35,15 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from .. import codecs
-from ..steps_table import (  # noqa: F401  (the table: below the config, named here as before)
-    DEFAULT,
-    MEASURED,
-    ROLES,
-    SOURCE,
-    StepsTable,
-    canonical_json,
-    load,
-)
+from ..steps_table import ROLES, StepsTable, load
 
 #: ``choose_pipeline_codecs``'s direction → role.
 DIRECTION_ROLE = {"fwd": "activation", "bwd": "activation_grad"}

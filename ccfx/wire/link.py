@@ -23,15 +23,9 @@ from .ring import gather_wire_bytes, ring_codec, ring_wire_bytes
 #: A 2-rank all-gather on gloo's TCP transport ("buffered"): both directions of the exchange
 #: travel on the pair's one connection, and the message that tells a sender its peer has
 #: posted the receive goes on that same connection, behind whatever payload is already in it:
-#: the two directions partly take turns instead of running at once. Measured on
-#: ``bench.shaped.two_nodes`` by ``python -m bench.pair_gather`` (48.1 Mbit/s across, 5.4 MB
-#: uint8 payloads, gloo ``all_gather_into_tensor``): one pair alone 1.0-1.9x one direction's time, mean 1.50x
-#: (24 trials); two pairs sharing the link 1.06-1.55x their shared time, mean 1.33x (22
-#: trials: the other pair fills the idle direction). Both are about 0.5-0.65 of one payload
-#: at the link's whole rate on top of the bandwidth's time; the same payload in 8 chunks issued
-#: at once 1.08-1.12x, a 4-rank ring (send and receive on different pairs) 1.04-1.08x, an
-#: all-reduce of the same bytes 1.02-1.07x (gloo chunks it). ccfx's int8 buckets of
-#: ``bench.layouts``' pp2-dp2 "replicas across" were predicted 27 % short without it.
+#: the two directions partly take turns instead of running at once: about 0.6 of one payload
+#: at the link's whole rate on top of the bandwidth's time (one pair alone: 1.50x one
+#: direction's time, bench/RESULTS.md, The shaped link).
 PAIR_GATHER_WAIT = 0.6
 
 

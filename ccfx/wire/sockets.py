@@ -20,7 +20,7 @@ an error there. After :func:`shut`, every later operation on that group fails at
 rank (the group is finished); other groups and the default one are untouched.
 
 Linux only (``/proc/self/fd``); elsewhere, or with a lazily connected group
-(``TORCH_GLOO_LAZY_INIT``), nothing is recorded and peers wait for the timeout, as before.
+(``TORCH_GLOO_LAZY_INIT``), nothing is recorded and peers wait for the timeout.
 """
 
 from __future__ import annotations
