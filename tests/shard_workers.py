@@ -332,6 +332,31 @@ def errors(rank, world) -> dict:
     return {k: (v["error"], v.get("message")) for k, v in got.items()}
 
 
+def traps(rank, world) -> dict:
+    """The silent traps of sharding: an optimizer made before ``shard`` (refused at each rank's
+    first step), and rank 1 alone reading and printing a sharded parameter outside the forward
+    (its shard: no gather, which rank 0, going on, would never join). Then both ranks train 2
+    steps with an optimizer made after ``shard``: the digest of the gathered parameters, equal
+    on both if the group is intact."""
+    model = build("mlp")
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    ccfx.shard(model)
+    loss_of("mlp", model, batch("mlp", rank, 0)).backward()
+    first = caught(early.step)
+    out = {"optimizer_first": (first["error"], first.get("message")), "one_rank_reads": None}
+    if rank == 1:
+        weight = model[2].weight
+        out["one_rank_reads"] = {"local": tuple(weight.to_local().shape),
+                                 "printed": "DTensor" in repr(weight)}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2):
+        opt.zero_grad()
+        loss_of("mlp", model, batch("mlp", rank, step)).backward()
+        opt.step()
+    out["digest"] = digest([full(p) for p in model.parameters()])
+    return out
+
+
 def tensor_parallel(rank, world, backend: str | None, steps: int = 3) -> dict:
     """A (dp=2, tp=2) mesh on 4 ranks: torch's parallelize_module (ColwiseParallel,
     RowwiseParallel) on "tp", then ccfx.shard on "dp"; trained against the unsharded model

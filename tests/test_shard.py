@@ -55,6 +55,7 @@ def _two(tmp_path_factory):
                  ZERO_PP),
         scenario("rank0", w.rank0_values),
         scenario("errors", w.errors),
+        scenario("traps", w.traps),
     ]
 
 
@@ -233,11 +234,77 @@ def test_bad_input_is_a_config_error(two):
     assert got["not_module"][0] == "ConfigError" and "nn.Module" in got["not_module"][1]
 
 
+@pytest.mark.slow
+def test_shard_traps_are_named_on_every_rank_and_leave_the_group_intact(two):
+    """An optimizer made before shard: a ConfigError at each rank's first step. Rank 1 alone
+    reading and printing a weight outside the forward: its shard, with no gather that rank 0
+    (which did not read) would never join; both then train on and gather the same parameters
+    (a gather on rank 1 alone would have met rank 0's next forward gather instead)."""
+    r0, r1 = two["traps"]
+    for got in (r0, r1):
+        kind, message = got["optimizer_first"]
+        assert kind == "ConfigError" and "Build the optimizer after ccfx.shard" in message
+        assert "Sequential.0.weight" in message
+    assert r0["one_rank_reads"] is None
+    assert r1["one_rank_reads"] == {"local": (8, 16), "printed": True}
+    assert r0["digest"] == r1["digest"]
+
+
 def test_no_process_group_is_a_config_error(monkeypatch):
     # as in a process that never called init_process_group (whatever other tests did here)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(ccfx.ConfigError, match="init_process_group"):
         ccfx.shard(torch.nn.Linear(2, 2))
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this process alone: ccfx.shard on one rank, no spawn."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_optimizer_made_before_shard_is_refused_at_its_first_step(one_rank_group):
+    """It holds the replaced parameters, which the model no longer computes with: its steps
+    would change nothing. The error names a parameter and the fix; one made after shard
+    steps."""
+    model = w.build("mlp")
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    ccfx.shard(model)
+    model(torch.randn(4, 8)).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ccfx.ConfigError, match=r"(?s)before ccfx\.shard.*Sequential\.0\.weight"
+                                               r" and 7 more.*Build the optimizer after "
+                                               r"ccfx\.shard"):
+        early.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert not torch.equal(before[0], model[0]._parameters["weight"].detach())
+
+
+def test_outside_a_forward_a_sharded_parameter_reads_as_this_ranks_shard(one_rank_group):
+    """A gather is a collective every rank must join, and one rank may read a weight alone
+    (``print(model.fc.weight)``): outside a forward the attribute is the parameter itself, a
+    DTensor holding this rank's shard, read with no communication (FSDP2's convention). In the
+    forward it is the gathered weight, as the module computes with it."""
+    from torch.distributed.tensor import DTensor
+
+    model = ccfx.shard(w.build("mlp"))
+    param = dict(model.named_parameters())["2.weight"]
+    assert model[2].weight is param and isinstance(param, DTensor)
+    assert "DTensor" in repr(model[2].weight)
+    seen = []
+    model[2].register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+    model(torch.randn(4, 8)).sum().backward()
+    assert seen == [torch.Tensor] and param.grad is not None
 
 
 @pytest.mark.slow

@@ -3,8 +3,10 @@ SimpleFSDP way, PyTorch-native).
 
 Every parameter becomes an ``nn.Parameter`` holding a DTensor on the data-parallel mesh:
 ``Shard(0)`` (each rank keeps 1/W of its rows, uneven sizes as ``torch.chunk`` splits them), a
-0-d parameter ``Replicate()`` (it has no dimension to split). Reading ``module.weight`` gathers
-it: ``p.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial("avg")])``, so
+0-d parameter ``Replicate()`` (it has no dimension to split). Reading ``module.weight`` in a
+forward gathers it: ``p.redistribute(placements=[Replicate()]).to_local(grad_placements=
+[Partial("avg")])`` (outside any forward it is the parameter itself, this rank's shard, as in
+FSDP2: one rank may read it alone, where a gather would leave its peers waiting), so
 
 * the forward all-gathers each weight where it is used and the backward reduce-scatters its
   gradient, averaged over the ranks (DTensor's ``Partial("avg")``: no division to add), into a
@@ -42,6 +44,7 @@ optimizer's state dicts (``get_state_dict`` / ``set_state_dict``): the keys are 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import weakref
 from collections.abc import Sequence
 from typing import ClassVar
@@ -133,6 +136,11 @@ def _gathered(module: nn.Module, name: str) -> torch.Tensor:
 
         return checkpoint(_replicate, param, info_outer, use_reentrant=False,
                           context_fn=_recompute_context)
+    if not _in_a_forward():
+        # outside a forward (``print(model.fc.weight)``, torch.distributed.checkpoint walking
+        # the model) one rank may read alone: the parameter itself, this rank's shard, with
+        # no communication (FSDP2's convention); a gather would leave its peers waiting
+        return param
     full = _replicate(param, info_outer)
     _EagerRecompute.note(full, param)
     return full
@@ -140,6 +148,23 @@ def _gathered(module: nn.Module, name: str) -> torch.Tensor:
 
 #: The attribute of a module holding, per parameter name, how to rewrap its gather (TP).
 _OUTER_ATTR = "_ccfx_outer"
+#: Code names of the frames that make a read of a sharded parameter a forward's: a module's
+#: call (also an eager activation checkpoint's recomputation in backward) or a ``forward``.
+_FORWARD_FRAMES = frozenset({"_call_impl", "_wrapped_call_impl", "forward"})
+
+
+def _in_a_forward() -> bool:
+    """Whether a module's forward (or call) is on the Python stack, so that every rank of the
+    group reads its parameters too: the training step, an eager activation checkpoint's
+    recomputation in backward. Without frame support (not CPython): always."""
+    frame = inspect.currentframe()
+    if frame is None:
+        return True
+    while frame is not None:
+        if frame.f_code.co_name in _FORWARD_FRAMES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _sharded_class(cls: type, names: Sequence[str]) -> type:
@@ -265,6 +290,47 @@ def _exit(module, args, output):
         _EagerRecompute.live.clear()
 
 
+# -- an optimizer made before shard --------------------------------------------------------------
+
+#: id of each parameter ``shard`` replaced → (weak reference to it, "Model.path.name"); an entry
+#: goes when its parameter is freed, so only one something still holds (an optimizer) stays
+_REPLACED: dict[int, tuple[weakref.ref, str]] = {}
+#: the handle of :func:`_refuse_replaced`, registered once per process
+_STEP_HOOK: list = []
+
+
+def _remember_replaced(old: torch.Tensor, name: str) -> None:
+    key = id(old)
+    _REPLACED[key] = (weakref.ref(old, lambda _ref, key=key: _REPLACED.pop(key, None)), name)
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_replaced))
+
+
+def _refuse_replaced(optimizer, args, kwargs) -> None:
+    """Every optimizer's step pre-hook: refuse a step over parameters ``shard`` replaced. An
+    optimizer made before ``shard`` holds the model's old parameters, which nothing computes
+    with any more: its steps would change nothing, silently. Nothing to do (one dict lookup per
+    parameter) once the replaced parameters are freed, which is the usual case. Not checked
+    while Dynamo traces a compiled ``step`` (there the hook would only break its graph)."""
+    if not _REPLACED or torch.compiler.is_compiling():
+        return
+    held = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _REPLACED.get(id(p))
+            if entry is not None and entry[0]() is p:
+                held.append(entry[1])
+    if held:
+        more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+        raise ConfigError(
+            f"{type(optimizer).__name__} steps the parameters of the model as it was before "
+            f"ccfx.shard replaced them with shards ({held[0]}{more}): the model trains the "
+            "new ones, so this step would change nothing. Build the optimizer after "
+            "ccfx.shard: model = ccfx.shard(model); opt = torch.optim.AdamW(model.parameters())")
+
+
 # -- shard ---------------------------------------------------------------------------------------
 
 
@@ -348,6 +414,7 @@ def shard(model: nn.Module, mesh=None) -> nn.Module:
                 new = nn.Parameter(value, requires_grad=old.requires_grad)
                 done[id(old)] = new
                 full = f"{mod_name}.{name}" if mod_name else name
+                _remember_replaced(old, f"{type(model).__name__}.{full}")
                 info.placements[full] = str(placement)
                 if outer is not None:
                     info.outer[full] = outer
