@@ -152,7 +152,8 @@ class Collectives:
                 if r.compressed is not None:
                     r.state = r.compressed.init_state(device)
                     self._register(plan.index, r)
-        rewritten = compress_collectives(copy_graph(gm), found, rewrites, decompositions)
+        rewritten = compress_collectives(copy_graph(gm), found, rewrites, decompositions,
+                                         self._comm)
         plan.collectives.extend(rows)
         log.info("ccfx: graph %d %s: %d collective(s), %d compressed", plan.index, part,
                  len(rows), sum(r.codec != "none" for r in rows))
@@ -167,6 +168,13 @@ class Collectives:
                           else (c.index, c.raw_bytes, c.wire_bytes) for c in rows],
                          f"the {part} of graph {plan.index}" if described else "", described,
                          counters, agreed)
+
+    def _comm(self, group_name: str, world: int):
+        """The comm the compressed phases issue through: their waits give up after
+        ``collective_timeout_s`` (the group is the user's: ccfx leaves its timeout alone)."""
+        from ccfx.wire.deadline import DeadlineComm
+
+        return DeadlineComm(group_name, world, self.config.collective_timeout_s)
 
     # -- decisions ------------------------------------------------------------------------
 
@@ -286,6 +294,9 @@ class Collectives:
             return []
         from ccfx.wire import agree
 
+        # where this rank runs: a peer's error names this rank by it should it die or freeze
+        # on the user's group (DeviceMesh, ccfx.shard), as on ccfx's own (wire.blame)
+        agree.publish_process()
         agreed = []
         groups = {}
         for f in found:
@@ -371,6 +382,30 @@ def _same_collective(part: str, index: int, f: FoundCollective) -> tuple:
     code)."""
     return (part, f.group_name, index, f.kind or f.op, f.reduce_op, str(f.agreed_shape),
             str(f.dtype))
+
+
+def unmatched_overrides(config: Config, rows: Sequence[Collective]):
+    """The :class:`ccfx.ConfigError` for ``collective_overrides`` keys that name no collective
+    among ``rows`` (every graph compiled so far): an index none has, a kind none is. Accepted,
+    they would silently change nothing. None when every key matches."""
+    from ccfx.config import COLLECTIVE_KINDS
+    from ccfx.errors import ConfigError
+
+    keys = [key for key, _ in config.collective_overrides or ()]
+    named = {f"collective {c.index}" for c in rows} | {c.kind for c in rows}
+    unmatched = [key for key in keys if key not in named]
+    if not unmatched:
+        return None
+    listed = "\n".join(
+        f"  collective {c.index}: {c.kind}{f' ({c.reduce_op})' if c.reduce_op else ''}, graph "
+        f"{c.graph} {c.part}, group {c.group!r} of {c.group_size}, {tuple(c.shape)} {c.dtype}"
+        for c in rows) or "  (none: no functional collective was compiled)"
+    return ConfigError(
+        f"collective_overrides key(s) {', '.join(map(repr, unmatched))} match no collective of "
+        f"this model, so they would change nothing. Its collectives (as ccfx.plan_of(compiled) "
+        f"prints them):\n{listed}\nWrite 'collective N' with N one of those indices (counted "
+        "over each graph's forward then backward; it applies in every graph) or a kind ("
+        f"{', '.join(COLLECTIVE_KINDS)}) for every collective of that kind.")
 
 
 def _clip(text: str, n: int = 400) -> str:
@@ -476,6 +511,7 @@ def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, gra
     ledger_ref = weakref.ref(ledger)
     counters = counters or {}
     entering = f"the collectives of {what or f'graph {graph}'}"
+    peers = sorted({r for _, ranks in groups for r in ranks}) or None
 
     def run(args):
         for name, ranks in groups:
@@ -492,7 +528,7 @@ def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, gra
         except RuntimeError as e:
             if not what:
                 raise
-            raise failed(e, what, described) from e
+            raise failed(e, what, described, peers) from e
         book = ledger_ref()
         if book is not None:
             for index, raw, wire in rows:
@@ -504,17 +540,19 @@ def _counting(compiled: Callable, extra: list[torch.Tensor], ledger: Ledger, gra
     return tc.mark_boxed(run)
 
 
-def failed(e: BaseException, what: str, described: str) -> CollectiveError:
+def failed(e: BaseException, what: str, described: str,
+           ranks: Sequence[int] | None = None) -> CollectiveError:
     """The error of a compiled graph whose compressed collectives failed: this rank, the
-    graph, its collectives, gloo's first line, and the peer that looks dead if one does."""
+    graph, its collectives, gloo's first line, and the peer of ``ranks`` (the ranks of its
+    groups; default all) that looks dead if one does."""
     from ccfx.wire import agree
 
     first = first_line(e)
-    agree.gave_up(f"the collectives of {what}", first)
-    who = agree.blame(e)
+    agree.gave_up(f"the collectives of {what}", first, ranks or ())
+    who = agree.blame(e, ranks)
     who = f" {who[0].upper()}{who[1:]}." if who else ""
     # what peers recompiled, and (no dead peer named) why they gave up
-    notes = agree.peer_notes(failures="rank " not in who.lower())
+    notes = agree.peer_notes(ranks, failures="rank " not in who.lower())
     who = f"{who} {notes}" if notes else who
     dist = _dist()
     rank = f"rank {dist.get_rank()} of {dist.get_world_size()}: " if dist is not None else ""

@@ -47,14 +47,14 @@ from ccfx.runtime.data_parallel import DataParallel, inside_ddp
 from ccfx.runtime.ledger import Ledger
 
 from . import fallbacks
-from .collectives import Collectives
+from .collectives import Collectives, unmatched_overrides
 from .collectives import active as collectives_active
 from .dp_link import collective_decisions, group_link
 from .dynamo_context import OwnerToken, config_of_wrapper, contexts_of, running_compile
 from .dynamo_context import through_dynamo as _through_dynamo
 from .dynamo_context import wrapper_of as _wrapper_of
 from .lowering import LoweredGraphs, lower
-from .plan_builder import build_graph_plan
+from .plan_builder import build_graph_plan, expansion_notes
 
 log = logging.getLogger("ccfx")
 _install_torch_logs()  # TORCH_LOGS=ccfx, TORCH_TRACE artifacts
@@ -127,6 +127,10 @@ class CcfxBackend:
         #: The functional collectives of the compiled graphs, compressed as the options say
         #: (``collective_codec``; their rows are in each graph's plan).
         self.collectives = Collectives(self.config, self.ledger, self.codec_state)
+        #: checked once: ``collective_overrides`` keys that match no collective
+        self._overrides_checked = False
+        #: (channel, codec) pairs already warned of sending more than their raw bytes
+        self._expansions_warned: set[str] = set()
         _LIVE.add(self)
         fallbacks.arm()  # again: torch._dynamo.reset() drops Dynamo's compile callbacks
 
@@ -167,6 +171,20 @@ class CcfxBackend:
             "launched together train apart). Add data_parallel=True (after "
             "dist.init_process_group()); the codec also serves ccfx.sync_grads of pipeline "
             "stages (PP x DP).", CcfxWarning, stacklevel=3)
+
+    def _after_first_call(self, graph_plan, desc: dict) -> None:
+        """What the second call of a graph can check, a whole first call being over (forward
+        and, when training, backward): the gradient codec's use (:meth:`_check_gradient_codec`)
+        and, once per model, ``collective_overrides`` keys that match no collective of its
+        graphs (an inference graph alone waits: a training graph's backward may have them)."""
+        self._check_gradient_codec(graph_plan)
+        if (not self.config.collective_overrides or not desc.get("grad")
+                or self._overrides_checked):
+            return
+        self._overrides_checked = True
+        error = unmatched_overrides(self.config, self.plan.collectives)
+        if error is not None:
+            raise error
 
     @property
     def plan(self) -> Plan:
@@ -336,6 +354,29 @@ class CcfxBackend:
         g.decisions = [d for d in g.decisions if not d.what.startswith(where)] + \
             collective_decisions(where, rows, dist.get_world_size(sync.dp_group), group)
 
+    def _after_lowering(self, graph_plan: GraphPlan, dp: DataParallel | None) -> None:
+        """The graph's data-parallel buckets (the backward compiled with the forward: they are
+        decided) written into its plan, then the channels whose codec expands them noted."""
+        if dp is not None:
+            _record_buckets(graph_plan, dp, self._dp_link)
+        if dp is not None and dp.buckets(graph_plan.index):
+            with_buckets = Plan(self.config.to_dict(), [graph_plan], data_parallel=dp.info())
+            log.info("ccfx: graph %d gradient buckets\n%s", graph_plan.index, with_buckets)
+        self._note_expansions(graph_plan)
+
+    def _note_expansions(self, graph_plan: GraphPlan) -> None:
+        """Each channel of the graph whose codec sends more than the raw bytes
+        (:func:`.plan_builder.expansion_notes`): a note in the plan, and one CcfxWarning per
+        channel and codec for the model (not again when a graph recompiles)."""
+        import warnings
+
+        for key, note in expansion_notes(graph_plan):
+            if note not in graph_plan.notes:
+                graph_plan.notes.append(note)
+            if key not in self._expansions_warned:
+                self._expansions_warned.add(key)
+                warnings.warn(f"ccfx: {note}", CcfxWarning, stacklevel=3)
+
     def _flops_before(self, desc: dict) -> int:
         """The model's FLOPs in the graphs compiled before this one, each distinct graph once
         (a recompile of the same code counts as the graph it recompiles; this graph's own
@@ -430,11 +471,7 @@ class CcfxBackend:
                         if kind_of(n) in ("param", "buffer")}
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs,
                                          desc=desc))
-        if dp is not None:  # the backward compiled with the forward: its buckets are decided
-            _record_buckets(graph_plan, dp, self._dp_link)
-        if dp is not None and dp.buckets(index):
-            with_buckets = Plan(cfg.to_dict(), [graph_plan], data_parallel=dp.info())
-            log.info("ccfx: graph %d gradient buckets\n%s", index, with_buckets)
+        self._after_lowering(graph_plan, dp)
         # Dynamo keeps what a backend returns until torch._dynamo.reset(): refer to this
         # backend weakly, so its ledger, hops and state die with the compiled model.
         owner = weakref.ref(self)
@@ -448,7 +485,7 @@ class CcfxBackend:
                     # makes exists; a loaded one that none claimed is reported now
                     backend.codec_state.check_unclaimed()
                 if runs[0] == 1:  # called again: a training loop, not a pipeline's stages
-                    backend._check_gradient_codec(graph_plan)
+                    backend._after_first_call(graph_plan, desc)
                 runs[0] += 1
                 backend.ledger.count_call(index)
                 if backend.data_parallel is not None:
@@ -489,10 +526,13 @@ def _rewrite_collectives(owner, graph_plan, desc, kind, gm, compile_fn, decompos
     if backend is None:  # the compiled model is gone
         return compile_fn(gm)
     try:
-        return backend.collectives.rewrite(graph_plan, desc, kind, gm, compile_fn,
-                                           decompositions)
+        compiled = backend.collectives.rewrite(graph_plan, desc, kind, gm, compile_fn,
+                                               decompositions)
     except CcfxError as e:
         raise _through_dynamo(e) from e
+    if kind == "backward":  # the forward's are noted with the graph's other channels
+        backend._note_expansions(graph_plan)
+    return compiled
 
 
 def _parameter_inputs(gm: torch.fx.GraphModule) -> tuple[dict[int, str], list[int]]:

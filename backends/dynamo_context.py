@@ -41,19 +41,42 @@ class OwnerToken:
         return id(self)
 
 
+def _no_user_stack(self):
+    raise AttributeError("real_stack")
+
+
+#: Dynamo appends "from user code" and its "Set TORCHDYNAMO_VERBOSE=1 ... reporting a bug to
+#: PyTorch" trailer to an exception that has ``real_stack`` (which its tracing contexts set on
+#: whatever passes them): ccfx's errors have none, and setting one is ignored.
+_NO_USER_STACK = property(_no_user_stack, lambda self, value: None)
+
+
+def _remove_dynamo_frames(self):
+    """Dynamo's ShortenTraceback.remove_dynamo_frames, but a traceback that does not pass the
+    frame that raised (re-raised elsewhere) is kept whole rather than failing."""
+    tb = self.__traceback__
+    while tb is not None and tb.tb_frame is not self.first_useful_frame:
+        tb = tb.tb_next
+    if tb is None or tc.dynamo_config.verbose:
+        return self
+    return self.with_traceback(tb)
+
+
 @functools.cache
 def _passthrough_type(cls: type) -> type:
-    def __init__(self, message):
-        tc.ShortenTraceback.__init__(self, message, first_useful_frame=None)
+    def __init__(self, message, first_useful_frame=None):
+        tc.ShortenTraceback.__init__(self, message, first_useful_frame=first_useful_frame)
 
     return type(cls.__name__, (cls, tc.ShortenTraceback),
-                {"__init__": __init__, "__module__": cls.__module__})
+                {"__init__": __init__, "__module__": cls.__module__,
+                 "real_stack": _NO_USER_STACK, "remove_dynamo_frames": _remove_dynamo_frames})
 
 
 def through_dynamo(e: CcfxError) -> CcfxError:
     """Dynamo wraps a backend's exceptions in BackendCompilerFailed, except ShortenTraceback:
-    re-raise ours as a subclass of both, so users catch the ccfx type they were promised."""
-    return _passthrough_type(type(e))(str(e))
+    re-raise ours as a subclass of both, so users catch the ccfx type they were promised, with
+    the traceback cut to the frame that raises it (the caller's) and no Dynamo trailer."""
+    return _passthrough_type(type(e))(str(e), tc.caller_frame())
 
 
 def running_compile():

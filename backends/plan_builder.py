@@ -11,6 +11,10 @@ from ccfx.passes.facts import EdgeFacts, NodeFacts, PartitionFacts, StageFacts, 
 from ccfx.passes.graph_utils import val
 from ccfx.plan import CutEdge, GraphPlan, SharedParam, Stage
 
+#: How a channel of the plan is named in an expansion note: ``(what, spec, shape, dtype, raw
+#: bytes, wire bytes)``.
+Channel = tuple[str, str, list, str, int, int]
+
 
 def _expr_str(expr) -> str:
     return str(sympy.simplify(sympy.sympify(expr)))
@@ -85,3 +89,41 @@ def _cut_edges(gm: torch.fx.GraphModule, index: int) -> list[CutEdge]:
             wire_bytes_bwd=cost.evaluate(bwd, hints), users=list(e.users),
         ))
     return edges
+
+
+def _channels(g: GraphPlan) -> list[Channel]:
+    """Every channel a codec was chosen for in graph ``g``: its cut edges (forward and
+    backward), gradient buckets and collectives, with their raw and wire bytes."""
+    out = []
+    for e in g.edges:
+        where = f"edge {e.index} (stage {e.source_stage} -> {','.join(map(str, e.dest_stages))}"
+        out.append((where + ", forward)", e.codec, e.shape, e.dtype, e.raw_bytes,
+                    e.wire_bytes_fwd))
+        if e.grad_codec is not None:
+            out.append((where + ", backward)", e.grad_codec, e.shape, e.dtype, e.raw_bytes,
+                        e.wire_bytes_bwd))
+    out += [(f"bucket {b.index}", b.codec, [b.numel], b.dtype, b.raw_bytes, b.wire_bytes)
+            for b in g.buckets]
+    out += [(f"collective {c.index} ({c.kind}, {c.part})", c.codec, c.shape, c.dtype,
+             c.raw_bytes, c.wire_bytes) for c in g.collectives if not c.per_row]
+    return out
+
+
+def expansion_notes(g: GraphPlan) -> list[tuple[str, str]]:
+    """``(channel and codec, note)`` for each channel of ``g`` whose codec sends more bytes
+    than the raw tensor (``int8:block=1``: 1.25x); the note names the channel, the ratio and a
+    spelling that shrinks it: what the plan prints and the backend warns once."""
+    from ccfx.codecs.expansion import better_spec
+
+    notes = []
+    for what, spec, shape, dtype, raw, wire in _channels(g):
+        if spec in (None, "none") or not raw or wire <= raw:
+            continue
+        better, ratio = better_spec(spec, shape, getattr(torch, dtype.split(".")[-1]))
+        instead = ("'none' (the raw tensor)" if better == "none"
+                   else f"{codecs.spelled(better)!r} ({ratio:.2f}x)")
+        note = (f"graph {g.index} {what}: codec {codecs.spelled(spec)!r} sends "
+                f"{wire / raw:.2f}x the raw bytes ({wire} B on the wire for {raw} B); write "
+                f"{instead} instead")
+        notes.append((f"{what} {spec}", note))
+    return notes

@@ -84,6 +84,11 @@ INTERNALS: tuple[Internal, ...] = (
     _i("torch._dynamo.exc.ShortenTraceback", "let ccfx's errors through Dynamo unwrapped "
        "(Dynamo wraps others in BackendCompilerFailed)", "none", "backends/dynamo_context.py",
        "ShortenTraceback"),
+    _i("torch._dynamo.exc.augment_exc_message", "Dynamo appends its 'Set TORCHDYNAMO_VERBOSE=1 "
+       "... reporting a bug to PyTorch' trailer to an exception that has a real_stack "
+       "attribute: ccfx's errors let through hide theirs, and their traceback starts at "
+       "ccfx's frame (ShortenTraceback's first_useful_frame)", "none",
+       "backends/dynamo_context.py"),
     _i("torch._dynamo.config", "raise recompile_limit (one backend per torch.compile), read "
        "optimize_ddp", f"{_NO_TORCH_COMPILER} for recompile_limit or optimize_ddp",
        "backends/compiler.py ccfx/codecs/_fast.py", "dynamo_config"),
@@ -223,6 +228,12 @@ INTERNALS: tuple[Internal, ...] = (
        "configured (abort only a live one after a failed exchange)", "ProcessGroupWrapper.parent "
        "asserts where there is none instead of answering", "ccfx/runtime/elastic/failures.py",
        how="instance"),
+    _i("torchft.Manager._quorum_future", "forget a quorum request that failed (the lighthouse "
+       "was away) so that the next sync asks again", "none: start_quorum re-raises the last "
+       "request's error forever", "ccfx/runtime/elastic/failures.py", how="instance"),
+    _i("torchft.Manager._quorum_id", "rebuild the group at the first quorum after the "
+       "lighthouse was away (a restarted lighthouse counts its quorum ids from 1 again)",
+       "none", "ccfx/runtime/elastic/failures.py", how="instance"),
 )
 
 
@@ -292,6 +303,11 @@ def caller_locals(skip: int = 0) -> Iterator[dict]:
     while frame is not None:
         yield frame.f_locals
         frame = frame.f_back
+
+
+def caller_frame(skip: int = 0):
+    """The frame of the function calling this one's caller (``skip`` frames further out)."""
+    return sys._getframe(2 + skip)
 
 
 def arm_compile_callbacks(start: Callable, end: Callable) -> None:
@@ -439,6 +455,16 @@ def torchft_replica_id(manager) -> str:
 def torchft_process_group(manager):
     """A torchft Manager's (reconfigurable) process group, None where it has none."""
     return getattr(manager, "_pg", None)
+
+
+def torchft_forget_quorum(manager, request: bool = True) -> None:
+    """Make a torchft Manager rebuild its group at its next quorum whatever that quorum's id
+    (a restarted lighthouse counts from 1 again: an id this replica's group already has would
+    keep a group its peers no longer hold) and, with ``request``, drop its failed quorum
+    request (``start_quorum`` waits for the last one first and would raise its error again)."""
+    manager._quorum_id = -1
+    if request:
+        manager._quorum_future = None
 
 
 def torchft_wrapped_group(pg):

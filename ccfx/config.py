@@ -94,7 +94,7 @@ class Config:
     steps_multipliers: the steps-multiplier table for ``objective="time_to_loss"``: the JSON
         file ``bench/time_to_loss.py --table`` writes, JSON text, or a dict ``{"activation":
         {"int8": 1.02}, "activation_grad": {...}}``; None: the one measured on this project's
-        machine (``ccfx.planner.steps_model``). Kept as canonical JSON, like ``cluster``.
+        machine (``ccfx.steps_table``). Kept as canonical JSON, like ``cluster``.
 
     Optimus-CC's techniques (Song et al., ASPLOS'23):
 
@@ -143,7 +143,8 @@ class Config:
     collective_overrides: codecs for some collectives, beating ``collective_codec``:
         ``{"reduce_scatter": "int4:ef", "all_gather": "int8", "collective 3": "none"}``, by
         kind or by the plan's index (``"collective N"``, in every graph); an index beats a
-        kind.
+        kind. A key that matches no collective of the model's graphs is a ConfigError listing
+        them (at the second call of a training graph, when its backward has compiled).
 
     Local steps (DiLoCo for slow links; ``ccfx.local_steps(model, optimizer)`` runs it):
 

@@ -88,7 +88,9 @@ def _check_options(args, pp: int) -> None:
     ConfigError line (``ccfx`` prints it), not every rank's traceback under torchrun's
     ChildFailedError. ``auto`` without --link-gbps gets a stand-in link: the ranks probe it."""
     from ccfx.config import Config
+    from ccfx.runtime.pipeline import check_microbatches
 
+    check_microbatches(f"--schedule {args.schedule}", args.microbatches, args.stages or pp)
     codecs = (args.codec, args.grad_codec or args.codec, args.gradient_codec)
     link = {"link_gbps": 1.0} if "auto" in codecs and args.link_gbps is None else {}
     Config.from_options({"stages": args.stages or pp, "activation_codec": codecs[0],

@@ -598,6 +598,7 @@ def _draw_arrows(g: Digraph, view: GraphView, rep: dict[str, str],
     output_ids = {prefix + v.name for v in view.nodes if v.kind == "output"}
     kept = {f"c{i}" for i, c in rows.items() if c.codec == "none"}
     box_stage = {nid: s for s, items in in_stage.items() for nid, _ in items}
+    constant = _constant_arrows(view, rep)
     for (tail, head), tags in _arrow_tags(view, rep).items():
         tags.sort(key=lambda t: int(t[1:]))
         if tail in tied_ids:
@@ -612,12 +613,31 @@ def _draw_arrows(g: Digraph, view: GraphView, rep: dict[str, str],
                 g.edge(tail, head, label=_short_tags(tags), color=CODEC_BORDER,
                        fontcolor="#b45f06")
         elif box_stage.get(tail, -1) != box_stage.get(head, -1) and tail in box_stage \
-                and head in box_stage:
-            # no codec between two stages: a tied parameter's gradients being summed
+                and head in box_stage and (tail, head) not in constant:
+            # no codec between two stages: in a backward with tied parameters, their
+            # gradients being summed; else a value that crosses uncompressed
+            tied = view.which == "backward" and view.plan.shared
             g.edge(tail, head, style="dashed", color=TIED_BORDER, fontcolor=TIED_BORDER,
-                   label="tied grad" if view.which == "backward" else "no codec")
+                   label="tied grad" if tied else "no codec")
         else:
             g.edge(tail, head)
+
+
+def _constant_arrows(view: GraphView, rep: dict[str, str]) -> set[tuple[str, str]]:
+    """The arrows between drawn nodes that carry only constants (an op of no inputs, such as
+    the zero inductor's passes share between the stages' ReLU backwards): each stage makes
+    its own, nothing crosses between stages."""
+    by_name = {v.name: v for v in view.nodes}
+    carried: dict[tuple[str, str], bool] = {}
+    for v in view.nodes:
+        head = rep.get(v.name)
+        for a in v.inputs if head is not None else ():
+            tail = rep.get(a)
+            if tail is not None and tail != head:
+                src = by_name[a]
+                only = src.kind == "op" and not src.inputs
+                carried[(tail, head)] = carried.get((tail, head), True) and only
+    return {arrow for arrow, only in carried.items() if only}
 
 
 def _op_names(members: list[VNode]) -> str:

@@ -52,6 +52,19 @@ from .ledger import Ledger
 from .stage_sync import StageGradSync
 
 
+def check_microbatches(schedule: str, n_microbatches: int, num_stages: int,
+                       where: str = "") -> None:
+    """Refuse fewer microbatches than pipeline stages under any schedule (torch's 1F1B and
+    DualPipeV refuse them too, with a ValueError; GPipe would run, each rank idle most of
+    the step): a :class:`ccfx.ConfigError` naming the schedule, the stages and the minimum."""
+    if n_microbatches < num_stages:
+        raise ConfigError(
+            f"{where}{schedule} with {num_stages} pipeline stages needs at least {num_stages} "
+            f"microbatches, got {n_microbatches} microbatches for {num_stages} stages: each rank "
+            "would idle most of the step (the bubble). Give the schedule n_microbatches >= "
+            f"{num_stages} (ccfx run: --microbatches {num_stages})")
+
+
 class CompressedStage(PipelineStage):
     """A ``PipelineStage`` whose point-to-point traffic is codec payloads, both ways."""
 
@@ -132,11 +145,8 @@ class CompressedStage(PipelineStage):
                            ("fwd", fwd_chunk_id))
 
     def _prepare_forward_infra(self, num_microbatches: int, *args, **kwargs):
-        if num_microbatches < self.num_stages:
-            raise ConfigError(
-                f"stage {self.stage_index}: {num_microbatches} microbatches for "
-                f"{self.num_stages} stages: each rank would idle most of the step (the bubble). "
-                f"Give the schedule n_microbatches >= {self.num_stages}")
+        check_microbatches("the schedule", num_microbatches, self.num_stages,
+                           where=f"stage {self.stage_index}: ")
         return super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output=True):
