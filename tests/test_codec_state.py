@@ -173,3 +173,106 @@ def test_a_stage_module_loads_the_earlier_names_and_refuses_misfits():
         stage.load_state_dict(new)
     # a checkpoint of the parameters alone is torch's business (strict=False loads it)
     stage.load_state_dict({"weight": old["weight"], "bias": old["bias"]}, strict=False)
+
+
+# -- a damaged checkpoint is refused, a good one loads bit-exact --------------------------------
+
+
+POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _poisoned(saved: dict, value: float, suffix: str = "fwd.residual") -> tuple[dict, str]:
+    """``saved`` with one entry of its first ``suffix`` state set to ``value``; its channel."""
+    name = next(k for k in sorted(saved) if k.endswith(suffix))
+    bad = {k: v.clone() for k, v in saved.items()}
+    bad[name].view(-1)[0] = value
+    return bad, cs.split_key(name)[0]
+
+
+@pytest.mark.parametrize("poison", sorted(POISONS))
+def test_a_checkpoint_whose_residual_is_not_finite_is_refused_naming_the_channel(poison):
+    """ccfx never keeps NaN or ±inf codec state (error feedback and PowerSGD reset it as they
+    run): such a checkpoint is damaged, and loaded it would make the loss NaN from the first
+    step. Refused after the first call and before it, and nothing of it is copied in."""
+    bad, channel = _poisoned(ccfx.codec_state(_trained()).state_dict(), POISONS[poison])
+    again = _trained()
+    before = {k: v.clone() for k, v in ccfx.codec_state(again).state_dict().items()}
+    pattern = (rf"(?s)holds NaN or ±inf.*{re.escape(channel)} \(activation_codec\): residual "
+               r"holds \d NaN and \d ±inf.*Resume from an earlier checkpoint, or leave the "
+               r"codec state out")
+    with pytest.raises(ccfx.ConfigError, match=pattern):
+        ccfx.codec_state(again).load_state_dict(bad)
+    after = ccfx.codec_state(again).state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    model = models.MLP(depth=4)  # before the first call: refused at the load, not later
+    compiled, _ = compile_ccfx(model, stages=2, activation_codec="int8:block=32,ef",
+                               activation_grad_codec="powersgd:rank=2")
+    with pytest.raises(ccfx.ConfigError, match=pattern):
+        ccfx.codec_state(compiled).load_state_dict(bad)
+
+
+def test_a_good_checkpoint_still_loads_bit_exact():
+    """The checks change nothing for a checkpoint that passes them: every tensor loads bit for
+    bit, after the first call and before it (where the state is applied as ccfx makes it)."""
+    saved = {k: v.clone() for k, v in ccfx.codec_state(_trained(steps=3)).state_dict().items()}
+    again = _trained(steps=1)
+    ccfx.codec_state(again).load_state_dict(saved)
+    loaded = ccfx.codec_state(again).state_dict()
+    assert sorted(loaded) == sorted(saved)
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    model = models.MLP(depth=4)
+    compiled, _ = compile_ccfx(model, stages=2, activation_codec="int8:block=32,ef",
+                               activation_grad_codec="powersgd:rank=2")
+    holder = ccfx.codec_state(compiled)
+    holder.load_state_dict(saved)
+    loss_of(compiled(torch.randn(4, 32))).backward()  # applied before the first encode
+    assert holder.channels() and holder.unclaimed() == []  # every channel took its state
+
+
+def test_a_stage_s_damaged_codec_state_is_refused_with_the_stage_s_fix():
+    stage = torch.nn.Linear(2, 2)
+    cs.state_of(stage).add(cs.edge_channel(0, 0, (0, 1), "fwd", "send"), "int8:ef",
+                           {"residual": torch.zeros(4)})
+    bad = dict(stage.state_dict())
+    bad["ccfx_codec_state.graph0.edge0.hop0to1.fwd.send.residual"] = torch.full((4,), torch.inf)
+    with pytest.raises(ccfx.ConfigError, match=r"(?s)graph0\.edge0\.hop0to1\.fwd\.send "
+                       r"\(activation_codec\): residual holds 0 NaN and 4 ±inf.*without its "
+                       r"'ccfx_codec_state\.' entries, with strict=False"):
+        stage.load_state_dict(bad)
+    assert torch.equal(stage.ccfx_codec_state.channel(
+        "graph0.edge0.hop0to1.fwd.send")["residual"], torch.zeros(4))
+
+
+@pytest.mark.parametrize("poison", sorted(POISONS))
+def test_the_comm_hook_refuses_non_finite_state_naming_the_bucket(poison):
+    state = CommHookState("powersgd:rank=4,ef")
+    q = torch.randn(16, 4)
+    q[3, 1] = POISONS[poison]
+    saved = {"spec": "powersgd:rank=4,ef", "steps": 3,
+             "buckets": {0: {"shapes": ((8, 16),), "dtype": torch.float32}},
+             "state": {"ddp.bucket0.q0000": q, "ddp.bucket0.residual0000": torch.zeros(8, 16)}}
+    with pytest.raises(ccfx.ConfigError, match=r"(?s)DDP comm hook state holds NaN or ±inf.*"
+                       r"ddp\.bucket0 \(the hook's codec.*\): q0000 holds.*earlier checkpoint"):
+        state.load_state_dict(saved)
+    assert state.steps == 0 and not state.state_dict()["state"]  # nothing was taken
+
+
+def test_local_steps_refuse_non_finite_codec_state_naming_the_part():
+    model = w.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = {"sync_every": 2, "outer_codec": "int8:ef", "compress_min_numel": 0}
+    outer = ccfx.local_steps(model, opt, **options)
+    try:
+        for i in range(2):
+            w.loss_of(model, 0, i).backward()
+            opt.step()
+            opt.zero_grad()
+        state = outer.state_dict()
+        codec, channel = _poisoned(state["codec"], float("nan"), "residual")
+        with pytest.raises(ccfx.ConfigError, match=rf"(?s){re.escape(channel)} \(outer_codec\)"
+                           r": residual holds 1 NaN.*state\['codec'\] = outer\.state_dict\(\)"):
+            outer.load_state_dict({**state, "codec": codec})
+        outer.load_state_dict({**state, "codec": outer.state_dict()["codec"]})  # the fix works
+        assert outer.step == state["step"]
+    finally:
+        outer.close()

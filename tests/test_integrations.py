@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -443,3 +444,137 @@ def test_hook_state_file_round_trip_and_trainer_resume_lookup(tmp_path):
         callback._restore(args, SimpleNamespace(global_step=8))
     assert callback.state.steps == 0 and callback.restored_from is None
     callback._restore(args, SimpleNamespace(global_step=0))  # a fresh run: nothing looked for
+
+
+# -- a damaged hook state through each framework's loader: a ConfigError naming the file ---------
+
+
+SPEC_DAMAGED = "powersgd:rank=4,ef"
+
+
+def _hook_entry(poison: float | None = None) -> dict:
+    """A one-process hook state file's contents (``_checkpoint.entry``) holding bucket 0's
+    PowerSGD Q and residual; ``poison``: one value of the residual."""
+    from ccfx.integrations import _checkpoint
+    from ccfx.runtime.comm_hook import CommHookState
+
+    seeded = torch.Generator().manual_seed(0)
+    state = CommHookState(SPEC_DAMAGED)
+    state.load_state_dict({"spec": SPEC_DAMAGED, "steps": 3,
+                           "buckets": {0: {"shapes": ((8, 16),), "dtype": torch.float32}},
+                           "state": {"ddp.bucket0.q0000": torch.randn(16, 4, generator=seeded),
+                                     "ddp.bucket0.residual0000": torch.randn(
+                                         8, 16, generator=seeded)}})
+    saved = _checkpoint.entry(state)
+    if poison is not None:  # damaged after it was written (the loader refuses to take it)
+        saved["hook"]["state"]["ddp.bucket0.residual0000"][2, 3] = poison
+    return saved
+
+
+def _damaged_files(folder: Path) -> dict[str, Path]:
+    """``ccfx_comm_hook_rank0.pt`` in a folder per damage: NaN, +inf, truncated bytes."""
+    files = {}
+    for name, poison in (("nan", float("nan")), ("inf", float("inf"))):
+        (folder / name).mkdir(parents=True)
+        files[name] = folder / name / "ccfx_comm_hook_rank0.pt"
+        torch.save(_hook_entry(poison), files[name])
+    (folder / "truncated").mkdir()
+    files["truncated"] = folder / "truncated" / "ccfx_comm_hook_rank0.pt"
+    torch.save(_hook_entry(), files["truncated"])
+    files["truncated"].write_bytes(files["truncated"].read_bytes()[:300])
+    return files
+
+
+#: what each damage's ConfigError says after the file's path
+DAMAGE = {"nan": r"holds NaN or ±inf.*ddp\.bucket0 .*residual0000 holds 1 NaN and 0 ±inf",
+          "inf": r"holds NaN or ±inf.*ddp\.bucket0 .*residual0000 holds 0 NaN and 1 ±inf",
+          "truncated": r"cannot be read \(\w+: .*\): the file is damaged"}
+
+
+def test_trainer_resume_refuses_a_damaged_hook_state_file_naming_it(tmp_path):
+    """The Trainer callback's restore (``train(resume_from_checkpoint=...)``) reads this rank's
+    file: NaN, ±inf or unreadable bytes are a ConfigError naming the file and the fix, not a
+    NaN loss from the first step or a pickle error."""
+    _needs("transformers")
+    from types import SimpleNamespace
+
+    from ccfx.integrations import HFCodecCallback
+
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"), resume_from_checkpoint=None)
+    for damage, path in _damaged_files(tmp_path).items():
+        callback = HFCodecCallback(SPEC_DAMAGED, resume_from=str(path.parent))
+        with pytest.raises(ccfx.ConfigError, match=rf"(?s)^{re.escape(str(path))}: .*"
+                           rf"{DAMAGE[damage]}.*Resume from an earlier checkpoint"):
+            callback._restore(args, SimpleNamespace(global_step=3))
+        assert callback.state.steps == 0 and callback.restored_from is None
+
+
+def test_accelerate_load_state_refuses_a_damaged_hook_state_file_naming_it(isolated_frameworks):
+    """``register_codec(model, spec, accelerator=...)``: ``accelerator.load_state(folder)``
+    reads this rank's file in its pre-hook, before accelerate's own files: a damaged one is a
+    ConfigError naming it; a good one loads bit-exact."""
+    _needs("accelerate")
+    from accelerate import Accelerator
+
+    from ccfx import integrations
+    from ccfx.runtime.comm_hook import CommHookState
+
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(w.MLP())
+    state = CommHookState(SPEC_DAMAGED)
+    with pytest.warns(ccfx.CcfxWarning, match="one process"):
+        integrations.register_codec(prepared, state, accelerator=accelerator)
+    for damage, path in _damaged_files(isolated_frameworks / "damaged").items():
+        with pytest.raises(ccfx.ConfigError,
+                           match=rf"(?s)^{re.escape(str(path))}: .*{DAMAGE[damage]}"):
+            accelerator.load_state(str(path.parent))
+        assert state.steps == 0
+    good = isolated_frameworks / "good"
+    good.mkdir()
+    torch.save(_hook_entry(), good / "ccfx_comm_hook_rank0.pt")
+    accelerator.save_state(str(good))  # accelerate's own files beside ccfx's
+    accelerator.load_state(str(good))
+    saved, restored = _hook_entry()["hook"]["state"], state.state_dict()["state"]
+    assert sorted(restored) == sorted(saved) and state.steps == 3
+    assert all(torch.equal(t, saved[k]) for k, t in restored.items())
+
+
+def test_lightning_resume_refuses_a_damaged_hook_state_naming_the_ckpt(tmp_path):
+    """``fit(ckpt_path=...)`` gives the callback its entry of the ``.ckpt``: a good one loads
+    bit-exact, a residual holding NaN is a ConfigError naming the ``.ckpt`` and the channel."""
+    _needs("pytorch_lightning")
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ccfx.integrations import LightningCodecCallback, _checkpoint
+
+    x, y = w._regression_batch(0, 0)
+    data = DataLoader(TensorDataset(x, y), batch_size=16)
+
+    def fit(ckpt_path=None, steps=2):
+        callback = LightningCodecCallback(SPEC_DAMAGED)
+        if ckpt_path is None:  # a one-process run has no buckets: give it a state to save
+            _checkpoint.load_entry(callback.state, _hook_entry(), "test")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                             callbacks=[callback], enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(w._lightning_module(compiled=False), data, ckpt_path=ckpt_path)
+        return trainer, callback
+
+    trainer, _ = fit()
+    good = tmp_path / "good.ckpt"
+    trainer.save_checkpoint(good)
+    _, resumed = fit(good, steps=3)
+    saved, restored = _hook_entry()["hook"]["state"], resumed.state.state_dict()["state"]
+    assert sorted(restored) == sorted(saved) and resumed.state.steps == 3
+    assert all(torch.equal(t, saved[k]) for k, t in restored.items())
+    ckpt = torch.load(good, weights_only=False)
+    entry = next(v for k, v in ckpt["callbacks"].items() if "LightningCodecCallback" in k)
+    entry["ranks"][0]["hook"]["state"]["ddp.bucket0.residual0000"][2, 3] = float("nan")
+    bad = tmp_path / "bad.ckpt"
+    torch.save(ckpt, bad)
+    with pytest.raises(ccfx.ConfigError, match=rf"(?s)^{re.escape(str(bad))}, "
+                       rf"LightningCodecCallback: .*{DAMAGE['nan']}"):
+        fit(bad, steps=3)

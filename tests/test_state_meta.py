@@ -178,3 +178,58 @@ def test_ranks_whose_pipeline_codecs_differ_are_told_the_edge_and_direction(two)
                          r["message"]), r["message"]
         assert "this rank's value vs the peer's" in r["message"]
         assert "backward (" not in r["message"]  # what agrees is not listed
+
+
+# -- unreadable meta is refused, not passed over --------------------------------------------------
+
+
+GARBAGE = {
+    "not utf-8": torch.tensor([0xFF, 0xFE, 0x00, 0x7B], dtype=torch.uint8),
+    "not json": torch.tensor(list(b"{int8:ef"), dtype=torch.uint8),
+    "a json list": torch.tensor(list(b'["int8:ef"]'), dtype=torch.uint8),
+    "float bytes": torch.rand(12),
+}
+
+
+@pytest.mark.parametrize("garbage", sorted(GARBAGE))
+def test_unreadable_meta_codecs_is_a_config_error_not_a_silent_pass(garbage):
+    """``meta.codecs`` is what refuses another codec's state of the same shape: garbage there
+    used to turn that check off silently. Refused, naming the channels it describes, after the
+    first call and before it."""
+    saved = ccfx.codec_state(_trained("int8:block=32,ef")).state_dict()
+    bad = {**saved, "meta.codecs": GARBAGE[garbage]}
+    pattern = (r"(?s)unreadable meta\.codecs \(it describes the state of graph0\.edge\d+\.hop0to1"
+               r"\.bwd, graph0\.edge\d+\.hop0to1\.fwd\).*Resume from an earlier checkpoint, or "
+               r"leave the codec state out")
+    with pytest.raises(ccfx.ConfigError, match=pattern):
+        ccfx.codec_state(_trained("topk:ratio=0.5,ef")).load_state_dict(bad)
+    model = models.MLP(depth=4)
+    compiled, _ = compile_ccfx(model, stages=2, activation_codec="int8:block=32,ef")
+    with pytest.raises(ccfx.ConfigError, match=pattern):  # before the first call: at the load
+        ccfx.codec_state(compiled).load_state_dict(bad)
+
+
+def test_unreadable_place_meta_is_a_config_error_naming_the_entry():
+    module = torch.nn.Linear(2, 2)
+    holder = cs.state_of(module)
+    holder.add(cs.edge_channel(0, 0, (0, 1), "fwd", "send"), "int8:ef",
+               {"residual": torch.zeros(4)})
+    holder.set_meta("stage", 0)
+    saved = module.state_dict()
+    for value, why in ((torch.tensor([0, 1]), r"a \(2,\) int64 tensor"),
+                       (torch.tensor(0.5), r"a \(\) float32 tensor")):
+        with pytest.raises(ccfx.ConfigError, match=rf"unreadable meta\.stage \(it describes the "
+                           rf"state of graph0\.edge0\.hop0to1\.fwd\.send\): {why}"):
+            module.load_state_dict({**saved, "ccfx_codec_state.meta.stage": value})
+    module.load_state_dict(saved)
+
+
+def test_an_unreadable_hook_state_is_a_config_error_not_a_key_error():
+    state = CommHookState("int8:ef")
+    with pytest.raises(ccfx.ConfigError, match="DDP comm hook state cannot be read .'steps' is "
+                                               "missing; 'buckets' is missing"):
+        state.load_state_dict({"spec": "int8:ef"})
+    with pytest.raises(ccfx.ConfigError, match="not a dict"):
+        state.load_state_dict([1, 2, 3])
+    with pytest.raises(ccfx.ConfigError, match=r"unreadable meta\.world_size: a str"):
+        state.load_state_dict({"spec": "int8:ef", "steps": 0, "buckets": {}, "world_size": "2"})

@@ -60,6 +60,13 @@ another codec is a :class:`ccfx.ConfigError` saying what differs and what to do
 call). A checkpoint saved before ``meta`` existed, or without one of its entries, loads as
 before: what it does not record is not checked.
 
+A damaged checkpoint is refused, not loaded: state holding NaN or ±inf (:func:`check_finite`:
+ccfx never keeps such state, and it would make the loss NaN from the first step) and a ``meta``
+entry that cannot be read (:func:`read_codecs`, :func:`meta_int`: passed over, it would turn
+off the checks above) are a :class:`ccfx.ConfigError` naming the channels and the fix (an
+earlier checkpoint, or the codec state left out). Every loader checks: :class:`CodecState`,
+the DDP comm hook's and local steps' ``load_state_dict``, the framework integrations' files.
+
 A holder whose owner has not compiled yet (:attr:`CodecState.deferred`:
 ``ccfx.codec_state(compiled)`` before the first call) keeps a loaded checkpoint and checks and
 copies each channel's state into the tensors :meth:`CodecState.add` registers, before the
@@ -206,10 +213,12 @@ PLACE = ("world_size", "rank", "num_stages", "stage", "dp_world_size", "dp_rank"
 def check_place(saved: Mapping[str, int], live: Mapping[str, int],
                 what: str = "codec state") -> None:
     """Raise :class:`ccfx.ConfigError` where ``saved`` (what a checkpoint records of
-    :data:`PLACE`) and ``live`` (this run's) differ; what either does not record (a checkpoint
-    saved before ccfx recorded it) is not checked."""
-    differ = [f"{k}: the checkpoint's is {int(saved[k])}, this run's is {int(live[k])}"
-              for k in PLACE if k in saved and k in live and int(saved[k]) != int(live[k])]
+    :data:`PLACE`) and ``live`` (this run's) differ, or where ``saved`` holds no integer
+    (:func:`meta_int`); what either does not record (a checkpoint saved before ccfx recorded
+    it) is not checked."""
+    saved = {k: meta_int(k, v, what=what) for k, v in saved.items() if k in PLACE}
+    differ = [f"{k}: the checkpoint's is {saved[k]}, this run's is {int(live[k])}"
+              for k in PLACE if k in saved and k in live and saved[k] != int(live[k])]
     if not differ:
         return
     stages = any(k in ("stage", "num_stages", "dp_world_size", "dp_rank") for k in saved)
@@ -220,6 +229,100 @@ def check_place(saved: Mapping[str, int], live: Mapping[str, int],
         "on the same number of ranks with the same stages, each rank loading the state it "
         "saved; to change the world size or the stages, load the parameters and optimizer "
         f"only and leave the {what} out (the codecs start afresh: error feedback from zero).")
+
+
+# -- refusing a damaged checkpoint ------------------------------------------------------------
+
+#: The fix for a damaged checkpoint, when its caller names no better one.
+FIX = ("Resume from an earlier checkpoint, or leave the codec state out (the codecs start "
+       "afresh: error feedback from zero, PowerSGD from a new Q).")
+
+
+def _of(what: str, where: str | None) -> str:
+    return f"{where}: the checkpoint's {what}" if where else f"the checkpoint's {what}"
+
+
+def check_finite(got: Mapping[str, torch.Tensor], what: str = "codec state",
+                 where: str | None = None, fix: str = FIX) -> None:
+    """Raise :class:`ccfx.ConfigError` naming each channel of ``got`` (a checkpoint's state, by
+    name) that holds NaN or ±inf. ccfx never keeps such state (error feedback and PowerSGD
+    reset non-finite entries as they run), so the checkpoint is damaged, and loading it would
+    add NaN to every gradient or activation from the first step. ``where``: the file."""
+    bad: dict[str, list[str]] = {}
+    for k, t in sorted(got.items()):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or not (
+                t.is_floating_point() or t.is_complex()):
+            continue
+        if _all_finite(t):
+            continue
+        finite = torch.isfinite(t)
+        nan = int(torch.isnan(t).sum())
+        inf = t.numel() - int(finite.sum()) - nan
+        channel, name = split_key(k)
+        bad.setdefault(channel, []).append(f"{name} holds {nan} NaN and {inf} ±inf of "
+                                           f"{t.numel()} values")
+    if not bad:
+        return
+    lines = "\n".join(f"  {c} ({option_of(c)}): {'; '.join(p)}" for c, p in bad.items())
+    raise ConfigError(
+        f"{_of(what, where)} holds NaN or ±inf, which ccfx never keeps (the checkpoint is "
+        "damaged: loaded, it would make the loss NaN from the first step):\n" + lines + "\n"
+        + fix)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or ±inf in ``t``: one pass, no tensor of its size (a NaN propagates to both ends
+    of ``aminmax``, an inf is one of them)."""
+    if t.numel() == 0:
+        return True
+    try:
+        low, high = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
+    except (RuntimeError, NotImplementedError):  # a dtype without aminmax (float8)
+        return bool(torch.isfinite(t.float()).all())
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def _unreadable(what: str, entry: str, why: str, channels, where: str | None,
+                fix: str) -> ConfigError:
+    of = f" (it describes the state of {', '.join(channels)})" if channels else ""
+    return ConfigError(
+        f"{_of(what, where)} has an unreadable {entry}{of}: {why}. It records what the state "
+        "was made for, and ccfx does not load codec state it cannot check (the checkpoint is "
+        "damaged, or not written by ccfx). " + fix)
+
+
+def meta_int(name: str, value, channels=(), what: str = "codec state",
+             where: str | None = None, fix: str = FIX) -> int:
+    """``meta.<name>`` of a checkpoint (an int64 scalar, or an int) as an int;
+    :class:`ccfx.ConfigError` naming it and ``channels`` when it is anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        why = f"a {type(value).__name__}, not an integer"
+    elif isinstance(value, int):
+        return value
+    elif value.numel() != 1 or value.is_floating_point() or value.is_complex() \
+            or value.dtype == torch.bool:
+        why = f"a {_describe(value)} tensor, not an integer scalar"
+    else:
+        return int(value)
+    raise _unreadable(what, f"meta.{name}", why, channels, where, fix)
+
+
+def read_codecs(saved, channels=(), what: str = "codec state", where: str | None = None,
+                fix: str = FIX) -> dict[str, str]:
+    """A checkpoint's ``meta.codecs`` (the JSON bytes of ``{channel: spec}``) read;
+    :class:`ccfx.ConfigError` naming ``channels`` (the checkpoint's) when it cannot be: passed
+    over, it would silently turn off the check that refuses another codec's state."""
+    try:
+        if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8 or saved.dim() != 1:
+            got = _describe(saved) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise TypeError(f"a {got}, not the 1-D uint8 bytes of a JSON object")
+        theirs = json.loads(bytes(saved.tolist()).decode())
+        if not isinstance(theirs, dict) or not all(
+                isinstance(c, str) and isinstance(s, str) for c, s in theirs.items()):
+            raise TypeError("JSON, but not an object of channel -> codec spec")
+    except (ValueError, TypeError) as e:  # json's and UTF-8's errors are ValueErrors
+        raise _unreadable(what, "meta.codecs", str(e), channels, where, fix) from None
+    return theirs
 
 
 # -- the holder -------------------------------------------------------------------------------
@@ -323,11 +426,29 @@ class CodecState(torch.nn.Module):
     def get_meta(self, name: str) -> torch.Tensor | None:
         return self._meta.get(name)
 
-    def _check_meta(self, got: Mapping[str, torch.Tensor]) -> None:
+    def _check_meta(self, got: Mapping[str, int]) -> None:
         """A checkpoint made for another world size, rank or stage (per-rank state) is
         refused."""
-        check_place({k: int(v) for k, v in got.items() if k in PLACE},
+        check_place({k: v for k, v in got.items() if k in PLACE},
                     {k: int(t) for k, t in self._meta.items() if k in PLACE})
+
+    def _fix(self) -> str:
+        """How to resume when this holder's checkpoint is damaged."""
+        drop = (f"load the stage's state_dict without its '{self._where}' entries, with "
+                "strict=False" if self._where else
+                "do not load it: ccfx.codec_state(compiled).load_state_dict is optional")
+        return (f"Resume from an earlier checkpoint, or leave the codec state out ({drop}; the "
+                "codecs start afresh: error feedback from zero, PowerSGD from a new Q).")
+
+    def _read_meta(self, meta: Mapping[str, object], got: Mapping[str, torch.Tensor]):
+        """A checkpoint's ``meta`` entries read: (the ints by name, ``meta.codecs`` or None);
+        :class:`ccfx.ConfigError` naming the checkpoint's channels when one cannot be read."""
+        channels = sorted({split_key(k)[0] for k in got})
+        codecs_ = meta.get("codecs")
+        ints = {k: meta_int(k, v, channels, fix=self._fix())
+                for k, v in meta.items() if k != "codecs"}
+        theirs = None if codecs_ is None else read_codecs(codecs_, channels, fix=self._fix())
+        return ints, theirs
 
     def _set_codecs(self) -> None:
         """``meta.codecs``: every channel's codec spec, as the bytes of their JSON."""
@@ -348,14 +469,6 @@ class CodecState(torch.nn.Module):
             module = child
         return module
 
-    def _check_codecs(self, saved: torch.Tensor) -> None:
-        """The channels both have must run the codecs the checkpoint's state was made for."""
-        try:
-            theirs = json.loads(bytes(saved.tolist()).decode())
-        except (ValueError, TypeError):
-            return  # not ours to read: the names, shapes and dtypes are still checked
-        _refuse_other_codecs(theirs, self._specs)
-
     # -- loading ----------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -370,21 +483,17 @@ class CodecState(torch.nn.Module):
         meta entries of :data:`PLACE` are checked as :meth:`set_meta` records them, the others
         (a graph's backward count) load now."""
         got = {k[len(at):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(at)}
-        codecs_ = got.pop("meta.codecs", None)
-        self._pending_codecs = {}
-        if codecs_ is not None:
-            try:
-                self._pending_codecs = dict(json.loads(bytes(codecs_.tolist()).decode()))
-            except (ValueError, TypeError):
-                pass  # not ours to read: names, shapes and dtypes are still checked
+        meta = {k[len("meta."):]: got.pop(k) for k in list(got) if k.startswith("meta.")}
+        ints, theirs = self._read_meta(meta, got)
+        check_finite(got, fix=self._fix())
+        self._pending_codecs = theirs or {}
         self._pending_place = {}
-        for k in [k for k in got if k.startswith("meta.")]:
-            name, value = k[len("meta."):], got.pop(k)
+        for name, value in ints.items():
             if name in PLACE:
-                self._pending_place[name] = int(value)
+                self._pending_place[name] = value
             else:  # registered now; torch loads it like any buffer
-                self.set_meta(name, int(value))
-                state_dict[f"{at}meta.{name}"] = value
+                self.set_meta(name, value)
+                state_dict[f"{at}meta.{name}"] = meta[name]
         self._pending = {k: t.detach().clone() for k, t in got.items()}
         self._pending_strict = self._strict
         self._deferred_load = True
@@ -445,12 +554,14 @@ class CodecState(torch.nn.Module):
         self._translate(state_dict, prefix, at)
         got = {k[len(at):]: v for k, v in state_dict.items() if k.startswith(at)}
         meta = {k[len("meta."):]: got.pop(k) for k in list(got) if k.startswith("meta.")}
+        ints, theirs = self._read_meta(meta, got)  # unreadable: refused, not passed over
         saved_codecs = meta.pop("codecs", None)
-        self._check_meta(meta)
+        self._check_meta(ints)
         if got:  # a checkpoint without codec state (parameters only) is torch's business
             check(self._live(), got, self._specs)
-        if saved_codecs is not None:  # names, shapes and dtypes fit: the codecs too?
-            self._check_codecs(saved_codecs)
+        if theirs is not None:  # names, shapes and dtypes fit: the codecs too?
+            _refuse_other_codecs(theirs, self._specs)
+        check_finite(got, fix=self._fix())
         # this run's record of its codecs stands (the checkpoint's may list fewer channels: a
         # holder saved before its backward compiled); none: nothing to load it into
         state_dict.pop(f"{at}meta.codecs", None)

@@ -28,6 +28,11 @@ from ..runtime.comm_hook import CommHookState
 
 FORMAT = 1
 
+#: How to resume when this rank's state is damaged.
+DROP = ("Resume from an earlier checkpoint, or leave ccfx's state out (delete this rank's file; "
+        "in Lightning, the LightningCodecCallback entry of the .ckpt's 'callbacks'): the codec "
+        "then starts afresh, error feedback from zero, PowerSGD from a new Q.")
+
 
 def _ranks(state: CommHookState) -> tuple[int, int, int]:
     """(rank in the hook's group, its world size, global rank); (0, 1, 0) without a group."""
@@ -58,7 +63,11 @@ def entry(state: CommHookState) -> dict[str, Any]:
 
 def load_entry(state: CommHookState, saved: dict[str, Any], where: str) -> None:
     """Restore ``saved`` (an :func:`entry`) into ``state``; another world size or rank is a
-    ConfigError (a residual belongs to the rank whose gradients it was taken from)."""
+    ConfigError (a residual belongs to the rank whose gradients it was taken from), and so is
+    damaged state (NaN or ±inf, unreadable entries), each prefixed with ``where`` (the file)."""
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{where}: not a ccfx comm hook state (a {type(saved).__name__}, not "
+                          f"a dict): the file is damaged or not ccfx's. {DROP}")
     rank, world, _ = _ranks(state)
     if saved.get("world_size") != world:
         raise ConfigError(
@@ -69,7 +78,14 @@ def load_entry(state: CommHookState, saved: dict[str, Any], where: str) -> None:
     if saved.get("rank") != rank:
         raise ConfigError(f"{where}: this is rank {saved.get('rank')}'s comm hook state, and "
                           f"this is rank {rank}: each rank loads its own")
-    state.load_state_dict(saved["hook"])
+    if not isinstance(saved.get("hook"), dict):
+        raise ConfigError(f"{where}: not a ccfx comm hook state (its 'hook' entry is a "
+                          f"{type(saved.get('hook')).__name__}, not a dict): the file is damaged "
+                          f"or not ccfx's. {DROP}")
+    try:
+        state.load_state_dict(saved["hook"])
+    except ConfigError as e:  # the hook's own checks, told which file
+        raise ConfigError(f"{where}: {e}") from None
 
 
 # -- a file per rank ------------------------------------------------------------------------------
@@ -87,7 +103,15 @@ def load_file(state: CommHookState, folder: str) -> bool:
     path = os.path.join(folder, file_name(state))
     if not os.path.isfile(path):
         return False
-    load_entry(state, torch.load(path, map_location="cpu", weights_only=True), path)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (damaged bytes fail as EOFError, UnpicklingError,
+        # RuntimeError, KeyError, ...: torch.load's failures have no common type)
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(f"{path}: ccfx's comm hook state cannot be read ({type(e).__name__}"
+                          f": {first}): the file is damaged (truncated, overwritten). "
+                          f"{DROP}") from None
+    load_entry(state, saved, path)
     return True
 
 
@@ -110,7 +134,11 @@ def gathered(state: CommHookState) -> dict[str, Any]:
 
 
 def load_gathered(state: CommHookState, saved: dict[str, Any], where: str) -> None:
+    """Restore this rank's entry of ``saved`` (a :func:`gathered`) into ``state``."""
     rank, world, _ = _ranks(state)
+    if not isinstance(saved, dict) or not isinstance(saved.get("ranks", {}), dict):
+        raise ConfigError(f"{where}: ccfx's comm hook state cannot be read (not the dict of "
+                          f"every rank's state that the callback saves): it is damaged. {DROP}")
     ranks = saved.get("ranks", {})
     if saved.get("world_size") == world and rank not in ranks:
         raise ConfigError(f"{where}: the checkpoint holds no comm hook state for rank {rank} "

@@ -34,7 +34,8 @@ class HFCodecCallback(_HookAttacher, TrainerCallback):
     ``TrainerCallback`` is not told the folder, so it is looked for at ``resume_from`` (given
     here), ``args.resume_from_checkpoint``, then ``<output_dir>/checkpoint-<step resumed at>``
     (where ``resume_from_checkpoint=True`` and a path into ``output_dir`` point). Not found: a
-    :class:`~ccfx.CcfxWarning`, and the codec starts fresh. (The Trainer's own
+    :class:`~ccfx.CcfxWarning`, and the codec starts fresh. Found but damaged (unreadable, NaN
+    or ±inf state): a :class:`~ccfx.ConfigError` naming the file. (The Trainer's own
     ``ExportableState`` callbacks go to ``trainer_state.json``, written by rank 0 only, as
     JSON: no place for per-rank tensors.)
     """

@@ -35,14 +35,20 @@ class LightningCodecCallback(_HookAttacher, pl.Callback):
     ``state_dict`` gathers every rank's state to rank 0 (a collective: Lightning builds the
     checkpoint on every rank); a resumed ``fit(ckpt_path=...)`` gives each rank its own back
     (``load_state_dict``, before the hook is registered: the state waits for its buckets).
-    Another world size is a :class:`~ccfx.ConfigError`.
+    Another world size is a :class:`~ccfx.ConfigError`, and so is damaged state (NaN or ±inf,
+    unreadable entries), naming the ``.ckpt``.
     """
 
     def state_dict(self) -> dict[str, Any]:
         return _checkpoint.gathered(self.state)
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer  # Lightning restores callbacks after setup: names the file
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _checkpoint.load_gathered(self.state, state_dict, "LightningCodecCallback")
+        ckpt = getattr(getattr(self, "_trainer", None), "ckpt_path", None)
+        where = f"{ckpt}, LightningCodecCallback" if ckpt else "LightningCodecCallback"
+        _checkpoint.load_gathered(self.state, state_dict, where)
 
     def on_train_start(self, trainer, pl_module):
         strategy = trainer.strategy

@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from .. import _torch_compat as tc
 from .. import codecs
-from ..codecs.state import SCHEME, check, check_place, ddp_channel, named, split_key
+from ..codecs.state import SCHEME, check, check_finite, check_place, ddp_channel, named, split_key
 from ..config import COLLECTIVES
 from ..errors import CcfxWarning, CollectiveError, ConfigError
 from ..wire.comm import ProcessGroupComm
@@ -194,13 +194,18 @@ class CommHookState:
         bucket with the saved layout. Checkpoints of the earlier layout (each bucket's state
         nested in its entry) load too. A checkpoint made for another codec, world size or rank
         is a :class:`~ccfx.ConfigError` saying what differs; one saved before ccfx recorded
-        the world size and rank loads without that check."""
+        the world size and rank loads without that check. Damaged state (NaN or ±inf,
+        unreadable entries) is a :class:`~ccfx.ConfigError` naming the bucket's channel."""
+        _check_readable(state)
         if codecs.canonical(state["spec"]) != self.spec:
             raise ConfigError(f"this hook state is for codec {self.spec!r}, the checkpoint's is "
                               f"for {state['spec']!r}: build the hook with the checkpoint's spec")
         check_place({k: state[k] for k in ("world_size", "rank") if k in state}, self._place(),
                     "DDP comm hook state")
         entries = _entries(state)
+        check_finite({k: t for i, e in entries.items()
+                      for k, t in named(ddp_channel(i), e["state"]).items()},
+                     "DDP comm hook state", fix=_FIX)
         self.steps = int(state["steps"])
         self._pending = {}
         for index, entry in entries.items():
@@ -213,6 +218,29 @@ class CommHookState:
                     t.copy_(entry["state"][name])
             else:
                 self._pending[index] = _clone_entry(entry)
+
+
+_FIX = ("Resume from an earlier checkpoint, or leave the hook's state out (do not load it; "
+        "through a framework, delete this rank's ccfx_comm_hook_rank<rank>.pt, or the "
+        "LightningCodecCallback entry of the .ckpt's 'callbacks'): the codec starts afresh, "
+        "error feedback from zero, PowerSGD from a new Q.")
+
+
+def _check_readable(state: Any) -> None:
+    """:class:`~ccfx.ConfigError` unless ``state`` has the entries of :meth:`CommHookState.
+    state_dict` in their types (a damaged or foreign checkpoint fails here, not as a KeyError
+    deep inside the load)."""
+    kinds = {"spec": str, "steps": (int, torch.Tensor), "buckets": dict}
+    if isinstance(state, dict):
+        bad = [f"{k!r} is {type(state[k]).__name__ if k in state else 'missing'}"
+               for k, kind in kinds.items() if not isinstance(state.get(k), kind)]
+        if "state" in state and not isinstance(state["state"], dict):
+            bad.append(f"'state' is {type(state['state']).__name__}")
+    else:
+        bad = [f"it is a {type(state).__name__}, not a dict"]
+    if bad:
+        raise ConfigError(f"the checkpoint's DDP comm hook state cannot be read ({'; '.join(bad)}"
+                          "): it is damaged, or not CommHookState.state_dict()'s. " + _FIX)
 
 
 def _entries(state: dict[str, Any]) -> dict[int, dict[str, Any]]:
