@@ -14,7 +14,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -188,6 +192,29 @@ class Replicas:
             if p.is_alive():
                 p.kill()
             p.join(5)
+
+
+def lighthouse_process(port: int, join_timeout_ms: int = 3000) -> subprocess.Popen:
+    """A ``torchft_lighthouse`` process (the binary torchft installs beside this Python) on
+    127.0.0.1:``port``, listening when this returns: unlike the in-process ``LighthouseServer``
+    a test can SIGKILL it and start another on the same port. ``join_timeout_ms`` well above
+    a step: the replicas coming back from an outage all make its first quorum."""
+    exe = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    exe = exe if os.path.exists(exe) else shutil.which("torchft_lighthouse")
+    proc = subprocess.Popen([exe, "--bind", f"127.0.0.1:{port}", "--min_replicas", "2",
+                             "--join_timeout_ms", str(join_timeout_ms), "--quorum_tick_ms", "20",
+                             "--heartbeat_timeout_ms", "1000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"torchft_lighthouse did not listen on port {port} within 60 s "
+                         f"(exit code {proc.poll()})")
 
 
 # -- replicas as threads of the test process (no spawn: the cheap scenarios) ----------------------

@@ -166,11 +166,137 @@ def test_too_few_replicas_is_a_clear_error_within_a_bound():
         lighthouse.shutdown()
 
 
+#: The lighthouse outage the replicas of ``outage`` outlive: its first outage (the lighthouse
+#: restarted once every replica has skipped a sync) is a few seconds, its last never ends.
+OUTAGE_S = 15.0
+OUTAGE_NAMES = ("l0", "l1", "l2")
+
+
+OUTAGE_OPTIONS = {**w.OPTIONS, "sync_every": 4, "lighthouse_outage_s": OUTAGE_S}
+
+
+def _skipped(row) -> bool:
+    return not row["committed"] and "is unreachable" in (row["error"] or "")
+
+
+def _kill_between_syncs(reps, lighthouse) -> float:
+    """SIGKILL the lighthouse just after a sync every replica committed (0.1 s of a 0.4 s
+    interval): none has a quorum request in flight, which would wait in it (torchft asking
+    again) up to quorum_timeout_s instead of training on. When it died."""
+    step = reps.torchft_step()
+    reps.wait_for("a commit of every replica", lambda: all(
+        any(row["committed"] and row["torchft_step"] > step for row, _ in reps.syncs[n])
+        for n in OUTAGE_NAMES))
+    time.sleep(0.1)
+    lighthouse.kill()
+    lighthouse.wait()
+    return time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def outage():
+    """Three replicas and a lighthouse process: the lighthouse is SIGKILLed mid-run, started
+    again on the same port once every replica has skipped a sync and trained on, then killed
+    for good. The seconds from each kill to the first commit / to every replica's error are
+    measured as they are seen (pumped every 0.1 s)."""
+    from ccfx.runtime.launch import free_port
+
+    port = free_port()
+    lighthouse = w.lighthouse_process(port)
+    reps = w.Replicas(f"http://127.0.0.1:{port}", deadline_s=300, step_sleep_s=0.1)
+    names, out = OUTAGE_NAMES, {"reps": reps, "url": f"http://127.0.0.1:{port}"}
+    try:
+        for k, name in enumerate(names):
+            reps.start(name, seed=k, options=OUTAGE_OPTIONS)
+        reps.wait_for("two committed syncs among three",
+                      lambda: all(reps.committed(n, replicas=3) >= 2 for n in names))
+        killed = _kill_between_syncs(reps, lighthouse)
+        out["before"] = before = {n: len(reps.syncs[n]) for n in names}
+        # (a replica whose quorum request was in flight waits in it: torchft asks again)
+        reps.wait_for("two replicas to skip two syncs while the lighthouse is away", lambda: sum(
+            sum(map(_skipped, (row for row, _ in reps.syncs[n][before[n]:]))) >= 2
+            for n in names) >= 2)
+        lighthouse = w.lighthouse_process(port)
+        out["restarted_s"] = time.monotonic() - killed
+        reps.wait_for("a commit after the restart",
+                      lambda: any(reps.committed(n, after=before[n]) for n in names))
+        out["first_commit_s"] = time.monotonic() - killed
+        reps.wait_for("two committed syncs among three after the restart", lambda: all(
+            reps.committed(n, replicas=3, after=before[n]) >= 2 for n in names))
+        out["after"] = {n: len(reps.syncs[n]) for n in names}
+        reps.may_fail.update(names)
+        killed = _kill_between_syncs(reps, lighthouse)
+        reps.wait_for("every replica's error", lambda: all(n in reps.ends for n in names))
+        out["error_s"] = time.monotonic() - killed
+        print(f"\nlighthouse outage: restarted {out['restarted_s']:.1f} s after its kill, "
+              f"first commit {out['first_commit_s']:.1f} s after it; killed for good: every "
+              f"replica's error {out['error_s']:.1f} s after (lighthouse_outage_s={OUTAGE_S:g})")
+        yield out
+    finally:
+        reps.close()
+        lighthouse.kill()
+
+
+@pytest.mark.slow
+def test_replicas_train_through_a_lighthouse_restart_and_commit_again_bit_identical(outage):
+    reps, before, after = outage["reps"], outage["before"], outage["after"]
+    by_step: dict[int, set[str]] = {}
+    trained_on = 0
+    for name in OUTAGE_NAMES:
+        rows = [row for row, _ in reps.syncs[name][before[name]:after[name]]]
+        skipped = [row for row in rows if _skipped(row)]
+        # it trained on: its skipped syncs are at later and later inner steps
+        assert not skipped or skipped[-1]["step"] > skipped[0]["step"], rows
+        trained_on += len(skipped) >= 2
+        for row, digest in reps.syncs[name][before[name]:after[name]]:
+            if row["committed"] and digest is not None:
+                by_step.setdefault(row["torchft_step"], set()).add(digest)
+    assert trained_on >= 2  # (one in a quorum request as the lighthouse died waits in it)
+    assert by_step and all(len(d) == 1 for d in by_step.values()), by_step
+
+
+@pytest.mark.slow
+def test_the_first_commit_after_a_lighthouse_restart_counts_the_steps_trained_meanwhile(outage):
+    """Nothing is lost: a replica's first commit after the outage weighs every inner step since
+    its last commit before the kill (one that healed in between, having missed a quorum or
+    failed the group's rebuild, counts from its heal instead)."""
+    reps, before = outage["reps"], outage["before"]
+    counted = 0
+    for name in OUTAGE_NAMES:  # (the rows up to the second, final kill)
+        rows = [row for row, _ in reps.syncs[name][:outage["after"][name]]]
+        at = next(i for i in range(before[name], len(rows)) if rows[i]["committed"]
+                  and rows[i]["step"] > max((r["step"] for r in rows[:i] if _skipped(r)),
+                                            default=-1))
+        first = rows[at]  # the first commit after its skipped syncs
+        last = max(i for i in range(at) if rows[i]["committed"])
+        if not any(row["healed"] for row in rows[last + 1:at + 1]):
+            own = first["step"] - rows[last]["step"]
+            assert first["own"] == own > OUTAGE_OPTIONS["sync_every"], first
+            counted += 1
+    assert counted >= 1
+
+
+@pytest.mark.slow
+def test_a_lighthouse_away_past_lighthouse_outage_s_is_an_error_naming_it(outage):
+    reps = outage["reps"]
+    for name in OUTAGE_NAMES:
+        kind, message = reps.ends[name]
+        assert kind == "error" and message.startswith("CollectiveError"), message
+        assert f"lighthouse at {outage['url']} has been unreachable for" in message, message
+        away = float(message.split("unreachable for ")[1].split(" s")[0])
+        # past the bound (one whose quorum request was in flight as the lighthouse died waits
+        # in it, torchft asking again, up to quorum_timeout_s, then counts from its start)
+        assert away > OUTAGE_S and "lighthouse_outage_s" in message, message
+
+
 def test_fault_tolerance_options_are_checked():
     model = w.mlp(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ccfx.ConfigError, match="fault_tolerant=True"):
         ccfx.local_steps(model, opt, sync_every=2, min_replicas=2)
+    with pytest.raises(ccfx.ConfigError, match="lighthouse_outage_s >= 0"):
+        ccfx.local_steps(model, opt, sync_every=2, fault_tolerant=True,
+                         lighthouse="http://127.0.0.1:1", lighthouse_outage_s=-1)
     with pytest.raises(ccfx.ConfigError, match="fragment_delay=0"):
         ccfx.local_steps(model, opt, sync_every=4, fragments=2, fragment_delay=1,
                          fault_tolerant=True, lighthouse="http://127.0.0.1:1")
@@ -321,6 +447,69 @@ def test_sync_after_a_failed_group_rebuild_is_uncommitted_not_a_crash():
     row = elastic.history[-1]
     assert not row["committed"] and row["replicas"] == 0 and row["fragments"] == []
     assert all(torch.equal(before[k], v) for k, v in outer.global_parameters().items())
+    outer.close()
+
+
+class _NoQuorumManager(_UnsetGroupManager):
+    """A quorum request that fails (the lighthouse away, or no quorum in time)."""
+
+    _quorum_future = "the failed request"
+    _quorum_id = 4
+
+    def start_quorum(self):
+        raise RuntimeError('status: Cancelled, message: "Timeout expired"')
+
+    def shutdown(self, wait=True):
+        pass
+
+
+def _joined_replica(outer, lighthouse, **opts):
+    from ccfx.runtime.elastic import Elastic, ElasticOptions
+
+    elastic = Elastic.__new__(Elastic)  # its state, without torchft's manager and lighthouse
+    elastic.outer, elastic.manager, elastic.lighthouse = outer, _NoQuorumManager(), lighthouse
+    elastic.tokens, elastic.counts_tokens, elastic.since, elastic.commits = 0, False, 0, 0
+    elastic.history, elastic._reduces, elastic._joined = [], {}, True
+    elastic.opts, elastic.slot = ElasticOptions(**opts), None
+    elastic._transport = _Silent()
+    return elastic
+
+
+def test_failed_quorum_requests_are_skipped_syncs_then_an_error_past_max_retries():
+    import socket
+
+    model = w.mlp(0)
+    outer = ccfx.local_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    with socket.socket() as lighthouse:  # reachable: the failure is not the lighthouse's
+        lighthouse.bind(("127.0.0.1", 0))
+        lighthouse.listen()
+        elastic = _joined_replica(outer, f"http://127.0.0.1:{lighthouse.getsockname()[1]}",
+                                  max_retries=2)
+        for _ in range(2):
+            assert elastic.sync(list(outer.fragments)) is False
+            assert elastic.history[-1]["error"].startswith("no quorum: status: Cancelled")
+            assert elastic.manager._quorum_future is None  # the next sync asks again
+            elastic.manager._quorum_future = "the failed request"
+        with pytest.raises(ccfx.CollectiveError, match="3 quorum requests in a row failed "
+                                                       r"\(max_retries=2"):
+            elastic.sync(list(outer.fragments))
+    outer.close()
+
+
+def test_an_unreachable_lighthouse_skips_syncs_then_is_an_error_naming_it():
+    from ccfx.runtime.launch import free_port
+
+    model = w.mlp(0)
+    outer = ccfx.local_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    address = f"http://127.0.0.1:{free_port()}"
+    elastic = _joined_replica(outer, address, lighthouse_outage_s=0.5)
+    assert elastic.sync(list(outer.fragments)) is False  # trains on
+    assert elastic.history[-1]["error"] == f"the lighthouse at {address} is unreachable"
+    assert elastic.manager._quorum_id == -1  # its next quorum rebuilds the group
+    time.sleep(0.6)
+    with pytest.raises(ccfx.CollectiveError, match=f"lighthouse at {address} has been "
+                                                   "unreachable for .* lighthouse_outage_s=0.5"):
+        elastic.sync(list(outer.fragments))
     outer.close()
 
 

@@ -43,6 +43,14 @@ Each replica (one process; its own torchft replica group of size 1) owns a torch
    reaches the next quorum with the others (torchft rebuilds the group there).
    ``max_retries`` consecutive uncommitted syncs raise :class:`~ccfx.CollectiveError`.
 
+The lighthouse may restart: a replica that has been in a quorum and finds it unreachable
+(a connect before the quorum, at most once a second) skips the sync and trains on, its
+pseudo-gradient growing as after an uncommitted sync; a request in flight as it died is retried
+by torchft (``quorum_retries``, about once a second) up to ``quorum_timeout_s``. The first quorum
+after it is back rebuilds the group whatever its id (a restarted lighthouse counts from 1
+again). Past ``lighthouse_outage_s`` unreachable, a :class:`~ccfx.CollectiveError` names it; a
+request that fails with the lighthouse reachable is skipped too, ``max_retries`` in a row.
+
 Joining is a sync at :func:`~ccfx.local_steps` time with nothing to send: a replica started
 late waits there (up to ``quorum_timeout_s``) for the others' next sync, heals in it and trains
 from its result. After a heal that fetched after the exchange it *catches up*: having spent

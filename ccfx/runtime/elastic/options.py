@@ -14,7 +14,7 @@ COMPILE_JOIN_S = 120.0
 
 #: ``ccfx.local_steps`` keywords that configure fault tolerance (not torch.compile options).
 KEYS = ("fault_tolerant", "lighthouse", "replica_id", "min_replicas", "quorum_timeout_s",
-        "max_retries", "trainers", "slot", "init_sync")
+        "max_retries", "trainers", "slot", "init_sync", "lighthouse_outage_s")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class ElasticOptions:
     ``replica_id``: this replica's name (else ``REPLICA_ID``, else a fresh one);
     ``min_replicas``: the fewest replicas a sync may commit with; ``quorum_timeout_s``: how long
     a sync waits for a quorum (longer than the inner steps between two syncs);
-    ``max_retries``: consecutive uncommitted syncs before giving up; ``trainers``: how many
+    ``max_retries``: consecutive uncommitted syncs (or failed quorum requests) before giving
+    up; ``lighthouse_outage_s``: how long a replica that has joined trains on, its syncs
+    skipped, while the lighthouse is unreachable (a restart), before it gives up; ``trainers``: how many
     replicas train (the training places, 0 .. trainers - 1): the others are hot spares
     (:meth:`Elastic.wait_while_spare`); None: every replica trains; ``slot``: the training
     place this replica claims when it joins (None: a free one, else it waits as a spare);
@@ -40,6 +42,7 @@ class ElasticOptions:
     trainers: int | None = None
     slot: int | None = None
     init_sync: bool = True
+    lighthouse_outage_s: float = 300.0
 
 
 def split_options(options: dict) -> tuple[dict, ElasticOptions | None]:
@@ -52,9 +55,10 @@ def split_options(options: dict) -> tuple[dict, ElasticOptions | None]:
                               "fault_tolerant=True with them")
         return rest, None
     opts = ElasticOptions(**mine)
-    if opts.min_replicas < 1 or opts.max_retries < 0 or opts.quorum_timeout_s <= 0:
-        raise ConfigError(f"fault tolerance options {opts}: min_replicas >= 1, max_retries >= 0 "
-                          "and quorum_timeout_s > 0")
+    if (opts.min_replicas < 1 or opts.max_retries < 0 or opts.quorum_timeout_s <= 0
+            or opts.lighthouse_outage_s < 0):
+        raise ConfigError(f"fault tolerance options {opts}: min_replicas >= 1, max_retries >= 0, "
+                          "quorum_timeout_s > 0 and lighthouse_outage_s >= 0")
     if opts.trainers is None and opts.slot is not None:
         raise ConfigError(f"slot={opts.slot} names a training place: pass trainers=N (how many "
                           "replicas train; the others wait as hot spares)")

@@ -115,7 +115,11 @@ class Elastic(StateMachine, Meet, Averaging, Healing, CatchUp, Spares, Failures)
                 connect_timeout=timedelta(seconds=min(opts.quorum_timeout_s, 30.0)),
                 rank=0, world_size=1, store_addr=host, store_port=self._store.port,
                 lighthouse_addr=self.lighthouse, replica_id=replica_id, hostname=host,
-                max_retries=opts.max_retries, init_sync=opts.init_sync)
+                max_retries=opts.max_retries, init_sync=opts.init_sync,
+                # a request in flight when the lighthouse dies asks it again every second or
+                # so (torchft waits quorum_timeout / (retries + 1) after a failed connection)
+                # until quorum_timeout_s: a restart within that joins the next quorum
+                quorum_retries=max(1, int(opts.quorum_timeout_s)))
         except Exception as e:
             raise self._no_quorum(e, "starting torchft's manager") from e
 
@@ -142,7 +146,10 @@ class Elastic(StateMachine, Meet, Averaging, Healing, CatchUp, Spares, Failures)
     def _torchft_step(self, due: list) -> _Round:
         """The quorum (a heal in it), the meet, the exchange, the commit or the rollback."""
         r = self._begin_sync(due)
-        self._quorum(r)
+        if not self._quorum(r):  # skipped: nothing exchanged or committed; it trains on
+            self._last_exchanged = time.monotonic()  # (a heal's or a spare's wait: from now)
+            self._end_sync(r)
+            return r
         if self._healed:  # the fragments the peers sync now, at the step we took from them
             outer = self.outer
             r.due = [f for f in outer.fragments
@@ -169,17 +176,27 @@ class Elastic(StateMachine, Meet, Averaging, Healing, CatchUp, Spares, Failures)
         r.torchft_state = self.manager.state_dict()
         return r
 
-    def _quorum(self, r: _Round) -> None:
-        """torchft's quorum (a heal from a peer may run in it: :meth:`_load`); this replica
-        stops here if none forms."""
+    def _quorum(self, r: _Round) -> bool:
+        """torchft's quorum (a heal from a peer may run in it: :meth:`_load`); False: this
+        sync is skipped, the lighthouse away or the request failed (:meth:`_lighthouse_away`,
+        :meth:`_quorum_failed`, each bounded). A replica that has never been in a quorum stops
+        here if none forms."""
+        if self._joined and self._lighthouse_away():
+            r.error = f"the lighthouse at {self.lighthouse} is unreachable"
+            return False
         try:
             self.manager.start_quorum()
         except Exception as e:
+            if self._joined:
+                r.error = self._quorum_failed(e, r.started)
+                return False
             self.shutdown()  # this replica stops here: its heartbeats must stop too
             raise self._no_quorum(e, f"the outer sync at inner step {self.outer.step}") from e
+        self._joined, self._quorum_failures, self._outage_since = True, 0, None
         r.quorum_s = time.monotonic() - r.started
         # taken after a heal: the healed state stays
         r.snapshot = {k: t.clone() for k, t in self.outer._codec_state().items()}
+        return True
 
     def _meet_and_exchange(self, r: _Round) -> None:
         """The meet, its checks, the places, and each due fragment's exchange; a failure (a

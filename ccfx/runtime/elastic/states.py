@@ -10,7 +10,9 @@ checks the transition against :data:`TRANSITIONS`, logs it and sets it.
 Not states, on purpose: whether a replica is a hot spare is which training place it holds
 (``slot``, data every member computes from the meet), and a spare may be healing or catching up
 like any replica; ``_healed``, ``_unhealed`` and ``_refused`` say what this sync's quorum did
-and are reset at every sync's start (per-sync scratch).
+and are reset at every sync's start (per-sync scratch); a lighthouse outage is a clock
+(``_outage_since``, :mod:`.failures`), not a standing: a replica in any state skips its syncs
+while the lighthouse is away and keeps its state through them.
 """
 
 from __future__ import annotations
