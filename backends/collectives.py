@@ -153,7 +153,7 @@ class Collectives:
                     r.state = r.compressed.init_state(device)
                     self._register(plan.index, r)
         rewritten = compress_collectives(copy_graph(gm), found, rewrites, decompositions,
-                                         self._comm)
+                                         lambda name, world: self._comm(name, world, device))
         plan.collectives.extend(rows)
         log.info("ccfx: graph %d %s: %d collective(s), %d compressed", plan.index, part,
                  len(rows), sum(r.codec != "none" for r in rows))
@@ -169,11 +169,17 @@ class Collectives:
                          f"the {part} of graph {plan.index}" if described else "", described,
                          counters, agreed)
 
-    def _comm(self, group_name: str, world: int):
-        """The comm the compressed phases issue through: their waits give up after
-        ``collective_timeout_s`` (the group is the user's: ccfx leaves its timeout alone)."""
+    def _comm(self, group_name: str, world: int, device):
+        """The comm the compressed phases issue through: on a gloo group of CPU tensors their
+        waits give up after ``collective_timeout_s`` (the group is the user's: ccfx leaves its
+        timeout alone). Elsewhere torch's own wait: a CUDA wait orders streams (the waiting
+        thread's current stream) rather than blocking, and NCCL has its own watchdog."""
+        from ccfx.wire.comm import FunctionalComm
         from ccfx.wire.deadline import DeadlineComm
 
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        if not on_cpu or _backend(group_name) != "gloo":
+            return FunctionalComm(group_name, world)
         return DeadlineComm(group_name, world, self.config.collective_timeout_s)
 
     # -- decisions ------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .ranks import caught, digest
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 
-def tp_model(world: int, seed: int = 0) -> nn.Module:
+def tp_model(world: int, seed: int = 0, hidden: int = 64) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -34,7 +34,7 @@ def tp_model(world: int, seed: int = 0) -> nn.Module:
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    model = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 16))
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
@@ -302,3 +302,64 @@ def with_data_parallel(rank, world, codec):
             "digest": digest(out[codec]),
             "buckets": [b.codec for b in plan.buckets],
             "collectives": [(c.part, c.kind, c.codec) for c in plan.collectives]}
+
+
+# -- a rank of the tensor-parallel group dies or freezes (issue 36) ----------------------------
+
+
+def _group_model(kind: str, world: int) -> nn.Module:
+    """Tensor parallel (``"tp"``) or ``ccfx.shard`` (``"shard"``) over every rank, every
+    sharded size a multiple of ``world``."""
+    if kind == "tp":
+        return tp_model(world, hidden=16 * world)
+    torch.manual_seed(0)
+    return ccfx.shard(nn.Sequential(nn.Linear(16, 16 * world), nn.ReLU(),
+                                    nn.Linear(16 * world, 8 * world)))
+
+
+def _until_survivors_failed(store, rank: int, world: int) -> None:
+    """Every survivor (all but one rank) counts its error in; rank 0, which hosts the store
+    their blame reads, returns (and takes the store down) only once all have."""
+    import time
+
+    store.add("test/failed", 1)
+    deadline = time.monotonic() + 60
+    while rank == 0 and store.add("test/failed", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def rank_fails(rank, world, kind, how, victim, timeout_s):
+    """A model on the user's groups (:func:`_group_model`) with int8 collectives: a step on
+    every rank, then rank ``victim`` is SIGKILLed (``how="dies"``) or SIGSTOPped
+    (``"frozen"``); the others' next step fails, its error as data with ``since``: seconds
+    from the kill or freeze to the error. Once every survivor has its error, rank 0 kills a
+    frozen victim (its pid: what ranks publish)."""
+    import json
+    import os
+    import signal
+    import time
+
+    from ccfx.wire import agree
+
+    model = _group_model(kind, world)
+    compiled = compile_tp(model, "int8", collective_timeout_s=timeout_s)
+    x = tp_input()
+    compiled(x).sum().backward()  # compiles, agrees and runs on every rank
+    dist.barrier()
+    store = agree._store()
+    if rank == victim:
+        store.set("test/victim_at", repr(time.time()).encode())
+        os.kill(os.getpid(), signal.SIGKILL if how == "dies" else signal.SIGSTOP)
+        os._exit(3)  # woken: the survivors are done
+    store.wait(["test/victim_at"])
+    victim_at = float(store.get("test/victim_at").decode())
+    got = caught(lambda: compiled(x).sum().backward())
+    got["since"] = time.time() - victim_at
+    _until_survivors_failed(store, rank, world)
+    if how == "frozen" and rank == 0:
+        proc = json.loads(store.get(f"ccfx/agree/proc/{victim}").decode())
+        try:
+            os.kill(proc["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return got

@@ -215,3 +215,33 @@ def one_replica_stops(rank, world, delays):
         except ccfx.CcfxError as e:
             out[delay] = f"{type(e).__name__}: {e}"
     return out
+
+
+def ring_replica_dies(rank, world, dead):
+    """Local steps over the ring (``outer_collective="ring"``): one sync on every replica, then
+    rank ``dead`` is SIGKILLed; the others' next sync fails, its error as data with ``since``:
+    seconds from the kill to the error."""
+    import os
+    import signal
+    import time
+
+    from ccfx.wire import agree
+
+    model = mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ccfx.local_steps(model, opt, sync_every=2, outer_codec="int8", outer_collective="ring",
+                     collective_timeout_s=60.0, compress_min_numel=0)
+    _run(model, opt, rank, 0, 3)  # the sync at step 2 on every replica
+    dist.barrier()
+    store = agree._store()
+    if rank == dead:
+        store.set("test/victim_at", repr(time.time()).encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.wait(["test/victim_at"])
+    victim_at = float(store.get("test/victim_at").decode())
+    got = ranks.caught(lambda: _run(model, opt, rank, 3, 6))  # the sync at step 4
+    got["since"] = time.time() - victim_at
+    from .collectives_workers import _until_survivors_failed
+
+    _until_survivors_failed(store, rank, world)
+    return got

@@ -316,3 +316,23 @@ def test_predicted_step_falls_with_h_and_streaming_hides_the_link():
     for f in streamed.fragments:
         assert f.exposed_s == pytest.approx(f.codec_s + max(0.0, f.link_s - 4 * 0.05))
     assert "exposed" in streamed.explain() and "x the step without communication" in h10.explain()
+
+
+@pytest.mark.slow
+def test_a_dead_replica_on_the_ring_is_named_with_the_outer_sync_fragment_and_step():
+    """Three replicas on the ring, rank 2 SIGKILLed after the first sync: each survivor's
+    error says which outer sync (fragment, inner step) failed and names rank 2."""
+    with pytest.raises(ranks.RankFailed) as e:
+        ranks.spawn(w.ring_replica_dies, 3, (2,), timeout_s=240, grace_s=90, pg_timeout_s=60)
+    assert "rank 2" in str(e.value)
+    for r in (0, 1):
+        got = e.value.results[r]
+        print(f"local steps on the ring, rank 2 of 3 dies: rank {r}'s named error "
+              f"{got.get('since', float('nan')):.1f} s after: {got.get('message', got)}")
+        assert got["error"] == "CollectiveError", got
+        msg = got["message"]
+        assert msg.startswith(f"rank {r}: the outer sync of fragment 0 (started at inner step "
+                              "4) failed: "), msg
+        assert "ring all-reduce" in msg, msg  # what failed inside it
+        assert "Rank 2 (" in msg and "has exited" in msg, msg
+        assert got["since"] < 60, got  # gloo's closed connection, not a timeout

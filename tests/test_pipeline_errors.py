@@ -70,7 +70,9 @@ def test_a_rank_that_dies_mid_training_is_an_error_not_a_hang():
     msg = survivor["message"]
     assert msg.startswith("rank 0: a pipeline transfer failed"), msg
     assert "stage 1 (rank 1)" in msg and "of microbatch" in msg, msg
-    assert "Rank 1 (" in msg, msg
+    # named as exited every time: gloo sees the dead rank's sockets close a moment before its
+    # process is gone, and the blame waits for that moment instead of calling it silent
+    assert "Rank 1 (" in msg and "has exited" in msg, msg
 
 
 @pytest.mark.slow

@@ -46,7 +46,8 @@ world size is a :class:`~ccfx.ConfigError`; one saved before ccfx recorded them 
 that check), the fragments' parameter names and shapes.
 
 Fault tolerant (``fault_tolerant=True``, with ``lighthouse``, ``replica_id``, ``min_replicas``,
-``quorum_timeout_s``, ``max_retries``, ``trainers``, ``slot``, ``init_sync``): each sync is a
+``quorum_timeout_s``, ``max_retries``, ``trainers``, ``slot``, ``init_sync``,
+``lighthouse_outage_s``): each sync is a
 step of a torchft ``Manager`` among the replicas alive now, and a replica that joins late
 recovers from a live peer; with ``trainers=N`` the replicas beyond N are hot spares that take a
 dead trainer's place (:attr:`LocalSteps.slot`) when it dies; see :mod:`ccfx.runtime.elastic`.
@@ -63,7 +64,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..codecs.state import check, check_place, named, outer_channel
+from ..codecs.state import check, check_finite, check_place, named, outer_channel
 from ..config import Config
 from ..errors import CollectiveError, ConfigError
 from ..wire import agree
@@ -71,6 +72,7 @@ from ..wire.comm import LocalComm, ProcessGroupComm
 from ..wire.exchange import BucketLayout, exchange_for
 from ..wire.link import resolve_collective
 from ..wire.policy import balanced, split_fragment
+from ..wire.ring import PEER_HINT
 from .fragments import Fragment, InFlight, Part
 from .launcher_env import require_group_under_launcher
 
@@ -250,17 +252,21 @@ class LocalSteps:
             raise self._failed(frag, flight, e) from e
 
     def _failed(self, frag: Fragment, flight: InFlight, e: BaseException) -> CollectiveError:
-        if isinstance(e, CollectiveError):
+        """The error of a failed outer sync: the fragment, the step it started at, what failed
+        (gloo's line, or the ring's own error: its hop and peer) and the replica it points at."""
+        where = (f"rank {self.rank}: the outer sync of fragment {frag.index} (started at inner "
+                 f"step {flight.started})")
+        if isinstance(e, CollectiveError) and str(e).startswith(where):
             return e
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        text = text.removesuffix(PEER_HINT).rstrip(" .")  # said below, for a replica
         from ..wire import agree
 
         agree.gave_up(f"the outer sync of fragment {frag.index}", text)
         who = agree.blame(e)
         who = f" {who[0].upper()}{who[1:]}." if who else ""
         return CollectiveError(
-            f"rank {self.rank}: the outer sync of fragment {frag.index} (started at inner step "
-            f"{flight.started}) failed: {text}.{who} A replica died, hung past "
+            f"{where} failed: {text}.{who} A replica died, hung past "
             f"collective_timeout_s={self.config.collective_timeout_s:g} s, or took a different "
             "number of optimizer steps")
 
@@ -358,8 +364,9 @@ class LocalSteps:
         :class:`~ccfx.ConfigError` saying what differs: the outer options, the number of
         replicas and this replica's rank among them (this replica's parameters and
         error-feedback residuals are its own), the fragments' parameters and their shapes, the
-        codec state's names and shapes. A checkpoint saved before ccfx recorded the world size
-        and rank loads without that check."""
+        codec state's names and shapes, and that it holds no NaN or ±inf (a damaged file). A
+        checkpoint saved before ccfx recorded the world size and rank loads without that
+        check."""
         saved, now = state["config"], _outer_options(self.config)
         if saved != now:
             diff = {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
@@ -390,6 +397,7 @@ class LocalSteps:
         check(live, codec, {outer_channel(f.index, p): part.exchange.spec
                             for f in self.fragments for p, part in enumerate(f.parts)},
               "local-steps codec state")
+        check_finite(codec, "local-steps codec state", fix=_CODEC_FIX)
         self.step, self.syncs = int(state["step"]), int(state["syncs"])
         self.raw_bytes, self.wire_bytes = int(state["raw_bytes"]), int(state["wire_bytes"])
         for frag, saved_frag in zip(self.fragments, state["fragments"]):
@@ -406,6 +414,12 @@ class LocalSteps:
             frag.in_flight = None if pending is None else InFlight(
                 pending["started"], pending["merge_at"],
                 averaged=[a.clone() for a in pending["averaged"]])
+
+
+#: How to resume when a local-steps checkpoint's codec state is damaged.
+_CODEC_FIX = ("Resume from an earlier checkpoint, or leave the codec state out: before loading, "
+              "state['codec'] = outer.state_dict()['codec'] (this run's fresh state: error "
+              "feedback from zero, PowerSGD from a new Q).")
 
 
 def _outer_options(config: Config) -> dict:

@@ -5,7 +5,8 @@ makes its first group (:func:`publish_process`). gloo names a dead peer by an ad
 (``Connection closed by peer [127.0.0.1]:40123``); :func:`blame` turns that into ranks: a
 peer on this host whose process is gone, or a peer whose host has the address gloo names and
 that did not report the failure itself within a moment (a survivor writes a ``failed``
-record, :func:`gave_up`), is named with its address.
+record, :func:`gave_up`), is named with its address; a peer on this host that is stopped
+(SIGSTOP) is named as frozen.
 """
 
 from __future__ import annotations
@@ -112,18 +113,20 @@ def _gloo_address(text: str) -> str | None:
     return f"{m.group(1)}:{m.group(2)}" if m else None
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process's state letter (``R``, ``S``, ``T`` stopped, ``Z`` exited but not reaped:
+    a launcher's rank, ``X`` gone), ``"X"`` when there is no such process, ``"?"`` where it cannot be told."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "X"
     except OSError:
-        return True
-    try:  # an exited child its parent has not reaped yet (a launcher's rank) is a zombie
+        return "?"
+    try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return True
+        return "?"
 
 
 def failed(what: str, error: BaseException, ranks: Sequence[int]) -> tuple[str, str]:
@@ -136,17 +139,39 @@ def failed(what: str, error: BaseException, ranks: Sequence[int]) -> tuple[str, 
     return first, (f" {who[0].upper()}{who[1:]}." if who else "")
 
 
-def _silent(store, procs: dict, peers: list, address: str | None, settle_s: float) -> list:
-    """The peers with gloo's ``address`` that do not report a failure within ``settle_s``
-    (all of them when none reports it, which names no one: ``[]``)."""
+def _same_host(procs: dict, states: tuple[str, ...]) -> list:
+    """The peers on this host whose process is in one of ``states``."""
+    here = socket.gethostname()
+    return [r for r, p in procs.items() if p.get("host") == here and _state(p["pid"]) in states]
+
+
+def _find(store, procs: dict, peers: list, address: str | None,
+          settle_s: float) -> tuple[list, str]:
+    """The peers a failure points at, and the verb: a peer on this host whose process exited
+    (polled for ``settle_s``: gloo sees a killed peer's sockets close a moment before its
+    process is gone) or is stopped (SIGSTOP, a debugger), else the peers with gloo's
+    ``address`` that do not report a failure within ``settle_s`` (all of them when none
+    reports it, which names no one: ``[]``)."""
     candidates = [r for r, p in procs.items()
                   if address is None or address.rsplit(":", 1)[0] in p.get("addrs", ())]
     deadline = time.monotonic() + settle_s
-    while candidates and time.monotonic() < deadline:
+    while True:
+        dead = _same_host(procs, ("Z", "X"))
+        if dead:
+            return dead, "has exited" if len(dead) < 2 else "have exited"
+        stopped = _same_host(procs, ("T", "t"))  # it cannot exit on its own meanwhile
+        if stopped:
+            return stopped, ("is" if len(stopped) < 2 else "are") + \
+                " stopped (SIGSTOP, or a debugger): frozen, it never answers"
         candidates = [r for r in candidates
                       if ((read_record(store, r) or {}).get("state") != "failed")]
+        if not candidates or time.monotonic() >= deadline:
+            break
         time.sleep(POLL_S)
-    return candidates if len(candidates) < len(peers) else []
+    if candidates and len(candidates) < len(peers):
+        return candidates, ("did not report this failure itself (it died, hangs or lost its "
+                            "network)")
+    return [], ""
 
 
 def blame(error: BaseException | str, ranks: Sequence[int] | None = None,
@@ -172,14 +197,9 @@ def blame(error: BaseException | str, ranks: Sequence[int] | None = None,
         where = f" ({address})" if address else ""
         return (f"the c10d store is unreachable too: {host0}{where} has most likely exited "
                 "or lost its network")
-    here = socket.gethostname()
-    dead = [r for r, p in procs.items() if p.get("host") == here and not _alive(p["pid"])]
-    verb = "has exited" if len(dead) < 2 else "have exited"
-    if not dead:  # elsewhere: the peers with gloo's address that do not report a failure
-        dead = _silent(store, procs, peers, address, settle_s)
-        if not dead:
-            return f"gloo names the peer at {address}" if address else ""
-        verb = "did not report this failure itself (it died, hangs or lost its network)"
+    dead, verb = _find(store, procs, peers, address, settle_s)
+    if not dead:
+        return f"gloo names the peer at {address}" if address else ""
     where = f"{address}, " if address and len(dead) == 1 else ""
     names = ", ".join(f"rank {r} ({where}pid {procs[r]['pid']} on host {procs[r]['host']})"
                       for r in dead)

@@ -158,6 +158,10 @@ def gather_wire_bytes(numel: int, spec: str, dtype: torch.dtype, world: int) -> 
     return (world - 1) * int(codec.wire_bytes((numel,), dtype))
 
 
+#: The last sentence of a ring error (a caller that says it for its own context drops it).
+PEER_HINT = "A peer rank died, hung or runs a different step; see that rank's own error."
+
+
 def _group_timeout(group) -> str:
     try:
         pg = group if group is not None else tc.c10d_default_group()
@@ -237,8 +241,7 @@ class _Ring:
             f"rank {me} (rank {self.rank} of {self.world} in the ring's group): ring "
             f"all-reduce of {self.numel} elements through {self.rc.spec!r} failed in the "
             f"{phase}, hop {hop + 1} of {self.world - 1}, {what} rank {peer} "
-            f"({_group_timeout(self.group)}): {text}. A peer rank died, hung or runs a "
-            "different step; see that rank's own error.")
+            f"({_group_timeout(self.group)}): {text}. {PEER_HINT}")
 
     # -- the algorithm --------------------------------------------------------------------------
 
