@@ -42,13 +42,19 @@ def plan_parallel(model, example_inputs, cluster, *, target=None, top: int = 5, 
 
 def plan_of(compiled) -> Plan:
     """The Plan of a model compiled with ccfx (all of its graphs); of a DDP model with ccfx's
-    comm hook (:func:`ddp_comm_hook`), the hook's buckets: parameters, codec, bytes per step."""
+    comm hook (:func:`ddp_comm_hook`), the hook's buckets: parameters, codec, bytes per step;
+    of an FSDP2 model given ccfx's comms (``ccfx.integrations.register_codec``), each FSDP
+    module's all-gather and reduce-scatter."""
     from ccfx.backends.compiler import backend_of
     from ccfx.runtime.comm_hook import hook_state_of, plan_of_hook
+    from ccfx.runtime.fsdp2_comms import fsdp2_state_of
 
     hooked = hook_state_of(compiled)
     if hooked is not None:
         return plan_of_hook(hooked, compiled)
+    sharded = fsdp2_state_of(compiled)
+    if sharded is not None:
+        return sharded.plan()
     return backend_of(compiled).plan
 
 
@@ -73,11 +79,13 @@ def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather")
 def ledger_of(compiled):
     """The byte ledger of a model compiled with ccfx; of a DDP model with ccfx's comm hook
     (:func:`ddp_comm_hook`), the hook's: bytes per bucket per step (its state's ``ledger``).
-    A ccfx-compiled model inside DDP keeps its own: ``ledger_of(ddp_model.module)``."""
+    A ccfx-compiled model inside DDP keeps its own: ``ledger_of(ddp_model.module)``. Of an
+    FSDP2 model given ccfx's comms, bytes per FSDP module per collective kind per step."""
     from ccfx.backends.compiler import backend_of
     from ccfx.runtime.comm_hook import hook_state_of
+    from ccfx.runtime.fsdp2_comms import fsdp2_state_of
 
-    hooked = hook_state_of(compiled)
+    hooked = hook_state_of(compiled) or fsdp2_state_of(compiled)
     if hooked is not None:
         return hooked.ledger
     return backend_of(compiled).ledger

@@ -183,6 +183,13 @@ INTERNALS: tuple[Internal, ...] = (
        "ccfx/runtime/data_parallel.py", "get_active_ddp_module"),
     _i("torch.nn.parallel.DistributedDataParallel._comm_hooks", "refuse a second comm hook",
        "none", "ccfx/integrations/_ddp.py ccfx/runtime/comm_hook.py", how="instance"),
+    _i("torch.distributed.fsdp._fully_shard._fsdp_api.AllGather", "the interface of a "
+       "custom FSDP2 all-gather (FSDPModule.set_custom_all_gather, public, takes one)",
+       "none: torch.distributed.fsdp exports fully_shard and FSDPModule, not the comm "
+       "interfaces", "ccfx/runtime/fsdp2_comms.py", "FsdpAllGather"),
+    _i("torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter", "the interface of a "
+       "custom FSDP2 reduce-scatter (FSDPModule.set_custom_reduce_scatter)", "as AllGather",
+       "ccfx/runtime/fsdp2_comms.py", "FsdpReduceScatter"),
     _i("torch.distributed.pipelining.schedules._batch_p2p", "name the peer of a failed "
        "pipeline transfer (patched process-wide)", "none: PipelineStage hooks make the P2P ops "
        "but the schedule posts and waits for them", "ccfx/runtime/pipeline.py"),

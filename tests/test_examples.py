@@ -124,6 +124,15 @@ def test_shard_holds_half_the_parameters_and_compresses_its_collectives(tmp_path
 
 
 @pytest.mark.slow
+def test_fsdp2_compresses_torch_s_own_gathers_and_reduce_scatters(tmp_path):
+    line = _summary(_torchrun("fsdp2.py", tmp_path, "--steps", STEPS), "fsdp2")
+    assert "2 ranks" in line, line
+    assert _number(line, "collective wire/raw") < 0.3, line  # int8 gathers, int4 scatters
+    first, last = _loss(line)
+    assert last < first, line
+
+
+@pytest.mark.slow
 def test_tensor_parallel_compresses_the_all_reduce_and_keeps_ranks_equal(tmp_path):
     line = _summary(_torchrun("tensor_parallel.py", tmp_path, "--steps", STEPS),
                     "tensor_parallel")

@@ -12,6 +12,10 @@ overlap, and each bucket is averaged through a ccfx codec. What a user writes::
     # Lightning (on CPU too, where DDPStrategy(ddp_comm_hook=...) is ignored)
     pl.Trainer(strategy="ddp", callbacks=[ccfx.integrations.LightningCodecCallback("int8")])
 
+A model sharded with torch's FSDP2 (``fully_shard``) takes the same call, with one codec or a
+codec per collective kind (:mod:`._fsdp2`): ``register_codec(model, {"all_gather": "int8",
+"reduce_scatter": "int4:ef"})``.
+
 Then ``ccfx.ledger_of(ddp_model)`` / ``ccfx.plan_of(ddp_model)`` (or ``ccfx.ledger_of(state)``
 with the state :func:`register_codec` returned) count the bytes per bucket per step.
 
@@ -41,15 +45,17 @@ from typing import Any
 
 from ..errors import CcfxWarning, ConfigError
 from ..runtime.comm_hook import CommHookState, hook_state_of, plan_of_hook
+from ..runtime.fsdp2_comms import FSDP2Codecs
+from . import _fsdp2
 from ._ddp import _register, _world, find_ddp
 from ._ddp import check_compiled_under_ddp as check_compiled_under_ddp  # its public home
 
 __all__ = ["HFCodecCallback", "LightningCodecCallback", "find_ddp", "register_codec"]
 
 
-def register_codec(target: Any, spec: str | CommHookState, process_group=None,
-                   collective: str = "all_gather", *, accelerator=None,
-                   resume_from: str | None = None) -> CommHookState | None:
+def register_codec(target: Any, spec: str | dict[str, str] | CommHookState,
+                   process_group=None, collective: str = "all_gather", *, accelerator=None,
+                   resume_from: str | None = None) -> CommHookState | FSDP2Codecs | None:
     """Average the gradients of ``target``'s DDP model through the codec ``spec``
     (``"powersgd:rank=4,ef"``, ``"int8"``, ``"fp16"``, ...): DDP's comm hook becomes ccfx's
     (:func:`ccfx.ddp_comm_hook`). Returns the hook's state: its ``ledger`` counts bytes per
@@ -77,7 +83,21 @@ def register_codec(target: Any, spec: str | CommHookState, process_group=None,
       ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``: an object given to
       ``register_for_checkpointing`` is saved by the main process only, and residuals are per
       rank).
+
+    A model sharded with torch's FSDP2 (``fully_shard`` on its blocks and itself, or
+    ``torch.compile`` of one) takes one spec for both of its collectives or a dict by kind,
+    ``{"all_gather": "int8", "reduce_scatter": "int4:ef"}`` (a missing kind: ``"none"``):
+    every FSDP module's all-gather and reduce-scatter run through ccfx's codecs
+    (:mod:`ccfx.runtime.fsdp2_comms`). Returns an
+    :class:`~ccfx.runtime.fsdp2_comms.FSDP2Codecs`; ``ccfx.plan_of(model)`` and
+    ``ccfx.ledger_of(model)`` show each module's collectives. Registering twice, an unknown
+    kind, a codec that cannot serve a kind, ``"auto"`` and HSDP's ``"all_reduce"`` (not yet)
+    raise a :class:`~ccfx.ConfigError`; so does a dict spec for a model without FSDP modules.
     """
+    if isinstance(spec, dict) or (not isinstance(spec, CommHookState)
+                                  and _fsdp2.holds_fsdp(target)):
+        return _fsdp2.register(target, spec, process_group, accelerator=accelerator,
+                               resume_from=resume_from)
     state = spec if isinstance(spec, CommHookState) else CommHookState(spec, process_group,
                                                                          collective)
     if _is_hf_trainer(target):
@@ -95,7 +115,8 @@ def register_codec(target: Any, spec: str | CommHookState, process_group=None,
                 "no) DistributedDataParallel model while "
                 f"{_world(state.process_group)} ranks run: pass the DDP model "
                 "(what accelerator.prepare returned, a Hugging Face Trainer, "
-                "trainer.strategy.model in Lightning)")
+                "trainer.strategy.model in Lightning) or a model sharded with torch's "
+                f"fully_shard; got {_fsdp2.describe(target)}")
         warnings.warn(f"ccfx.integrations.register_codec: one process, no DDP model in "
                       f"{type(target).__name__}: no gradients to average, codec "
                       f"{state.spec!r} not registered", CcfxWarning, stacklevel=2)

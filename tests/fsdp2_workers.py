@@ -1,0 +1,150 @@
+"""What each rank runs in tests/test_fsdp2.py (module level: spawn pickles them by name).
+
+The model is torch's own FSDP2: a 3-block MLP, ``fully_shard`` on each block and on the model
+(whose head is the root's own parameters), trained with AdamW, each rank on its own batches.
+Workers return plain data (losses, digests, ledger and plan figures); the assertions are in
+the test file.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import ccfx
+from ccfx.integrations import register_codec
+from ccfx.runtime import fsdp2_comms
+
+from .ranks import digest, rng
+
+WIDTH = 32
+
+
+class MLP(nn.Module):
+    """Three blocks (one FSDP module each) and a head (the root FSDP module's own)."""
+
+    def __init__(self, width: int = WIDTH, depth: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU())
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def sharded(world: int, seed: int = 0) -> MLP:
+    """The MLP (the same values on every rank), sharded with fully_shard."""
+    torch.manual_seed(seed)
+    model = MLP()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _watch_gathers(model: MLP) -> list[str]:
+    """Digests of every block's gathered (unsharded) parameters, at each forward (of copies:
+    numpy's view of a tensor makes its storage one FSDP can no longer free)."""
+    seen: list[str] = []
+    for block in model.blocks:
+        block[0].register_forward_pre_hook(
+            lambda m, args: seen.append(digest([p.detach().clone() for p in m.parameters()])))
+    return seen
+
+
+def train(rank: int, world: int, spec, steps: int = 5) -> dict:
+    """``steps`` AdamW steps of the sharded MLP, with ccfx's comms (``spec``) or plain FSDP2
+    (``spec`` None): losses, the full parameters' digest and values, the gathered
+    parameters' digests, and with a spec the ledger's figures and the plan's text."""
+    model = sharded(world)
+    state = register_codec(model, spec) if spec is not None else None
+    gathers = _watch_gathers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    x = torch.randn(16, WIDTH, generator=rng(rank))  # each rank its own batch, every step
+    y = x[:, :4].sin()
+    for _ in range(steps):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = [p.full_tensor() for p in model.parameters()]
+    out = {"losses": losses, "params": digest(full), "values": [p.tolist() for p in full],
+           "gathers": gathers}
+    if state is not None:
+        out.update(_figures(model, state))
+    return out
+
+
+def _figures(model, state) -> dict:
+    """What the ledger and the plan say, as plain data."""
+    ledger = ccfx.ledger_of(model)
+    by_kind: dict[str, list[int]] = {}
+    calls: dict[str, int] = {}
+    for ch in state.channels.values():
+        row = [e for e in ledger.entries("collective") if e.edge == ch.index]
+        raw, wire = by_kind.setdefault(ch.kind, [0, 0])
+        by_kind[ch.kind] = [raw + sum(e.raw_bytes for e in row),
+                            wire + sum(e.wire_bytes for e in row)]
+        calls[f"{ch.module}.{ch.kind}"] = sum(e.calls for e in row)
+    return {"ledger_is_state": ledger is state.ledger, "steps": ledger.steps,
+            "bytes": by_kind, "calls": calls, "plan": str(ccfx.plan_of(model)),
+            "codecs": {f"{ch.module}.{ch.kind}": ch.codec for ch in state.channels.values()},
+            "state": sorted(state.state_tensors())}
+
+
+def reduce_ops(rank: int, world: int) -> dict:
+    """ccfx's int8 reduce-scatter called as FSDP calls it, with each op FSDP may pass, against
+    torch's exact fp32 sum: the largest error, and the largest input (for the bound)."""
+    x = torch.randn(world * 64, generator=rng(rank, 7))
+    exact = torch.empty(64)
+    dist.reduce_scatter_tensor(exact, x.clone(), op=dist.ReduceOp.SUM)
+    peak = x.abs().max().clone()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    out = {"peak": peak.item()}
+    for name, op, scale in (("sum", dist.ReduceOp.SUM, 1.0), ("avg", dist.ReduceOp.AVG,
+                                                               1 / world),
+                            ("premul", dist.ReduceOp.PREMUL_SUM(0.25), 0.25)):
+        state = fsdp2_comms.FSDP2Codecs({"reduce_scatter": "int8"})
+        _, channel = state.add_module("m")
+        comm = fsdp2_comms.CodecReduceScatter(state, channel)
+        got = comm.allocate((64,), dtype=torch.float32, device=torch.device("cpu"))
+        work = comm(got, x.clone(), dist.group.WORLD, op)
+        out[name] = {"error": (got - exact * scale).abs().max().item(), "work": work,
+                     "codec": channel.codec}
+    return out
+
+
+class Mixed(nn.Module):
+    """One FSDP module whose parameters mix fp32 and bf16 (a frozen one: FSDP2 wants its
+    trainable parameters of one dtype): FSDP2 gathers a uint8 view."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8, dtype=torch.bfloat16), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale.float()
+
+
+def mixed_dtypes(rank: int, world: int) -> dict:
+    """A forward of a mixed-dtype FSDP module under int8 gathers: what ran, and why."""
+    torch.manual_seed(0)
+    model = Mixed()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    state = register_codec(model, {"all_gather": "int8"})
+    with torch.no_grad():
+        y = model(torch.randn(2, 8, generator=rng(0)))
+    ch = state.channels[("root", "all_gather")]
+    return {"codec": ch.codec, "reason": ch.reason, "dtype": str(ch.call.dtype),
+            "out": digest(y), "plan": str(ccfx.plan_of(model))}
