@@ -83,6 +83,15 @@ def shared_ranks(request, tmp_path_factory):
 
 
 @pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this process alone, for the test (``util.group_of_one``)."""
+    from .util import group_of_one
+
+    with group_of_one(tmp_path):
+        yield
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread for the test: tiny models gain nothing from more, and lose a lot
     on a busy machine."""

@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import ccfx
@@ -143,16 +142,6 @@ def test_codec_state_of_a_model_ccfx_did_not_compile_is_a_config_error():
 
 
 # -- DDP with Dynamo's DDP optimizer ----------------------------------------------------------
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_stages_under_ddp_with_the_ddp_optimizer_are_refused_early(one_rank_group):

@@ -127,19 +127,6 @@ def test_a_mixed_dtype_module_is_gathered_raw_and_the_plan_says_why(two):
 # -- one process: bad input -------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo group of this process alone: fully_shard on one rank, no spawn."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_model_with_neither_fsdp_nor_ddp_is_a_config_error_naming_what_it_holds(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
     with pytest.raises(ccfx.ConfigError, match=r"fully_shard.*Sequential holding Linear x2"):

@@ -257,21 +257,6 @@ def test_no_process_group_is_a_config_error(monkeypatch):
         ccfx.shard(torch.nn.Linear(2, 2))
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo group of this process alone: ccfx.shard on one rank, no spawn."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_an_optimizer_made_before_shard_is_refused_at_its_first_step(one_rank_group):
     """It holds the replaced parameters, which the model no longer computes with: its steps
     would change nothing. The error names a parameter and the fix; one made after shard

@@ -16,7 +16,7 @@ import ccfx
 from ccfx import viz
 from ccfx.plan import Collective
 
-from . import toy_models
+from . import toy_models, util
 
 
 def _mlp() -> torch.nn.Module:
@@ -44,17 +44,9 @@ class FuncolMLP(torch.nn.Module):
 @pytest.fixture(scope="module")
 def group_of_one(tmp_path_factory):
     """A gloo group of one rank in this process (collectives trace and run on it)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
+    with util.group_of_one(tmp_path_factory.mktemp("pg")):
         yield
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
+    torch._dynamo.reset()
 
 
 def _train(overrides: dict, calls: int = 3):

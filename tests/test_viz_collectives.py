@@ -25,6 +25,7 @@ from ccfx.viz.drawing import CODEC_FILL, graph_dot
 from ccfx.viz.report import report_html
 from ccfx.viz.view import GraphView, VNode
 
+from . import util
 from .test_viz import _acyclic, _browser_check, _edges
 
 HAS_DOT = shutil.which("dot") is not None
@@ -158,13 +159,7 @@ class FuncolMLP(torch.nn.Module):
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     """A model compiled with collective_codec int8 under a group of one rank, 2 steps."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
+    with util.group_of_one(tmp_path_factory.mktemp("pg")):
         torch._dynamo.reset()
         torch.manual_seed(0)
         compiled = torch.compile(FuncolMLP(), backend="ccfx",
@@ -172,9 +167,7 @@ def one_rank(tmp_path_factory):
         for _ in range(2):
             compiled(torch.randn(4, 8)).sum().backward()
         yield compiled
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
+    torch._dynamo.reset()
 
 
 def test_forward_and_backward_drawings_show_the_collective_left_alone_and_why(one_rank):

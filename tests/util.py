@@ -1,8 +1,26 @@
+import contextlib
 import copy
 
+import pytest
 import torch
 
 import ccfx
+
+
+@contextlib.contextmanager
+def group_of_one(folder):
+    """A gloo process group of this process alone (its file store in ``folder``): collectives
+    trace and run on it, with no spawn. Skips the test if a group already exists here."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def compile_ccfx(model, fullgraph=False, dynamic=None, **options):
