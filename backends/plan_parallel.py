@@ -48,7 +48,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ccfx import _torch_compat as tc
 from ccfx.cost import FREE
-from ccfx.errors import CcfxError, ConfigError
+from ccfx.errors import CcfxError, ConfigError, first_line
 from ccfx.planner.cluster import Cluster
 from ccfx.planner.layout_result import ParallelPlan
 from ccfx.planner.layout_search import search
@@ -254,10 +254,13 @@ class _BlockTrace:
             with fake_mode, self.counter, self.ops, \
                     torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 torch.func.functional_call(model, state, fake_args, fake_kwargs)
+        # what a fake tensor raises where the forward needs data (DataDependentOutputError is a
+        # RuntimeError; an op without a fake kernel, NotImplementedError; Python on a fake
+        # value, TypeError / ValueError): anything else is a bug and propagates
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
             raise ConfigError(
                 f"plan_parallel: the model's forward did not run on fake tensors ({type(e).__name__}:"
-                f" {str(e).splitlines()[0] if str(e) else ''}): the planner traces shapes only, so a "
+                f" {first_line(str(e))}): the planner traces shapes only, so a "
                 "forward that reads data values (.item(), boolean masks) cannot be planned; give "
                 "ModelFacts yourself (ccfx.planner.model_facts)") from e
         finally:

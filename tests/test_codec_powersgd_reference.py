@@ -9,10 +9,11 @@ The hook is called directly with a minimal stand-in for ``dist.GradBucket`` hold
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from ccfx import codecs
+
+from . import util
 
 
 class _Bucket:
@@ -37,12 +38,8 @@ class _Bucket:
 
 @pytest.fixture(scope="module")
 def single_rank_group(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with util.group_of_one(tmp_path_factory.mktemp("pg")):
+        yield
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4])

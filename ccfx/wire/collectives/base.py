@@ -9,6 +9,7 @@ subclass names what it serves (``class AllGather(Chunked, serves="all_gather")``
 
 from __future__ import annotations
 
+import abc
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -37,7 +38,7 @@ def _algorithm(call: CollectiveCall, spec: str) -> type:
     return _ALGORITHMS["rows" if call.by_rows else call.kind]
 
 
-class CompressedCollective:
+class CompressedCollective(abc.ABC):
     """One collective through a codec, as phases (see the package docstring).
 
     ``ConfigError`` when :func:`refuse` says the spec cannot compress the call. ``rows``
@@ -115,8 +116,9 @@ class CompressedCollective:
                              "at run time (use row_wire_bytes)")
         return self._wire_bytes()
 
+    @abc.abstractmethod
     def _wire_bytes(self) -> int:
-        raise NotImplementedError
+        """:meth:`wire_bytes` for a call of known rows: each algorithm's own count."""
 
     def row_wire_bytes(self) -> int:
         """Bytes of one row's message (an all_to_all with unequal splits): a call sends
@@ -133,8 +135,9 @@ class CompressedCollective:
                              "at run time")
         return self._messages()
 
+    @abc.abstractmethod
     def _messages(self) -> list[tuple[str, int]]:
-        raise NotImplementedError
+        """:meth:`messages` for a call of known rows: each algorithm's own collectives."""
 
     def state_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name → (shape, dtype) of every state tensor: the codec's state for what this rank
@@ -156,8 +159,9 @@ class CompressedCollective:
     # -- the phases ------------------------------------------------------------------------
 
     @property
+    @abc.abstractmethod
     def phases(self) -> list[Callable]:
-        raise NotImplementedError
+        """The algorithm's phases in order (encode + issue, wait + decode, ...)."""
 
     def run(self, x: torch.Tensor, state: dict[str, torch.Tensor], comm) -> torch.Tensor:
         """All phases one after the other (eager use and tests)."""
