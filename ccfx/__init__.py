@@ -44,17 +44,17 @@ def plan_of(compiled) -> Plan:
     """The Plan of a model compiled with ccfx (all of its graphs); of a DDP model with ccfx's
     comm hook (:func:`ddp_comm_hook`), the hook's buckets: parameters, codec, bytes per step;
     of an FSDP2 model given ccfx's comms (``ccfx.integrations.register_codec``), each FSDP
-    module's all-gather and reduce-scatter."""
+    module's all-gather and reduce-scatter (and HSDP's all-reduce)."""
     from ccfx.backends.compiler import backend_of
     from ccfx.runtime.comm_hook import hook_state_of, plan_of_hook
-    from ccfx.runtime.fsdp2_comms import fsdp2_state_of
+    from ccfx.runtime.fsdp2_comms import fsdp2_state_of, plan_of_fsdp2
 
     hooked = hook_state_of(compiled)
     if hooked is not None:
         return plan_of_hook(hooked, compiled)
     sharded = fsdp2_state_of(compiled)
     if sharded is not None:
-        return sharded.plan()
+        return plan_of_fsdp2(sharded)
     return backend_of(compiled).plan
 
 

@@ -39,13 +39,16 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def sharded(world: int, seed: int = 0) -> MLP:
-    """The MLP (the same values on every rank), sharded with fully_shard."""
+def sharded(world: int, seed: int = 0, mesh=None, compile: bool = False) -> MLP:
+    """The MLP (the same values on every rank), sharded with fully_shard (on ``mesh``: a
+    1-D mesh of every rank by default); ``compile``: each block compiled (inductor)."""
     torch.manual_seed(seed)
     model = MLP()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
+        if compile:
+            block.compile()
     fully_shard(model, mesh=mesh)
     return model
 
@@ -60,14 +63,8 @@ def _watch_gathers(model: MLP) -> list[str]:
     return seen
 
 
-def train(rank: int, world: int, spec, steps: int = 5) -> dict:
-    """``steps`` AdamW steps of the sharded MLP, with ccfx's comms (``spec``) or plain FSDP2
-    (``spec`` None): losses, the full parameters' digest and values, the gathered
-    parameters' digests, and with a spec the ledger's figures and the plan's text."""
-    model = sharded(world)
-    state = register_codec(model, spec) if spec is not None else None
-    gathers = _watch_gathers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _steps(model, opt, rank: int, steps: int) -> list[float]:
+    """``steps`` AdamW steps, each rank on its own fixed batch: the losses."""
     losses = []
     x = torch.randn(16, WIDTH, generator=rng(rank))  # each rank its own batch, every step
     y = x[:, :4].sin()
@@ -77,6 +74,19 @@ def train(rank: int, world: int, spec, steps: int = 5) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def train(rank: int, world: int, spec, steps: int = 5, compile: bool = False) -> dict:
+    """``steps`` AdamW steps of the sharded MLP, with ccfx's comms (``spec``) or plain FSDP2
+    (``spec`` None), eager or each block compiled: losses, the full parameters' digest and
+    values, the gathered parameters' digests, and with a spec the ledger's figures and the
+    plan's text."""
+    model = sharded(world, compile=compile)
+    state = register_codec(model, spec) if spec is not None else None
+    gathers = _watch_gathers(model) if not compile else []
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = _steps(model, opt, rank, steps)
     full = [p.full_tensor() for p in model.parameters()]
     out = {"losses": losses, "params": digest(full), "values": [p.tolist() for p in full],
            "gathers": gathers}
@@ -115,7 +125,7 @@ def reduce_ops(rank: int, world: int) -> dict:
                                                                1 / world),
                             ("premul", dist.ReduceOp.PREMUL_SUM(0.25), 0.25)):
         state = fsdp2_comms.FSDP2Codecs({"reduce_scatter": "int8"})
-        _, channel = state.add_module("m")
+        channel = state.add_module("m")["reduce_scatter"]
         comm = fsdp2_comms.CodecReduceScatter(state, channel)
         got = comm.allocate((64,), dtype=torch.float32, device=torch.device("cpu"))
         work = comm(got, x.clone(), dist.group.WORLD, op)
@@ -148,3 +158,74 @@ def mixed_dtypes(rank: int, world: int) -> dict:
     ch = state.channels[("root", "all_gather")]
     return {"codec": ch.codec, "reason": ch.reason, "dtype": str(ch.call.dtype),
             "out": digest(y), "plan": str(ccfx.plan_of(model))}
+
+
+# -- HSDP: 2 replicas x 2 shards ------------------------------------------------------------
+
+
+def hsdp(rank: int, world: int, spec, steps: int = 5) -> dict:
+    """The MLP on a (replicate 2, shard 2) mesh: torch's own HSDP (``spec`` None:
+    fully_shard on the 2-D mesh), or FSDP over ``mesh["shard"]`` with ccfx averaging across
+    ``mesh["replicate"]`` (``spec``: register_codec's). Losses, the full parameters (each
+    replica's), and with a spec the ledger's all-reduce figures and the plan's text."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    native = spec is None
+    model = sharded(world, mesh=mesh if native else mesh["shard"])
+    state = None if native else register_codec(model, spec, replicate=mesh["replicate"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = _steps(model, opt, rank, steps)
+    full = [p.full_tensor() for p in model.parameters()]
+    out = {"losses": losses, "params": digest(full), "values": [p.tolist() for p in full]}
+    if state is not None:
+        out.update(_figures(model, state))
+    return out
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def resume(rank: int, world: int, folder: str, spec=None) -> dict:
+    """3 steps, a checkpoint (torch.distributed.checkpoint of get_state_dict(model, opt), and
+    ccfx's codec state, each rank its own file), 2 steps more; then a new model and optimizer
+    resumed from it for the same 2 steps: both runs' last losses and parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    spec = spec or {"all_gather": "int8", "reduce_scatter": "int4:ef"}
+    model = sharded(world)
+    codecs = register_codec(model, spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, rank, 3)
+    weights, optim = get_state_dict(model, opt)
+    dcp.save({"model": weights, "optim": optim}, checkpoint_id=folder)
+    codecs.save(folder)
+    straight = _steps(model, opt, rank, 2)
+    full = digest([p.full_tensor() for p in model.parameters()])
+
+    again = sharded(world, seed=1)  # other initial values: all must come from the checkpoint
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    resumed_codecs = register_codec(again, spec, resume_from=folder)
+    weights, optim = get_state_dict(again, opt2)
+    dcp.load({"model": weights, "optim": optim}, checkpoint_id=folder)
+    set_state_dict(again, opt2, model_state_dict=weights, optim_state_dict=optim)
+    resumed = _steps(again, opt2, rank, 2)
+    return {"straight": straight, "resumed": resumed, "params": full,
+            "fresh": _without_codec_state(world, rank, spec, folder),
+            "resumed_params": digest([p.full_tensor() for p in again.parameters()]),
+            "pending": sorted(k for ch in resumed_codecs.channels.values()
+                              for k in (ch.pending or {})),
+            "saved": sorted(codecs.state_tensors())}
+
+
+def _without_codec_state(world: int, rank: int, spec, folder: str) -> list[float]:
+    """The same resume with the parameters and optimizer only (error feedback from zero)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = sharded(world, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    register_codec(model, spec)
+    weights, optim = get_state_dict(model, opt)
+    dcp.load({"model": weights, "optim": optim}, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=weights, optim_state_dict=optim)
+    return _steps(model, opt, rank, 2)

@@ -34,6 +34,8 @@ Stateful codecs (error feedback's ``residual``, PowerSGD's ``q``, a stochastic c
                                         ``hook_state.state_dict()["state"]``
   ``outer.fragment0.part1``             local steps' outer sync, fragment 0's second exchange:
                                         ``outer.state_dict()["codec"]``
+  ``fsdp2.blocks.0.reduce_scatter``     FSDP2 module ``blocks.0``'s reduce-scatter (``all_gather``,
+                                        HSDP's ``all_reduce``): ``codecs.state_dict()["state"]``
   ====================================  ===========================================================
 
 :class:`CodecState` is the ``nn.Module`` that holds a model's or a stage's channels as buffers
@@ -92,7 +94,7 @@ STAGE_ATTR = "ccfx_codec_state"
 
 SCHEME = ("<channel>.<state-name>, channel one of graph<g>.edge<e>.hop<a>to<b>.<fwd|bwd>[.<send|"
           "recv>], graph<g>.bucket<b>, graph<g>.stage<s>.bucket<b>, ddp.bucket<b>, "
-          "outer.fragment<f>.part<p> (see ccfx.codecs.state)")
+          "outer.fragment<f>.part<p>, fsdp2.<module>.<kind> (see ccfx.codecs.state)")
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -118,6 +120,12 @@ def bucket_channel(graph: int, bucket: int, stage: int | None = None) -> str:
 def ddp_channel(bucket: int) -> str:
     """The DDP comm hook's bucket: ``ddp.bucket0``."""
     return f"ddp.bucket{bucket}"
+
+
+def fsdp2_channel(module: str, kind: str) -> str:
+    """An FSDP2 module's collective: ``fsdp2.blocks.0.reduce_scatter`` (``root``: the model's
+    own FSDP module; kind ``all_gather``, ``reduce_scatter`` or HSDP's ``all_reduce``)."""
+    return f"fsdp2.{module}.{kind}"
 
 
 def outer_channel(fragment: int, part: int) -> str:
@@ -147,6 +155,8 @@ def option_of(channel: str) -> str:
         return "the hook's codec (ccfx.ddp_comm_hook(spec))"
     if channel.startswith("outer."):
         return "outer_codec"
+    if channel.startswith("fsdp2."):
+        return f"register_codec's codec for {channel.rpartition('.')[2]}"
     if ".collective" in channel:
         return "collective_codec / collective_overrides"
     if ".bucket" in channel:

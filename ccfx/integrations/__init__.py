@@ -46,7 +46,7 @@ from typing import Any
 from ..errors import CcfxWarning, ConfigError
 from ..runtime.comm_hook import CommHookState, hook_state_of, plan_of_hook
 from ..runtime.fsdp2_comms import FSDP2Codecs
-from . import _fsdp2
+from . import _fsdp2, _launchers
 from ._ddp import _register, _world, find_ddp
 from ._ddp import check_compiled_under_ddp as check_compiled_under_ddp  # its public home
 
@@ -55,7 +55,8 @@ __all__ = ["HFCodecCallback", "LightningCodecCallback", "find_ddp", "register_co
 
 def register_codec(target: Any, spec: str | dict[str, str] | CommHookState,
                    process_group=None, collective: str = "all_gather", *, accelerator=None,
-                   resume_from: str | None = None) -> CommHookState | FSDP2Codecs | None:
+                   resume_from: str | None = None,
+                   replicate=None) -> CommHookState | FSDP2Codecs | None:
     """Average the gradients of ``target``'s DDP model through the codec ``spec``
     (``"powersgd:rank=4,ef"``, ``"int8"``, ``"fp16"``, ...): DDP's comm hook becomes ccfx's
     (:func:`ccfx.ddp_comm_hook`). Returns the hook's state: its ``ledger`` counts bytes per
@@ -85,19 +86,26 @@ def register_codec(target: Any, spec: str | dict[str, str] | CommHookState,
       rank).
 
     A model sharded with torch's FSDP2 (``fully_shard`` on its blocks and itself, or
-    ``torch.compile`` of one) takes one spec for both of its collectives or a dict by kind,
+    ``torch.compile`` of one) takes one spec for every collective or a dict by kind,
     ``{"all_gather": "int8", "reduce_scatter": "int4:ef"}`` (a missing kind: ``"none"``):
     every FSDP module's all-gather and reduce-scatter run through ccfx's codecs
-    (:mod:`ccfx.runtime.fsdp2_comms`). Returns an
-    :class:`~ccfx.runtime.fsdp2_comms.FSDP2Codecs`; ``ccfx.plan_of(model)`` and
-    ``ccfx.ledger_of(model)`` show each module's collectives. Registering twice, an unknown
-    kind, a codec that cannot serve a kind, ``"auto"`` and HSDP's ``"all_reduce"`` (not yet)
-    raise a :class:`~ccfx.ConfigError`; so does a dict spec for a model without FSDP modules.
+    (:mod:`ccfx.runtime.fsdp2_comms`). HSDP across nodes: shard over the shard dimension
+    (``fully_shard(m, mesh=mesh["shard"])``) and pass ``replicate=mesh["replicate"]``; ccfx
+    then averages each module's gradients across the replicas through the ``"all_reduce"``
+    codec (bit-identical on every replica). Returns an
+    :class:`~ccfx.runtime.fsdp2_codecs.FSDP2Codecs`; ``ccfx.plan_of(model)`` and
+    ``ccfx.ledger_of(model)`` show each module's collectives. Its codec state is per rank:
+    ``codecs.save(folder)`` on every rank, ``register_codec(..., resume_from=folder)`` to
+    resume (``accelerator=``: ``save_state`` / ``load_state`` do both). Registering twice,
+    an unknown kind, a codec that cannot serve a kind, ``"auto"``, an ``"all_reduce"`` codec
+    without ``replicate`` or on torch's own 2-D HSDP raise a :class:`~ccfx.ConfigError`; so
+    does a dict spec for a model without FSDP modules.
     """
-    if isinstance(spec, dict) or (not isinstance(spec, CommHookState)
+    _launchers.check_kinds_fit(target, spec)  # FSDP2's kinds on DDP (accelerate on CPU)
+    if isinstance(spec, dict) or replicate is not None or (not isinstance(spec, CommHookState)
                                   and _fsdp2.holds_fsdp(target)):
-        return _fsdp2.register(target, spec, process_group, accelerator=accelerator,
-                               resume_from=resume_from)
+        return _fsdp2.register(target, spec, process_group, replicate=replicate,
+                               accelerator=accelerator, resume_from=resume_from)
     state = spec if isinstance(spec, CommHookState) else CommHookState(spec, process_group,
                                                                          collective)
     if _is_hf_trainer(target):

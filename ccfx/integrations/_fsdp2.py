@@ -9,26 +9,31 @@ What a user writes, after sharding as usual::
         model, {"all_gather": "int8", "reduce_scatter": "int4:ef"})   # or one spec for both
 
 Every FSDP module gets ccfx's all-gather and reduce-scatter
-(:mod:`ccfx.runtime.fsdp2_comms`); ``ccfx.plan_of(model)`` / ``ccfx.ledger_of(model)`` show
-them. Here the spec is read and checked (kinds, codecs) and the model is found behind what
-the user passed (``torch.compile(model)`` too).
+(:mod:`ccfx.runtime.fsdp2_comms`); under HSDP (``fully_shard`` over ``mesh["shard"]``,
+``replicate=mesh["replicate"]``) ccfx also averages each module's gradients across the
+replicas, through the ``all_reduce`` codec. ``ccfx.plan_of(model)`` / ``ccfx.ledger_of(model)``
+show them. Here the spec is read and checked (kinds, codecs), the model is found behind what
+the user passed (``torch.compile(model)`` too), and the codec state is saved and restored
+with a checkpoint (a file per rank: ``ccfx_fsdp2_rank<rank>.pt``).
 """
 
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections import Counter
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import _torch_compat as tc
-from ..errors import ConfigError
+from ..errors import CcfxWarning, ConfigError
+from ..runtime.fsdp2_codecs import file_name
 from ..runtime.fsdp2_comms import KINDS, FSDP2Codecs, attach, fsdp_modules
 
-#: The kinds a dict spec may name: FSDP2's two collectives, and HSDP's replica all-reduce
-#: (reserved: not served yet).
-SPEC_KINDS = (*KINDS, "all_reduce")
+#: The kinds a dict spec may name: FSDP2's two collectives, and HSDP's replica all-reduce.
+SPEC_KINDS = KINDS
 
 
 def _module_of(target: Any) -> torch.nn.Module | None:
@@ -56,22 +61,18 @@ def describe(target: Any) -> str:
             + " (no FSDPModule from fully_shard, no DistributedDataParallel)")
 
 
-def specs_by_kind(spec: Any) -> dict[str, str]:
-    """``{kind: spec}`` from one spec for both kinds or a dict by kind; a
-    :class:`~ccfx.ConfigError` for an unknown kind (the nearest named), the reserved
-    ``all_reduce``, ``"auto"`` and what is not a spec."""
-    given = dict(spec) if isinstance(spec, dict) else dict.fromkeys(KINDS, spec)
+def specs_by_kind(spec: Any, hsdp: bool = False) -> dict[str, str]:
+    """``{kind: spec}`` from one spec for every kind or a dict by kind; a
+    :class:`~ccfx.ConfigError` for an unknown kind (the nearest named), ``"auto"`` and what
+    is not a spec. One spec serves the all-reduce too under HSDP (``hsdp``)."""
+    given = dict(spec) if isinstance(spec, dict) else dict.fromkeys(
+        KINDS if hsdp else KINDS[:2], spec)
     for kind, value in given.items():
         if kind not in SPEC_KINDS:
             near = difflib.get_close_matches(str(kind), SPEC_KINDS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"register_codec: unknown collective kind {kind!r}{hint}: an "
                               f"FSDP2 model takes a codec for {', '.join(KINDS)}")
-        if kind == "all_reduce":
-            raise ConfigError(
-                "register_codec: 'all_reduce' (HSDP's all-reduce across replicas) is not "
-                "supported yet on FSDP2 models: shard on a 1-D mesh and give codecs for "
-                f"{' and '.join(KINDS)} only")
         if not isinstance(value, str):
             raise ConfigError(f"register_codec: the codec for {kind} is a "
                               f"{type(value).__name__}, not a spec such as 'int8'")
@@ -82,7 +83,22 @@ def specs_by_kind(spec: Any) -> dict[str, str]:
     return given
 
 
-def register(target: Any, spec: Any, process_group=None, *, accelerator=None,
+def _group_of(replicate: Any):
+    """The replicas' process group from ``replicate``: a 1-D DeviceMesh or a ProcessGroup."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if replicate is None or isinstance(replicate, dist.ProcessGroup):
+        return replicate
+    if isinstance(replicate, DeviceMesh) and replicate.ndim == 1:
+        return replicate.get_group()
+    raise ConfigError(f"register_codec: replicate= is the replicas' dimension, a 1-D "
+                      f"DeviceMesh (mesh['replicate']) or a ProcessGroup; got "
+                      f"{type(replicate).__name__}"
+                      + (f" of {replicate.ndim} dimensions" if hasattr(replicate, "ndim")
+                         else ""))
+
+
+def register(target: Any, spec: Any, process_group=None, *, replicate=None, accelerator=None,
              resume_from: str | None = None) -> FSDP2Codecs:
     """ccfx's comms on every FSDP module of ``target`` (see
     :func:`ccfx.integrations.register_codec`)."""
@@ -92,9 +108,33 @@ def register(target: Any, spec: Any, process_group=None, *, accelerator=None,
                           f"sharded with torch's fully_shard; got {describe(target)}")
     if process_group is not None:
         raise ConfigError("register_codec: process_group is for DDP; FSDP2 hands its comms "
-                          "the group of the mesh given to fully_shard: leave it out")
-    if accelerator is not None or resume_from is not None:
-        raise ConfigError("register_codec: checkpoints of ccfx's FSDP2 codec state "
-                          "(accelerator=, resume_from=) are not supported yet: leave them "
-                          "out (a resumed run starts error feedback from zero)")
-    return attach(module, specs_by_kind(spec))
+                          "the group of the mesh given to fully_shard (HSDP's replicas: "
+                          "replicate=mesh['replicate']): leave it out")
+    group = _group_of(replicate)
+    state = attach(module, specs_by_kind(spec, hsdp=group is not None), group)
+    if resume_from is not None and not state.load(resume_from):
+        raise ConfigError(f"register_codec(resume_from={resume_from!r}): no {file_name()} "
+                          "there: pass the folder this rank saved its FSDP2 codec state in "
+                          "(codecs.save(folder)), or leave resume_from out to start afresh")
+    if accelerator is not None:
+        _checkpoint_with(accelerator, state)
+    return state
+
+
+# -- the codec state in a checkpoint: a file per rank -------------------------------------
+
+
+def _checkpoint_with(accelerator, state: FSDP2Codecs) -> None:
+    """``accelerator.save_state`` / ``load_state`` save and restore ``state``, every rank its
+    own file (the pre-hooks run on every process and are handed the folder)."""
+
+    def save(_models, _weights, folder):
+        state.save(folder)
+
+    def load(_models, folder):
+        if not state.load(folder):
+            warnings.warn(f"ccfx: no {file_name()} in {folder}: ccfx's FSDP2 codecs start "
+                          "from fresh state", CcfxWarning, stacklevel=2)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)

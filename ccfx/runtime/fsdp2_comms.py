@@ -4,9 +4,11 @@ FSDP2 calls one all-gather per FSDP module per unshard (the module's parameter s
 into one flat buffer: forward, and backward again after ``reshard_after_forward``) and one
 reduce-scatter per module per backward (the module's flat unsharded gradients, ``W`` chunks
 of the output's size), each through the comm object ``FSDPModule.set_custom_all_gather`` /
-``set_custom_reduce_scatter`` installed. :func:`attach` installs :class:`CodecAllGather` and
-:class:`CodecReduceScatter` on every FSDP module of a model; they run the wire layer's
-compressed collectives (:mod:`ccfx.wire.collectives`):
+``set_custom_reduce_scatter`` installed; ``set_all_reduce_hook`` is handed each module's
+reduce-scatter output after it. :func:`attach` installs :class:`CodecAllGather` and
+:class:`CodecReduceScatter` on every FSDP module of a model, and under HSDP
+:class:`CodecAllReduce` as its all-reduce hook; they run the wire layer's compressed
+collectives (:mod:`ccfx.wire.collectives`):
 
 * all-gather: this rank's shard encoded once, the payloads all-gathered, every rank's payload
   decoded into FSDP's output buffer, this rank's own too, so every rank's gathered parameters
@@ -14,7 +16,10 @@ compressed collectives (:mod:`ccfx.wire.collectives`):
 * reduce-scatter: the ``W`` chunks encoded, one all-to-all, this rank's chunk's ``W`` payloads
   decoded and summed in fp32 in rank order; the op FSDP passes is honoured as
   ``reduce_scatter_tensor`` would: ``SUM``, ``AVG`` (the sum divided by ``W``),
-  ``PREMUL_SUM(f)`` (each rank's input multiplied by ``f`` first); any other op runs raw.
+  ``PREMUL_SUM(f)`` (each rank's input multiplied by ``f`` first); any other op runs raw;
+* HSDP's all-reduce across replicas (FSDP shards over each replica's group, 1-D, and ccfx
+  averages the reduce-scatter output over the ``replicate`` group): the wire layer's two-step
+  all-reduce, bit-identical on every replica, so the replicas never drift apart.
 
 A buffer a codec cannot serve runs torch's own collective, unchanged, and the plan says why:
 FSDP gathers a ``uint8`` view when a module mixes parameter dtypes, integer data, a codec
@@ -26,12 +31,7 @@ torch's own collectives (``all_gather_single`` / ``reduce_scatter_single`` with 
 FSDP2 (torch 2.13) takes as a finished synchronous collective (it waits only on a returned
 ``Work``); the raw ones pass ``async_op`` through and return torch's ``Work``.
 
-State and counts (:class:`FSDP2Codecs`): error feedback's residual per rank per FSDP module
-per kind, explicit tensors named ``fsdp2.<module>.<kind>.<state-name>`` (``<module>`` the FSDP
-module's name in the model, ``root`` for the model itself); a ledger counting raw and wire
-bytes per module per kind (``ccfx.ledger_of(model)``; a step is one backward: the most
-reduce-scatters of any module), and a plan (``ccfx.plan_of(model)``). Checkpointing the codec
-state is not supported yet: a resumed run starts error feedback from zero.
+The channels, their state, the ledger and the checkpoint are :mod:`.fsdp2_codecs`'s.
 
 Failures: a collective that fails (a peer died, hung past the process group's timeout, ran
 another model) is a :class:`~ccfx.CollectiveError` naming this rank, the module, the kind, the
@@ -41,21 +41,19 @@ codec and the step. The time bound is FSDP's process group's timeout.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .. import _torch_compat as tc
-from .. import codecs
-from ..codecs.ef import ErrorFeedback
-from ..errors import CollectiveError, ConfigError
-from ..wire.collectives import CollectiveCall, CompressedCollective, refuse
+from ..errors import ConfigError
 from ..wire.comm import ProcessGroupComm
-from .ledger import Ledger
+from .fsdp2_codecs import KINDS, Channel, FSDP2Codecs, check_spec
+from .fsdp2_plan import plan_of_fsdp2
 
-#: The collectives FSDP2 lets a custom comm run (HSDP's all-reduce is not served yet).
-KINDS = ("all_gather", "reduce_scatter")
+__all__ = ["KINDS", "Channel", "CodecAllGather", "CodecAllReduce", "CodecReduceScatter",
+           "FSDP2Codecs", "attach", "check_spec", "fsdp2_state_of", "fsdp_modules",
+           "plan_of_fsdp2"]
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = (getattr(dist, "reduce_scatter_single", None)
@@ -63,30 +61,6 @@ _reduce_scatter_flat = (getattr(dist, "reduce_scatter_single", None)
 
 #: model or FSDP module -> the FSDP2Codecs attached to it (ccfx.plan_of / ledger_of find it)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def check_spec(kind: str, spec: str) -> str:
-    """``spec`` in its canonical form, checked for FSDP2's ``kind``: a
-    :class:`~ccfx.ConfigError` names a codec that cannot serve it, and why."""
-    if kind not in KINDS:
-        raise ConfigError(f"FSDP2 collective kind {kind!r}: ccfx serves {', '.join(KINDS)}")
-    canon = codecs.canonical(spec)
-    codec = codecs.prototype(canon)
-    if codec.name == "none":
-        return canon
-    if kind == "all_gather" and isinstance(codec, ErrorFeedback):
-        raise ConfigError(
-            f"codec {canon!r} for FSDP2's all_gather: error feedback adds what one encode lost "
-            "to the next, which suits a gradient summed over steps, not a weight gather (the "
-            "same weights are gathered in forward and again in backward): use "
-            f"{codecs.spelled(codec.inner.spec)!r} for all_gather and keep ':ef' for "
-            "reduce_scatter")
-    probe = CollectiveCall(kind, (256,), torch.float32, 2,
-                           "sum" if kind == "reduce_scatter" else None)
-    why = refuse(probe, canon)
-    if why is not None:
-        raise ConfigError(f"codec {canon!r} cannot serve FSDP2's {kind}: {why}")
-    return canon
 
 
 def _reduce_op(op) -> tuple[str, float | None]:
@@ -102,140 +76,9 @@ def _reduce_op(op) -> tuple[str, float | None]:
     return str(kind).rsplit(".", 1)[-1].lower(), None
 
 
-@dataclass
-class Channel:
-    """One FSDP module's collective of one kind: what runs (``algorithm``, or None when
-    torch's own collective runs, ``reason`` saying why), and its codec state."""
-
-    module: str  # the FSDP module's name in the model ("root": the model itself)
-    kind: str
-    index: int  # its row in the plan and the ledger
-    spec: str  # the codec asked for
-    call: CollectiveCall | None = None  # as it last ran (None: not yet)
-    algorithm: CompressedCollective | None = None
-    reason: str = ""
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    group: str = ""
-
-    @property
-    def name(self) -> str:
-        """The channel's checkpoint name: ``fsdp2.<module>.<kind>``."""
-        return f"fsdp2.{self.module}.{self.kind}"
-
-    @property
-    def codec(self) -> str:
-        """The codec that runs (``"none"``: torch's own collective)."""
-        return self.algorithm.spec if self.algorithm is not None else "none"
-
-    @property
-    def raw_bytes(self) -> int:
-        """Bytes this rank sends per call uncompressed (ring convention, as the plan's)."""
-        return self.call.raw_bytes if self.call is not None else 0
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes this rank sends per call as it runs."""
-        if self.algorithm is None:
-            return self.raw_bytes
-        return self.algorithm.wire_bytes()
-
-    def bind(self, x: torch.Tensor, group, reduce_op: str | None = None) -> Channel:
-        """Make the algorithm and state for ``x`` on ``group`` (again when its buffer changed:
-        FSDP's buffers keep their size, so once in practice)."""
-        call = CollectiveCall(self.kind, (x.numel(),), x.dtype, group.size(), reduce_op)
-        if call == self.call:
-            return self
-        from ..wire import agree
-
-        agree.publish_process()  # once per process: a peer's error can then name this rank
-        self.call, self.group = call, getattr(group, "group_name", "")
-        self.algorithm, self.reason, self.state = None, "", {}
-        if codecs.prototype(self.spec).name == "none":
-            return self
-        why = refuse(call, self.spec)
-        if why is not None:
-            self.reason = why
-            return self
-        self.algorithm = CompressedCollective(call, self.spec)
-        self.state = self.algorithm.init_state(x.device)
-        return self
-
-
 def _comm(group) -> ProcessGroupComm:
     """The wire layer's Comm over FSDP's group (a test replaces it to make a peer fail)."""
     return ProcessGroupComm(group)
-
-
-class FSDP2Codecs:
-    """What :func:`attach` returns: the codec of each kind (``specs``), every FSDP module's
-    channels (``channels``, by ``(module, kind)``), the ``ledger`` (raw and wire bytes per
-    module per kind; ``steps``: backwards) and :meth:`plan`; :meth:`state_tensors` holds the
-    codec state (error-feedback residuals) by checkpoint name."""
-
-    def __init__(self, specs: dict[str, str]):
-        unknown = sorted(set(specs) - set(KINDS))
-        if unknown:
-            raise ConfigError(f"FSDP2 codecs for {unknown}: ccfx serves {', '.join(KINDS)}")
-        self.specs = {kind: check_spec(kind, specs.get(kind, "none")) for kind in KINDS}
-        self.ledger = Ledger()
-        self.channels: dict[tuple[str, str], Channel] = {}
-        self.modules: list[str] = []
-
-    @property
-    def steps(self) -> int:
-        """Backwards seen: the most reduce-scatters of any FSDP module."""
-        return self.ledger.steps
-
-    def add_module(self, name: str) -> tuple[Channel, Channel]:
-        """The all-gather and reduce-scatter channels of FSDP module ``name``."""
-        self.modules.append(name)
-        made = []
-        for kind in KINDS:
-            ch = Channel(name, kind, len(self.channels), self.specs[kind])
-            self.channels[(name, kind)] = ch
-            made.append(ch)
-        return made[0], made[1]
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Every channel's live codec state, ``fsdp2.<module>.<kind>.<state-name>``."""
-        return {f"{ch.name}.{k}": t for ch in self.channels.values()
-                for k, t in ch.state.items()}
-
-    def run(self, ch: Channel, x: torch.Tensor, group) -> torch.Tensor:
-        """``ch``'s compressed collective of ``x`` on ``group``; a failure as a
-        :class:`~ccfx.CollectiveError`."""
-        try:
-            return ch.algorithm.run(x, ch.state, _comm(group))
-        except RuntimeError as e:
-            raise self.failed(ch, group, e) from e
-
-    def count(self, ch: Channel) -> None:
-        """One call of ``ch`` in the ledger (a reduce-scatter also counts its module's step)."""
-        self.ledger.record_collective(0, ch.index, ch.raw_bytes, ch.wire_bytes)
-        if ch.kind == "reduce_scatter":
-            self.ledger.count_call(("fsdp2", ch.module))
-
-    def failed(self, ch: Channel, group, e: RuntimeError) -> CollectiveError:
-        """A failed collective as a :class:`~ccfx.CollectiveError` naming this rank, the
-        module, kind, codec and step, and the peer gloo's address points at."""
-        from ..wire import agree
-
-        what = (f"FSDP2's {ch.kind} of module {ch.module!r} ({ch.codec}, step {self.steps})")
-        ranks = agree.world_ranks(group) if dist.is_initialized() else (0,)
-        first, who = agree.failed(what, e, ranks)
-        rank = dist.get_rank() if dist.is_initialized() else group.rank()
-        return CollectiveError(
-            f"rank {rank} of {group.size()}: {what} failed: {first}.{who} A peer rank died, "
-            "hung past the process group's timeout (init_process_group(timeout=...)), or ran "
-            "a different model; see that rank's own error.")
-
-    def plan(self):
-        """A :class:`~ccfx.Plan` (``ccfx.plan_of(model)``)."""
-        return plan_of_fsdp2(self)
-
-    def __repr__(self) -> str:
-        return (f"FSDP2Codecs({self.specs}, {len(self.modules)} FSDP module(s), "
-                f"{self.steps} step(s))")
 
 
 class CodecAllGather(tc.FsdpAllGather):
@@ -256,7 +99,7 @@ class CodecAllGather(tc.FsdpAllGather):
             except RuntimeError as e:
                 raise self.owner.failed(ch, group, e) from e
         else:  # the input is a view of the output: encoded before anything is written
-            output_tensor.copy_(self.owner.run(ch, input_tensor, group))
+            output_tensor.copy_(self.owner.run(ch, input_tensor, _comm(group), group))
             work = None
         self.owner.count(ch)
         return work
@@ -283,10 +126,33 @@ class CodecReduceScatter(tc.FsdpReduceScatter):
                 raise self.owner.failed(ch, group, e) from e
         else:
             x = input_tensor if factor is None else input_tensor * factor
-            output_tensor.copy_(self.owner.run(ch, x, group).view_as(output_tensor))
+            output_tensor.copy_(self.owner.run(ch, x, _comm(group), group)
+                                 .view_as(output_tensor))
             work = None
         self.owner.count(ch)
         return work
+
+
+class CodecAllReduce:
+    """HSDP's all-reduce of one FSDP module's reduce-scatter output across the replicas
+    (FSDP's all-reduce hook: called with the output, which it averages in place)."""
+
+    def __init__(self, owner: FSDP2Codecs, channel: Channel):
+        self.owner, self.channel = owner, channel
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        group = self.owner.replicate
+        ch = self.channel.bind(reduce_output, group, "avg")
+        if ch.algorithm is None:  # torch's own (sum, then / replicas: gloo has no avg)
+            try:
+                dist.all_reduce(reduce_output, group=group)
+            except RuntimeError as e:
+                raise self.owner.failed(ch, group, e) from e
+            reduce_output.div_(group.size())
+        else:
+            reduce_output.copy_(self.owner.run(ch, reduce_output.view(-1), _comm(group), group)
+                                .view_as(reduce_output))
+        self.owner.count(ch)
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -298,10 +164,40 @@ def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             if isinstance(m, FSDPModule)]
 
 
-def attach(model: torch.nn.Module, specs: dict[str, str]) -> FSDP2Codecs:
+def _native_hsdp(modules) -> list[str]:
+    """The FSDP modules whose parameters live on a 2-D mesh (torch's own HSDP)."""
+    from torch.distributed.tensor import DTensor
+
+    return [name for name, m in modules
+            if any(isinstance(p, DTensor) and p.device_mesh.ndim > 1
+                   for p in m.parameters())]
+
+
+def _check_hsdp(modules, specs: dict[str, str], replicate) -> None:
+    """A :class:`~ccfx.ConfigError` where HSDP's all-reduce is asked for and ccfx cannot run
+    it: no replicas' group given, or torch's own HSDP (a 2-D mesh), whose all-reduce FSDP
+    runs itself with no comm hook before it."""
+    native = _native_hsdp(modules)
+    wants = specs.get("all_reduce", "none") != "none"
+    if native and (wants or replicate is not None):
+        raise ConfigError(
+            f"FSDP modules {native[:3]} are sharded on a 2-D mesh (torch's own HSDP), which "
+            "runs the replicas' all-reduce itself, with no hook before it that ccfx could "
+            "compress: shard over the shard dimension only, fully_shard(m, mesh=mesh['shard']), "
+            "and pass register_codec(..., replicate=mesh['replicate']): ccfx then averages "
+            "each module's gradients across the replicas")
+    if wants and replicate is None:
+        raise ConfigError(
+            "register_codec: an 'all_reduce' codec compresses HSDP's all-reduce across "
+            "replicas, and no replicas' group was given: pass replicate=mesh['replicate'] "
+            "(with fully_shard over mesh['shard'])")
+
+
+def attach(model: torch.nn.Module, specs: dict[str, str], replicate=None) -> FSDP2Codecs:
     """Install ccfx's comms on every FSDP module of ``model`` (``specs``: a codec per kind,
-    missing kinds ``"none"``); the :class:`FSDP2Codecs` that runs them. A model already
-    served is a :class:`~ccfx.ConfigError`."""
+    missing kinds ``"none"``; ``replicate``: HSDP's replicas' process group, whose all-reduce
+    ccfx then runs); the :class:`FSDP2Codecs` that runs them. A model already served is a
+    :class:`~ccfx.ConfigError`."""
     modules = fsdp_modules(model)
     if not modules:
         raise ConfigError(f"{type(model).__name__} holds no FSDP module: apply torch's "
@@ -312,12 +208,16 @@ def attach(model: torch.nn.Module, specs: dict[str, str]) -> FSDP2Codecs:
             f"ccfx's FSDP2 comms are already registered on {type(model).__name__} (modules "
             f"{again or ['root']}): register_codec once per model; to change the codec, "
             "build and shard the model again")
-    state = FSDP2Codecs(specs)
+    _check_hsdp(modules, specs, replicate)
+    state = FSDP2Codecs(specs, replicate)
     for name, module in modules:
-        gather, scatter = state.add_module(name)
+        channels = state.add_module(name)
         try:
-            module.set_custom_all_gather(CodecAllGather(state, gather))
-            module.set_custom_reduce_scatter(CodecReduceScatter(state, scatter))
+            module.set_custom_all_gather(CodecAllGather(state, channels["all_gather"]))
+            module.set_custom_reduce_scatter(CodecReduceScatter(state,
+                                                                channels["reduce_scatter"]))
+            if replicate is not None:
+                module.set_all_reduce_hook(CodecAllReduce(state, channels["all_reduce"]))
         except ValueError as e:  # several parameter groups (a per-parameter mesh)
             raise ConfigError(f"FSDP module {name!r} cannot take ccfx's comms: {e}") from e
     for _, module in modules:
@@ -338,39 +238,3 @@ def fsdp2_state_of(model) -> FSDP2Codecs | None:
         if candidate is not None and candidate in _ATTACHED:
             return _ATTACHED[candidate]
     return None
-
-
-def plan_of_fsdp2(state: FSDP2Codecs):
-    """A :class:`~ccfx.Plan` of the FSDP modules' collectives as they last ran: one row per
-    module per kind (the module's name in the ``graph`` column), its buffer, the codec that
-    runs (``none``: torch's own collective, and why), raw / wire bytes per call."""
-    from ..config import Config
-    from ..plan import Collective, DataParallelInfo, GraphPlan, Plan, Stage
-
-    rows = [Collective(graph=0, index=ch.index, part=ch.module, kind=ch.kind, group=ch.group,
-                       group_size=ch.call.world, shape=list(ch.call.shape),
-                       dtype=str(ch.call.dtype), codec=ch.codec, raw_bytes=ch.raw_bytes,
-                       wire_bytes=ch.wire_bytes, reduce_op=ch.call.reduce_op,
-                       reason=ch.reason)
-            for ch in state.channels.values() if ch.call is not None]
-    note = ("torch's FSDP2 (fully_shard): each FSDP module's all-gather and reduce-scatter "
-            "through ccfx's custom comms (ccfx.integrations.register_codec); below, the "
-            "'graph' column names the FSDP module")
-    if not rows:
-        note += "; no collective ran yet (run one forward and backward)"
-    gathers = [ch.call for ch in state.channels.values()
-               if ch.kind == "all_gather" and ch.call is not None]
-    whole = Stage(graph=0, index=0, nodes=[], cost=0.0, cost_expr="0", flops=0,
-                  param_bytes=sum(c.numel * c.world * c.dtype.itemsize for c in gathers),
-                  params=list(state.modules))
-    graph = GraphPlan(index=0, requested_stages=1, num_stages=1, balance="fsdp2",
-                      stages=[whole], edges=[], shared=[], notes=[note], collectives=rows)
-    initialized = dist.is_available() and dist.is_initialized()
-    world = rows[0].group_size if rows else (dist.get_world_size() if initialized else 1)
-    backend = str(dist.get_backend()) if initialized else "none"
-    config = Config(collective_overrides=dict(state.specs))
-    return Plan(config.to_dict(), [graph],
-                option_sources={"collective_overrides": "register_codec (FSDP2)"},
-                data_parallel=DataParallelInfo(world, backend, state.specs["reduce_scatter"],
-                                               note="torch's FSDP2 with ccfx's comms; the "
-                                               "gradient codec is its reduce-scatters'"))
