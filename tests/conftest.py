@@ -40,7 +40,7 @@ TIMED = {"test_elastic", "test_elastic_stateful", "test_heal_transport"}
 
 #: Modules that start ranks without tests/ranks.py (examples under torchrun, Lightning's own
 #: launcher, torchft replicas): each run keeps both cores busy as a spawn does.
-LAUNCHES = {"test_examples"}
+LAUNCHES = {"test_examples", "test_fsdp2_launchers"}
 
 #: a module that uses the multi-rank harness, tests/ranks.py
 _USES_RANKS = re.compile(r"^from \. import (.*, )?ranks\b|^from \.ranks import ", re.MULTILINE)
