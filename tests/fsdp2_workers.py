@@ -229,3 +229,23 @@ def _without_codec_state(world: int, rank: int, spec, folder: str) -> list[float
     dcp.load({"model": weights, "optim": optim}, checkpoint_id=folder)
     set_state_dict(model, opt, model_state_dict=weights, optim_state_dict=optim)
     return _steps(model, opt, rank, 2)
+
+
+# -- auto ----------------------------------------------------------------------------------
+
+
+def auto(rank: int, world: int, link_gbps: float) -> dict:
+    """``register_codec(model, "auto")`` on a link of ``link_gbps``, then 2 steps: the codec of
+    each channel, the buffer sizes auto priced and those FSDP2 handed over, the explanation."""
+    from ccfx.integrations import _fsdp2_auto
+
+    model = sharded(world)
+    state = register_codec(model, "auto", options={"link_gbps": link_gbps,
+                                                   "link_latency_ms": 0.05})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = _steps(model, opt, rank, 2)
+    priced = {f"{m}.{k}": c.numel for m, k, c in
+              _fsdp2_auto.calls(fsdp2_comms.fsdp_modules(model), world, None)}
+    return {"codecs": {f"{c.module}.{c.kind}": c.codec for c in state.channels.values()},
+            "priced": priced, "losses": losses, "explain": ccfx.explain(model),
+            "ran": {f"{c.module}.{c.kind}": c.call.numel for c in state.channels.values()}}

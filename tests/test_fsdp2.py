@@ -38,6 +38,8 @@ TWO = Shared(2, lambda tmp: [
     scenario("compiled none", w.train, "none", 3, compile=True),
     scenario("compiled zero_pp", w.train, ZERO_PP, 3, compile=True),
     scenario("resume", w.resume, str(tmp.mktemp("fsdp2_resume"))),
+    scenario("auto slow", w.auto, 0.0001),
+    scenario("auto fast", w.auto, 100.0),
 ], timeout_s=360)
 
 #: 2 replicas x 2 shards, in the 4-rank spawn the modules share.
@@ -167,6 +169,23 @@ def test_a_checkpoint_with_the_codec_state_resumes_bit_for_bit(two):
         assert any(".reduce_scatter." in name for name in got["saved"])
 
 
+@pytest.mark.slow
+def test_auto_prices_each_modules_buffers_and_every_rank_takes_rank_0s_choice(two):
+    """At 100 kbit/s every buffer pays for a codec (within the 1 % loss budget: int8 for the
+    gathers, bf16 for the gradients); at 100 Gbit/s none does. The sizes priced before the
+    first step are the ones FSDP2 then hands over."""
+    slow, fast = two["auto slow"], two["auto fast"]
+    assert slow[0]["codecs"] == slow[1]["codecs"] and fast[0]["codecs"] == fast[1]["codecs"]
+    for name, codec in slow[0]["codecs"].items():
+        assert codec == ("int8" if name.endswith("all_gather") else "bf16"), slow[0]["codecs"]
+    assert set(fast[0]["codecs"].values()) == {"none"}
+    assert slow[0]["priced"] == slow[0]["ran"]
+    assert fast[0]["losses"] == two["none"][0]["losses"][:2]
+    text = slow[0]["explain"]
+    assert "collective 2 (blocks.0 all_gather" in text and "FSDP module blocks.0" in text, text
+    assert "predicted step" in text
+
+
 # -- 4 ranks: HSDP, 2 replicas x 2 shards ---------------------------------------------------
 
 
@@ -225,7 +244,7 @@ def test_registering_twice_is_a_config_error(one_rank_group):
     ({"all_reduce": "int8"}, "no replicas' group was given: pass replicate=mesh"),
     ({"all_gather": "int8:ef"}, "error feedback.*use 'int8' for all_gather"),
     ({"reduce_scatter": "powersgd:rank=4"}, "cannot serve FSDP2's reduce_scatter.*PowerSGD"),
-    ("auto", "'auto' for FSDP2's all_gather is not supported yet"),
+    ("auto", r"'auto'.*needs the link it runs on.*options=\{'link_gbps'"),
     ({"all_gather": "int9"}, "int9"),
 ])
 def test_bad_specs_are_config_errors_saying_what_to_write(one_rank_group, spec, message):

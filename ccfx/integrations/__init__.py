@@ -55,8 +55,8 @@ __all__ = ["HFCodecCallback", "LightningCodecCallback", "find_ddp", "register_co
 
 def register_codec(target: Any, spec: str | dict[str, str] | CommHookState,
                    process_group=None, collective: str = "all_gather", *, accelerator=None,
-                   resume_from: str | None = None,
-                   replicate=None) -> CommHookState | FSDP2Codecs | None:
+                   resume_from: str | None = None, replicate=None,
+                   options: dict | None = None) -> CommHookState | FSDP2Codecs | None:
     """Average the gradients of ``target``'s DDP model through the codec ``spec``
     (``"powersgd:rank=4,ef"``, ``"int8"``, ``"fp16"``, ...): DDP's comm hook becomes ccfx's
     (:func:`ccfx.ddp_comm_hook`). Returns the hook's state: its ``ledger`` counts bytes per
@@ -96,16 +96,21 @@ def register_codec(target: Any, spec: str | dict[str, str] | CommHookState,
     :class:`~ccfx.runtime.fsdp2_codecs.FSDP2Codecs`; ``ccfx.plan_of(model)`` and
     ``ccfx.ledger_of(model)`` show each module's collectives. Its codec state is per rank:
     ``codecs.save(folder)`` on every rank, ``register_codec(..., resume_from=folder)`` to
-    resume (``accelerator=``: ``save_state`` / ``load_state`` do both). Registering twice,
-    an unknown kind, a codec that cannot serve a kind, ``"auto"``, an ``"all_reduce"`` codec
+    resume (``accelerator=``: ``save_state`` / ``load_state`` do both). ``"auto"`` (for every
+    kind, or one) prices each module's buffers on the link of ``options`` (``{"link_gbps":
+    0.1, "link_latency_ms": 0.05}`` or ``{"cluster": ...}``, and the ``auto_*`` options) and
+    picks a codec per module per kind; ``ccfx.explain(model)`` says why. Registering twice,
+    an unknown kind, a codec that cannot serve a kind, an ``"all_reduce"`` codec
     without ``replicate`` or on torch's own 2-D HSDP raise a :class:`~ccfx.ConfigError`; so
     does a dict spec for a model without FSDP modules.
     """
     _launchers.check_kinds_fit(target, spec)  # FSDP2's kinds on DDP (accelerate on CPU)
-    if isinstance(spec, dict) or replicate is not None or (not isinstance(spec, CommHookState)
-                                  and _fsdp2.holds_fsdp(target)):
+    fsdp2_only = replicate is not None or options is not None
+    if isinstance(spec, dict) or fsdp2_only or (not isinstance(spec, CommHookState)
+                                                and _fsdp2.holds_fsdp(target)):
         return _fsdp2.register(target, spec, process_group, replicate=replicate,
-                               accelerator=accelerator, resume_from=resume_from)
+                               accelerator=accelerator, resume_from=resume_from,
+                               options=options)
     state = spec if isinstance(spec, CommHookState) else CommHookState(spec, process_group,
                                                                          collective)
     if _is_hf_trainer(target):

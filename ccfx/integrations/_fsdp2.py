@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .. import _torch_compat as tc
 from ..errors import CcfxWarning, ConfigError
+from ..plan import Decision
 from ..runtime.fsdp2_codecs import file_name
 from ..runtime.fsdp2_comms import KINDS, FSDP2Codecs, attach, fsdp_modules
 
@@ -63,8 +64,8 @@ def describe(target: Any) -> str:
 
 def specs_by_kind(spec: Any, hsdp: bool = False) -> dict[str, str]:
     """``{kind: spec}`` from one spec for every kind or a dict by kind; a
-    :class:`~ccfx.ConfigError` for an unknown kind (the nearest named), ``"auto"`` and what
-    is not a spec. One spec serves the all-reduce too under HSDP (``hsdp``)."""
+    :class:`~ccfx.ConfigError` for an unknown kind (the nearest named) and what is not a
+    spec. One spec serves the all-reduce too under HSDP (``hsdp``)."""
     given = dict(spec) if isinstance(spec, dict) else dict.fromkeys(
         KINDS if hsdp else KINDS[:2], spec)
     for kind, value in given.items():
@@ -77,9 +78,7 @@ def specs_by_kind(spec: Any, hsdp: bool = False) -> dict[str, str]:
             raise ConfigError(f"register_codec: the codec for {kind} is a "
                               f"{type(value).__name__}, not a spec such as 'int8'")
         if value.strip().lower() == "auto":
-            raise ConfigError(f"register_codec: 'auto' for FSDP2's {kind} is not supported "
-                              "yet: name a codec ('int8' for all_gather, 'int4:ef' for "
-                              "reduce_scatter, 'none')")
+            given[kind] = "auto"
     return given
 
 
@@ -98,8 +97,41 @@ def _group_of(replicate: Any):
                          else ""))
 
 
+def _shard_group(modules):
+    """The process group FSDP shards over (the last dimension of its parameters' mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    for _, m in modules:
+        for p in m.parameters():
+            if isinstance(p, DTensor):
+                return p.device_mesh.get_group(p.device_mesh.ndim - 1)
+    return None
+
+
+def _auto(module, specs: dict[str, str], options: dict | None, group):
+    """``"auto"``'s choice for the kinds that ask for it: ``(chosen, decisions,
+    prediction)`` (:mod:`._fsdp2_auto`), or None when no kind does."""
+    from . import _fsdp2_auto
+
+    if "auto" not in specs.values():
+        if options:
+            raise ConfigError("register_codec: options= prices 'auto' codecs, and no kind "
+                              "asks for 'auto': leave options out, or give 'auto'")
+        return None
+    modules = fsdp_modules(module)
+    try:
+        chosen, decisions, prediction = _fsdp2_auto.decide(modules, dict(options or {}),
+                                                           _shard_group(modules), group)
+    except ConfigError as e:
+        raise ConfigError(f"register_codec(model, 'auto'): {e} (FSDP2: give them as "
+                          "options={'link_gbps': ..., 'link_latency_ms': ...})") from None
+    asked = {kind for kind, spec in specs.items() if spec == "auto"}
+    return ({key: spec for key, spec in chosen.items() if key[1] in asked}, decisions,
+            prediction)
+
+
 def register(target: Any, spec: Any, process_group=None, *, replicate=None, accelerator=None,
-             resume_from: str | None = None) -> FSDP2Codecs:
+             resume_from: str | None = None, options: dict | None = None) -> FSDP2Codecs:
     """ccfx's comms on every FSDP module of ``target`` (see
     :func:`ccfx.integrations.register_codec`)."""
     module = _module_of(target)
@@ -111,7 +143,14 @@ def register(target: Any, spec: Any, process_group=None, *, replicate=None, acce
                           "the group of the mesh given to fully_shard (HSDP's replicas: "
                           "replicate=mesh['replicate']): leave it out")
     group = _group_of(replicate)
-    state = attach(module, specs_by_kind(spec, hsdp=group is not None), group)
+    specs = specs_by_kind(spec, hsdp=group is not None)
+    auto = _auto(module, specs, options, group)
+    state = attach(module, specs, group, auto[0] if auto else None)
+    if auto:  # (a decision names its channel's row in the plan: "collective <index>")
+        state.prediction = auto[2]
+        state.decisions = [Decision(f"collective {state.channels[key].index}", d.chosen,
+                                    d.candidates, f"FSDP module {key[0]}: {d.reason}")
+                           for key, d in auto[1] if key in state.channels]
     if resume_from is not None and not state.load(resume_from):
         raise ConfigError(f"register_codec(resume_from={resume_from!r}): no {file_name()} "
                           "there: pass the folder this rank saved its FSDP2 codec state in "

@@ -156,13 +156,19 @@ class FSDP2Codecs:
     and the codec state
     (:meth:`state_tensors`, :meth:`state_dict`, :meth:`load_state_dict`)."""
 
-    def __init__(self, specs: dict[str, str], replicate=None):
+    def __init__(self, specs: dict[str, str], replicate=None,
+                 chosen: dict[tuple[str, str], str] | None = None):
         unknown = sorted(set(specs) - set(KINDS))
         if unknown:
             raise ConfigError(f"FSDP2 codecs for {unknown}: ccfx serves {', '.join(KINDS)}")
-        self.specs = {kind: check_spec(kind, specs.get(kind, "none")) for kind in KINDS}
+        self.specs = {kind: "auto" if specs.get(kind) == "auto" and chosen is not None
+                      else check_spec(kind, specs.get(kind, "none")) for kind in KINDS}
         #: HSDP: the replicas' process group whose all-reduce ccfx runs (None: FSDP only)
         self.replicate = replicate
+        #: ``"auto"``'s codec per ``(module, kind)``, its decisions and predicted collectives
+        self.chosen = dict(chosen or {})
+        self.decisions: list = []
+        self.prediction = None
         self.ledger = Ledger()
         self.channels: dict[tuple[str, str], Channel] = {}
         self.modules: list[str] = []
@@ -182,8 +188,9 @@ class FSDP2Codecs:
         self.modules.append(name)
         made = {}
         for kind in self.kinds:
+            spec = self.chosen.get((name, kind), self.specs[kind])
             made[kind] = self.channels[(name, kind)] = Channel(
-                name, kind, len(self.channels), self.specs[kind])
+                name, kind, len(self.channels), "none" if spec == "auto" else spec)
         return made
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

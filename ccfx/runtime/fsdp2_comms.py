@@ -193,10 +193,12 @@ def _check_hsdp(modules, specs: dict[str, str], replicate) -> None:
             "(with fully_shard over mesh['shard'])")
 
 
-def attach(model: torch.nn.Module, specs: dict[str, str], replicate=None) -> FSDP2Codecs:
+def attach(model: torch.nn.Module, specs: dict[str, str], replicate=None,
+           chosen: dict[tuple[str, str], str] | None = None) -> FSDP2Codecs:
     """Install ccfx's comms on every FSDP module of ``model`` (``specs``: a codec per kind,
     missing kinds ``"none"``; ``replicate``: HSDP's replicas' process group, whose all-reduce
-    ccfx then runs); the :class:`FSDP2Codecs` that runs them. A model already served is a
+    ccfx then runs; ``chosen``: ``"auto"``'s codec per ``(module, kind)``); the
+    :class:`FSDP2Codecs` that runs them. A model already served is a
     :class:`~ccfx.ConfigError`."""
     modules = fsdp_modules(model)
     if not modules:
@@ -209,7 +211,7 @@ def attach(model: torch.nn.Module, specs: dict[str, str], replicate=None) -> FSD
             f"{again or ['root']}): register_codec once per model; to change the codec, "
             "build and shard the model again")
     _check_hsdp(modules, specs, replicate)
-    state = FSDP2Codecs(specs, replicate)
+    state = FSDP2Codecs(specs, replicate, chosen)
     for name, module in modules:
         channels = state.add_module(name)
         try:

@@ -35,12 +35,13 @@ def plan_of_fsdp2(state: FSDP2Codecs):
                   param_bytes=sum(c.numel * c.world * c.dtype.itemsize for c in gathers),
                   params=list(state.modules))
     graph = GraphPlan(index=0, requested_stages=1, num_stages=1, balance="fsdp2",
-                      stages=[whole], edges=[], shared=[], notes=[note], collectives=rows)
+                      stages=[whole], edges=[], shared=[], notes=[note], collectives=rows,
+                      decisions=list(state.decisions), prediction=state.prediction)
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     backend = str(dist.get_backend()) if initialized else "none"
     config = Config(collective_overrides={k: v for k, v in state.specs.items()
-                                          if k in state.kinds})
+                                          if k in state.kinds and v != "auto"} or None)
     gradient = state.specs["all_reduce" if state.replicate is not None else "reduce_scatter"]
     return Plan(config.to_dict(), [graph],
                 option_sources={"collective_overrides": "register_codec (FSDP2)"},
