@@ -133,6 +133,21 @@ def test_fsdp2_compresses_torch_s_own_gathers_and_reduce_scatters(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp2_hsdp_compresses_the_replicas_all_reduce_and_resumes_its_state(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    line = _summary(_torchrun("fsdp2_hsdp.py", tmp_path, "--steps", STEPS, "--save", ckpt),
+                    "fsdp2_hsdp")
+    assert "2 replicas x 1" in line and "replicas equal: True" in line, line
+    assert 0.25 < _number(line, "collective wire/raw") < 0.3, line  # int8 of fp32
+    _, saved_last = _loss(line)
+    line = _summary(_torchrun("fsdp2_hsdp.py", tmp_path, "--steps", "2", "--resume", ckpt),
+                    "fsdp2_hsdp")
+    assert "resumed from" in line and "replicas equal: True" in line, line
+    first, _ = _loss(line)
+    assert first < saved_last, line  # it went on from the checkpoint, not from scratch
+
+
+@pytest.mark.slow
 def test_tensor_parallel_compresses_the_all_reduce_and_keeps_ranks_equal(tmp_path):
     line = _summary(_torchrun("tensor_parallel.py", tmp_path, "--steps", STEPS),
                     "tensor_parallel")
