@@ -19,7 +19,7 @@ import ccfx
 from ccfx.integrations import register_codec
 from ccfx.runtime import fsdp2_comms
 
-from .ranks import digest, rng
+from .ranks import caught, digest, rng
 
 WIDTH = 32
 
@@ -249,3 +249,22 @@ def auto(rank: int, world: int, link_gbps: float) -> dict:
     return {"codecs": {f"{c.module}.{c.kind}": c.codec for c in state.channels.values()},
             "priced": priced, "losses": losses, "explain": ccfx.explain(model),
             "ran": {f"{c.module}.{c.kind}": c.call.numel for c in state.channels.values()}}
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+def dies_mid_step(rank: int, world: int, dead: int = 1) -> dict:
+    """One step of ZeRO++'s codecs on every rank, then rank ``dead`` exits; the others' next
+    forward must fail in a gather naming the module, the codec and the dead rank."""
+    import os
+    import time
+
+    model = sharded(world)
+    register_codec(model, {"all_gather": "int8", "reduce_scatter": "int4:ef"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, rank, 1)
+    if rank == dead:
+        os._exit(0)
+    time.sleep(0.5)
+    return caught(lambda: _steps(model, opt, rank, 1))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import ccfx
 from ccfx.integrations import register_codec
 from ccfx.runtime import fsdp2_comms
+from ccfx.runtime.launch import RankFailed, spawn
 
 from . import fsdp2_workers as w
 from .ranks import Shared, scenario
@@ -215,6 +216,17 @@ def test_hsdp_compressing_only_the_replicas_all_reduce_keeps_replicas_identical(
     raw, wire = fig["bytes"]["all_reduce"]
     assert 0.25 < wire / raw < 0.31, (raw, wire)  # int8 of fp32 plus one scale per block
     assert "all_reduce (avg)" in fig["plan"] and "2 replicas" in fig["plan"]
+
+
+@pytest.mark.slow
+def test_a_dead_rank_is_named_with_the_module_kind_and_codec():
+    with pytest.raises(RankFailed) as e:
+        spawn(w.dies_mid_step, 2, (), timeout_s=180, grace_s=60)
+    survivor = e.value.results[0]
+    assert survivor["error"] == "CollectiveError", survivor
+    msg = survivor["message"]
+    assert "rank 0 of 2: FSDP2's all_gather of module 'root' (int8, step 1) failed" in msg, msg
+    assert "Rank 1 (" in msg and "has exited" in msg, msg
 
 
 # -- one process: bad input -------------------------------------------------------------------
