@@ -85,24 +85,14 @@ def register_codec(target: Any, spec: str | dict[str, str] | CommHookState,
       ``register_for_checkpointing`` is saved by the main process only, and residuals are per
       rank).
 
-    A model sharded with torch's FSDP2 (``fully_shard`` on its blocks and itself, or
-    ``torch.compile`` of one) takes one spec for every collective or a dict by kind,
-    ``{"all_gather": "int8", "reduce_scatter": "int4:ef"}`` (a missing kind: ``"none"``):
-    every FSDP module's all-gather and reduce-scatter run through ccfx's codecs
-    (:mod:`ccfx.runtime.fsdp2_comms`). HSDP across nodes: shard over the shard dimension
-    (``fully_shard(m, mesh=mesh["shard"])``) and pass ``replicate=mesh["replicate"]``; ccfx
-    then averages each module's gradients across the replicas through the ``"all_reduce"``
-    codec (bit-identical on every replica). Returns an
-    :class:`~ccfx.runtime.fsdp2_codecs.FSDP2Codecs`; ``ccfx.plan_of(model)`` and
-    ``ccfx.ledger_of(model)`` show each module's collectives. Its codec state is per rank:
-    ``codecs.save(folder)`` on every rank, ``register_codec(..., resume_from=folder)`` to
-    resume (``accelerator=``: ``save_state`` / ``load_state`` do both). ``"auto"`` (for every
-    kind, or one) prices each module's buffers on the link of ``options`` (``{"link_gbps":
-    0.1, "link_latency_ms": 0.05}`` or ``{"cluster": ...}``, and the ``auto_*`` options) and
-    picks a codec per module per kind; ``ccfx.explain(model)`` says why. Registering twice,
-    an unknown kind, a codec that cannot serve a kind, an ``"all_reduce"`` codec
-    without ``replicate`` or on torch's own 2-D HSDP raise a :class:`~ccfx.ConfigError`; so
-    does a dict spec for a model without FSDP modules.
+    A model sharded with torch's FSDP2 (``fully_shard``, eager or compiled) takes one spec for
+    every collective or a dict by kind, ``{"all_gather": "int8", "reduce_scatter": "int4:ef"}``
+    (a missing kind: ``"none"``), or ``"auto"`` priced on the link of ``options=``; HSDP:
+    ``fully_shard`` over ``mesh["shard"]`` and ``replicate=mesh["replicate"]`` compresses the
+    replicas' all-reduce (the ``"all_reduce"`` kind). Returns an
+    :class:`~ccfx.runtime.fsdp2_codecs.FSDP2Codecs` (``save(folder)`` on every rank,
+    ``resume_from=folder`` to resume); see docs/guides/frameworks.md and
+    :mod:`ccfx.integrations._fsdp2` for what is refused.
     """
     _launchers.check_kinds_fit(target, spec)  # FSDP2's kinds on DDP (accelerate on CPU)
     fsdp2_only = replicate is not None or options is not None
