@@ -28,7 +28,10 @@
 #   5 dp       scripts/gpu_dp_one_rank.py: data parallel on one NCCL rank
 #   6 lightning scripts/gpu_lightning_callback.py: ccfx.integrations.LightningCodecCallback on
 #              a CUDA DDP model (Lightning registers its strategy's own hook there: refused)
-#   7 demo-inductor (only if time is left): the demo with --lowering inductor, a few steps
+#   7 torchtitan torchtitan's own trainer with ccfx's comms (examples/torchtitan_fsdp2.py's
+#              config function), on every GPU here, from the torchtitan v0.3.0 checkout named by
+#              TORCHTITAN_DIR (its debug model reads that checkout's tests/assets/)
+#   8 demo-inductor (only if time is left): the demo with --lowering inductor, a few steps
 set -u
 
 CALLER_DIR="$PWD"
@@ -186,7 +189,8 @@ if [ "$DRY" = 1 ]; then
     say "steps (device $DEVICE, budget $BUDGET_S s): setup (pip install --no-deps -e .), env," \
         "triton (CCFX_TEST_DEVICE=$DEVICE pytest tests/test_triton_*.py), codecs" \
         "(python -m bench.codecs), demo (ccfx demo --device $DEVICE), dp (scripts/gpu_dp_one_rank.py)," \
-        "lightning (scripts/gpu_lightning_callback.py), demo-inductor if time is left"
+        "lightning (scripts/gpu_lightning_callback.py), torchtitan (its trainer from" \
+        "\$TORCHTITAN_DIR), demo-inductor if time is left"
     say "results would go to $RESULTS"
     exit 0
 fi
@@ -349,7 +353,7 @@ EOF
 run_step env 30 0 env_info
 
 if [ "$DEVICE" = cuda ] && [ -n "$CUDA_REASON" ]; then
-    for s in triton codecs demo dp demo-inductor; do record SKIP "$s" "no CUDA: $CUDA_REASON"; done
+    for s in triton codecs demo dp torchtitan demo-inductor; do record SKIP "$s" "no CUDA: $CUDA_REASON"; done
     finish
 fi
 
@@ -403,6 +407,31 @@ if py_has "import pytorch_lightning"; then
     run_step lightning 60 0 "$PY" scripts/gpu_lightning_callback.py --device "$DEVICE"
 else
     record SKIP lightning "pytorch-lightning is not installed (pip install pytorch-lightning)"
+fi
+
+# torchtitan's trainer does not start on CPU (torchtitan/trainer.py:301 calls torch.cuda.set_device),
+# so its run with ccfx is here: its debug model's tokenizer and c4_test data are the tests/assets/ of
+# a torchtitan v0.3.0 checkout (TORCHTITAN_DIR; the machine may reach no network). On one GPU FSDP
+# shards over one rank and gathers nothing: the hook point is checked under the real trainer; on
+# two or more the compressed comms run too.
+torchtitan_trainer() {
+    local ngpu; ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+    cd "$TORCHTITAN_DIR" || return 1
+    PYTHONPATH="$ROOT/examples${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m torch.distributed.run \
+        --standalone --nproc-per-node "$(( ngpu > 0 ? ngpu : 1 ))" -m torchtitan.train \
+        --module torchtitan_fsdp2 --config llama3_debugmodel_ccfx \
+        --training.steps 4 --training.seq_len 256 --training.disable_cuda_graphs
+}
+export ROOT TORCHTITAN_DIR="${TORCHTITAN_DIR:-}"
+if [ "$DEVICE" = cpu ]; then
+    say "(torchtitan not run: its trainer needs CUDA, torchtitan/trainer.py:301; on CPU:" \
+        "tests/test_torchtitan.py)"
+elif ! py_has "import torchtitan.trainer"; then
+    record SKIP torchtitan "torchtitan's trainer is not importable (pip install torchtitan==0.3.0)"
+elif [ ! -d "$TORCHTITAN_DIR/tests/assets/tokenizer" ]; then
+    record SKIP torchtitan "set TORCHTITAN_DIR to a torchtitan v0.3.0 checkout (its tests/assets/)"
+else
+    run_step torchtitan 120 0 torchtitan_trainer
 fi
 
 # Extra, only with time left: the demo's partitioned graphs lowered by inductor (CUDA codegen).
