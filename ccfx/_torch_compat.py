@@ -190,6 +190,14 @@ INTERNALS: tuple[Internal, ...] = (
     _i("torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter", "the interface of a "
        "custom FSDP2 reduce-scatter (FSDPModule.set_custom_reduce_scatter)", "as AllGather",
        "ccfx/runtime/fsdp2_comms.py", "FsdpReduceScatter"),
+    _i("torch.distributed.fsdp.FSDPModule._get_fsdp_state", "the FSDP modules sharded "
+       "together (fully_shard([norm, lm_head]): one parameter group, one set of comms), so "
+       "ccfx keeps one channel per group, not one idle channel per module", "none: FSDPModule "
+       "does not say which modules share its parameter group", "ccfx/runtime/fsdp2_comms.py"),
+    _i("torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker", "per-rank peak memory "
+       "of an FSDP2 training step by category (bench/fsdp2.py's memory part)", "none: "
+       "torch.cuda.max_memory_allocated is CUDA-only; on CPU the max RSS is the only other "
+       "figure", "bench/fsdp2.py", "FSDPMemTracker"),
     _i("torch.distributed.pipelining.schedules._batch_p2p", "name the peer of a failed "
        "pipeline transfer (patched process-wide)", "none: PipelineStage hooks make the P2P ops "
        "but the schedule posts and waits for them", "ccfx/runtime/pipeline.py"),
@@ -366,6 +374,12 @@ def view_base(t: torch.Tensor) -> torch.Tensor:
 def dtensor_local(t) -> torch.Tensor:
     """A DTensor's local shard, as it is (no autograd op: ``to_local()`` records one)."""
     return t._local_tensor
+
+
+def fsdp_state(module):
+    """The FSDP state of an ``FSDPModule`` (shared by the modules one ``fully_shard`` call
+    sharded together)."""
+    return module._get_fsdp_state()
 
 
 def ddp_comm_hooks(ddp) -> list:

@@ -93,19 +93,22 @@ def test_the_ledger_s_wire_bytes_are_the_codecs_formats(two):
 
 
 @pytest.mark.slow
-def test_norm_and_head_sharded_together_gather_once_and_the_root_has_nothing_to_gather(two):
-    """torchtitan shards ``[norm, lm_head]`` as one FSDP unit: both are FSDP modules of one
-    parameter group, whose comms are the last installed (lm_head's), so norm's channel never
-    runs; the model itself (root) holds no parameters of its own."""
-    assert two["zero_pp"][0]["idle"] == ["norm", "root"]
+def test_norm_and_head_sharded_together_are_one_unit_and_the_root_gathers_nothing(two):
+    """torchtitan shards ``[norm, lm_head]`` with one fully_shard call: one parameter group,
+    one set of comms, so one unit ``norm+lm_head`` in the plan, which runs; the model itself
+    (root) holds no parameters of its own."""
+    got = two["zero_pp"][0]
+    assert got["idle"] == ["root"]
+    assert "norm+lm_head" in got["plan"], got["plan"]
 
 
 @pytest.mark.slow
 def test_a_raw_reduce_scatter_of_torchtitan_s_premul_sum_on_gloo_is_a_collective_error(two):
     """torchtitan turns FSDP's gradient division off (a divide factor of 1), so FSDP passes
     PREMUL_SUM, which gloo lacks: a raw reduce-scatter fails at once, as a CollectiveError
-    naming the rank, the module and the kind (docs/troubleshooting.md: the fix)."""
+    naming the rank, the unit, the kind and the fix."""
     for rank, message in enumerate(two["premul on gloo"]):
         assert message.startswith(f"CollectiveError: rank {rank} of 2: FSDP2's reduce_scatter "
-                                  "of module 'lm_head' (none, step 0)"), message
+                                  "of module 'norm+lm_head' (none, step 0)"), message
         assert "PREMUL_SUM with Gloo" in message, message
+        assert "set_force_sum_reduction_for_comms(True)" in message, message

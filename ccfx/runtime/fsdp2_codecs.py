@@ -220,6 +220,13 @@ class FSDP2Codecs:
         ranks = agree.world_ranks(group) if dist.is_initialized() else (0,)
         first, who = agree.failed(what, e, ranks)
         rank = dist.get_rank() if dist.is_initialized() else group.rank()
+        if "PREMUL_SUM" in str(e) and "loo" in str(e):  # gloo has no premultiplied sum
+            return CollectiveError(
+                f"rank {rank} of {group.size()}: {what} failed: {first}. FSDP passes "
+                "PREMUL_SUM when a gradient divide factor is set (torchtitan sets 1), and gloo "
+                "has none: call module.set_force_sum_reduction_for_comms(True) on every FSDP "
+                "module (the same values: a sum), or give reduce_scatter a codec (ccfx "
+                "applies the factor itself)")
         return CollectiveError(
             f"rank {rank} of {group.size()}: {what} failed: {first}.{who} A peer rank died, "
             "hung past the process group's timeout (init_process_group(timeout=...)), or ran "

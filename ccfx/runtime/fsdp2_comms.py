@@ -156,12 +156,17 @@ class CodecAllReduce:
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every ``FSDPModule`` in ``model`` (itself included), ``(name, module)`` in
-    ``named_modules`` order; the model itself is named ``root``."""
+    """Every FSDP unit in ``model`` (itself included), ``(name, module)`` in
+    ``named_modules`` order; the model itself is named ``root``. Modules one ``fully_shard``
+    call sharded together (``fully_shard([norm, lm_head])``) share one parameter group and so
+    one set of comms: one unit, named ``norm+lm_head``, its first module standing for it."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [(name or "root", m) for name, m in model.named_modules()
-            if isinstance(m, FSDPModule)]
+    units: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            units.setdefault(id(tc.fsdp_state(m)), []).append((name or "root", m))
+    return [("+".join(n for n, _ in unit), unit[0][1]) for unit in units.values()]
 
 
 def _native_hsdp(modules) -> list[str]:
@@ -222,8 +227,11 @@ def attach(model: torch.nn.Module, specs: dict[str, str], replicate=None,
                 module.set_all_reduce_hook(CodecAllReduce(state, channels["all_reduce"]))
         except ValueError as e:  # several parameter groups (a per-parameter mesh)
             raise ConfigError(f"FSDP module {name!r} cannot take ccfx's comms: {e}") from e
-    for _, module in modules:
-        _ATTACHED[module] = state
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # (every module of a unit: ccfx.plan_of finds it)
+        if isinstance(module, FSDPModule):
+            _ATTACHED[module] = state
     _ATTACHED[model] = state
     return state
 
