@@ -5,11 +5,12 @@ the real packages, 2 gloo ranks, each recipe of ``examples/`` under its launcher
   module sharding itself in ``configure_model`` and registering ccfx's codecs there.
 - Accelerate: its FSDP path is for GPUs only (``AcceleratorState`` sets ``DistributedType.FSDP``
   for ``MULTI_GPU``, ``MULTI_XPU``, ... never ``MULTI_CPU``; ``accelerate launch`` refuses
-  ``--cpu`` with ``--use_fsdp``). On CPU the recipe therefore runs twice under torchrun: as a
-  user runs it (accelerate hands back DDP and ``register_codec`` says why, naming the fix),
-  and with the state switched to FSDP after accelerate built it
-  (``tests/fsdp2_launchers_workers.py``), so that accelerate's own ``prepare`` shards the
-  model (its auto-wrap policy picking the blocks) and ccfx's codecs train what it returned.
+  ``--cpu`` with ``--use_fsdp``). On CPU the recipe runs under torchrun with the state
+  switched to FSDP after accelerate built it (``tests/fsdp2_launchers_workers.py``), so that
+  accelerate's own ``prepare`` shards the model (its auto-wrap policy picking the blocks)
+  and ccfx's codecs train what it returned. As a user runs it on CPU, accelerate hands back
+  DDP and ``register_codec`` says why, naming the fix: tested in this process, on a DDP
+  model.
 
 The runs reuse ``test_examples``'s launcher helpers (eager lowering, a free port, a timeout).
 Each asserts on the line the example prints at its end: every rank's codecs counted every
@@ -71,14 +72,18 @@ def test_accelerate_fsdp2_plugin_shards_the_blocks_and_trains_with_codecs(tmp_pa
     _trained(line)
 
 
-@pytest.mark.slow
-def test_accelerate_on_cpu_hands_back_ddp_and_register_codec_says_why(tmp_path):
-    """On CPU accelerate ignores the FSDP plugin; a codec per kind on its DDP model is a
-    ConfigError naming accelerate's CPU path and the two ways that shard on CPU."""
+def test_a_codec_per_kind_on_accelerates_cpu_ddp_model_says_why(one_rank_group):
+    """On CPU accelerate ignores the FSDP plugin and ``prepare`` hands back DDP; a codec per
+    kind on that model is a ConfigError naming accelerate's CPU path and the two ways that
+    shard on CPU (``examples/accelerate_fsdp2.py`` run as a user runs it ends here)."""
     pytest.importorskip("accelerate")
-    run = _torchrun(EXAMPLES / "accelerate_fsdp2.py", tmp_path, check=False)
-    assert run.returncode != 0, run.stdout[-3000:]
-    assert "ConfigError" in run.stderr and "DistributedDataParallel model" in run.stderr, \
-        run.stderr[-3000:]
-    assert "accelerate ignores the plugin on CPU" in run.stderr, run.stderr[-3000:]
-    assert "examples/lightning_fsdp2.py" in run.stderr, run.stderr[-3000:]
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ccfx
+    from ccfx.integrations import register_codec
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 4))
+    with pytest.raises(ccfx.ConfigError, match=r"DistributedDataParallel model .*accelerate "
+                                               r"ignores the plugin on CPU.*lightning_fsdp2"):
+        register_codec(model, {"all_gather": "int8", "reduce_scatter": "int4:ef"})
