@@ -99,30 +99,45 @@ def _signature(args, kwargs):
     return one(args), tuple(sorted((k, one(v)) for k, v in kwargs.items()))
 
 
-def fast(fn):
+def fast(fn=None, *, finish=None):
     """Run ``fn`` compiled when its first argument is a large plain CPU tensor (eagerly, for a
     signature :func:`compile_now` has not compiled, inside :func:`compile_later`).
 
-    ``wrapper.eager`` is the uncompiled function (tests and the benchmark compare both).
+    ``finish(out, *args, **kwargs)``, when given, turns ``fn``'s result into the function's,
+    always uncompiled: a small epilogue kept out of the compiled graph, where it would cost a
+    pass. (inductor fuses a per-block reduction with the loop that consumes it, one pass over
+    the input, but not when a per-block output of another loop shape joins them: so a codec's
+    ``fn`` returns its raw block reduction and ``finish`` derives the scales from it.)
+
+    ``wrapper.eager`` is the uncompiled function, finish included (tests and the benchmark
+    compare both).
     """
+    if fn is None:
+        return functools.partial(fast, finish=finish)
     compiled = None
+
+    def done(out, args, kwargs):
+        return out if finish is None else finish(out, *args, **kwargs)
+
+    def eager(*args, **kwargs):
+        return done(fn(*args, **kwargs), args, kwargs)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled
         if not _eligible(args[0]):
-            return fn(*args, **kwargs)
+            return eager(*args, **kwargs)
         later = _later.get()
         if later is not None:  # (the signature only here: not on every compiled call)
             key = _signature(args, kwargs)
             if key not in wrapper.ready:
                 later.append((wrapper, args, kwargs, key))
-                return fn(*args, **kwargs)
+                return eager(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False)
         with torch.no_grad(), tc.dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled(*args, **kwargs)
+            return done(compiled(*args, **kwargs), args, kwargs)
 
-    wrapper.eager = fn
+    wrapper.eager = eager
     wrapper.ready = set()  # signatures compile_now compiled (the others run eagerly inside it)
     return wrapper

@@ -104,14 +104,29 @@ def absmax_scales(rows: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
     return torch.where(nonfinite_rows(rows), float("nan"), absmax)
 
 
-def absmax_scaled(x: torch.Tensor, block: int, divisor: float):
-    """``x`` flattened to fp32 blocks, each divided by its scale ``absmax / divisor``:
-    ``(scaled (nblocks, block), scales (nblocks, 1))``. A block whose scale is 0 or NaN scales to
-    zeros; the zero padding of the last block stays 0. Slice the codes to ``x.numel()``."""
+def absmax_blocks(x: torch.Tensor, block: int, divisor: float):
+    """``x`` flattened to fp32 blocks, each divided by its scale ``absmax / divisor``, in one
+    pass over ``x`` once compiled: ``(scaled (nblocks, block), absmax (nblocks,))``. A block
+    whose scale is 0 or NaN scales to zeros; the zero padding of the last block stays 0. Slice
+    the codes to ``x.numel()``; :func:`block_scales` turns ``absmax`` into the scales.
+
+    ``|x| + (x - x)`` is ``|x|`` where ``x`` is finite and NaN where it is NaN or ±inf, and
+    ``amax`` propagates NaN: so the block reduction that finds the absmax also marks the
+    non-finite blocks (NaN, with whatever NaN bits), and inductor fuses it with the loop that
+    divides the block (one read of ``x`` instead of two)."""
     rows = blocked(x.reshape(-1).float(), block)
-    scales = absmax_scales(rows, divisor)
-    scaled = torch.where(scales > 0, rows / safe_divisor(scales), torch.zeros_like(rows))
-    return scaled, scales
+    absmax = (rows.abs() + (rows - rows)).amax(dim=1, keepdim=True)
+    # by a tensor, not a Python float: see absmax_scales
+    scales = absmax / torch.full_like(absmax, divisor)
+    positive = scales > 0
+    scaled = torch.where(positive, rows / torch.where(positive, scales, 1.0), 0.0)
+    return scaled, absmax.view(-1)
+
+
+def block_scales(absmax: torch.Tensor, divisor: float) -> torch.Tensor:
+    """The fp32 scales ``absmax / divisor`` from :func:`absmax_blocks`' ``absmax``, with the
+    canonical NaN (the payload's bits) for the non-finite blocks, as :func:`absmax_scales`."""
+    return torch.where(absmax.isnan(), float("nan"), absmax / torch.full_like(absmax, divisor))
 
 
 def rescaled(values: torch.Tensor, scales: torch.Tensor, block: int, shape, dtype,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ._fast import fast
-from .blockwise import BlockScaled, absmax_scaled, rescaled
+from .blockwise import BlockScaled, absmax_blocks, block_scales, rescaled
 from .registry import register
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -33,8 +33,8 @@ BITS = {torch.float8_e4m3fn: (4, 3, 7, True), torch.float8_e5m2: (5, 2, 15, Fals
 def fp8_bits(y: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     """fp32 ``y`` (finite, ``|y| <= fmax``) → int32 float8 bit patterns, the same as
     ``y.to(fmt).view(torch.uint8)`` (round to nearest even, ``-0.0`` → ``0x80``), in integer
-    ops: inductor compiles these to vector code, but not torch's float8 cast (2x slower there).
-    Normal range: round the fp32 mantissa on the bit pattern (a carry bumps the exponent), then
+    ops: the definition the Triton kernel spells out, and the tests' oracle for torch's cast,
+    which the reference uses (inductor vectorizes the cast, not these bit casts). Normal range: round the fp32 mantissa on the bit pattern (a carry bumps the exponent), then
     rebias; subnormal range: ``|y| / smallest subnormal``, rounded half to even (exact)."""
     _, man, bias, _ = BITS[fmt]
     bits = y.view(torch.int32)
@@ -50,7 +50,8 @@ def fp8_bits(y: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
 
 def fp8_values(codes: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     """uint8 float8 bit patterns → their fp32 values (exact, NaN and inf codes included), the
-    same as ``codes.view(fmt).float()`` in integer ops (for inductor, as :func:`fp8_bits`)."""
+    same as ``codes.view(fmt).float()`` in integer ops (the Triton kernel's form; the tests'
+    oracle for the reference's decode, as :func:`fp8_bits` is for its encode)."""
     exp, man, bias, fn = BITS[fmt]
     c = codes.to(torch.int32)
     e = (c >> man) & ((1 << exp) - 1)
@@ -65,18 +66,30 @@ def fp8_values(codes: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     return torch.where(c >= 0x80, -v, v)
 
 
-@fast
+def _fp8_scales(out, x, block, fmt):
+    codes, absmax = out
+    return codes, block_scales(absmax, torch.finfo(fmt).max)
+
+
+@fast(finish=_fp8_scales)
 def fp8_encode_reference(x: torch.Tensor, block: int, fmt: torch.dtype):
-    """``x`` → ``(codes uint8 [n], scales fp32 [ceil(n/block)])``."""
+    """``x`` → ``(codes uint8 [n], scales fp32 [ceil(n/block)])`` (the body returns the raw
+    block absmax, :func:`_fp8_scales` the scales). torch's float8 cast is :func:`fp8_bits`, and
+    inductor vectorizes it (the integer form's bit casts it compiles to scalar loops: 3x
+    slower)."""
     fmax = torch.finfo(fmt).max
-    scaled, scales = absmax_scaled(x, block, fmax)
-    codes = fp8_bits(scaled.clamp_(-fmax, fmax), fmt).to(torch.uint8).view(-1)[:x.numel()]
-    return codes, scales.view(-1)
+    scaled, absmax = absmax_blocks(x, block, fmax)
+    codes = scaled.clamp_(-fmax, fmax).to(fmt).view(torch.uint8).view(-1)[:x.numel()]
+    return codes, absmax
 
 
 @fast
 def fp8_decode_reference(codes, scales, block: int, fmt: torch.dtype, shape, dtype):
-    return rescaled(fp8_values(codes, fmt), scales, block, shape, dtype)
+    # torch's float8 cast is fp8_values but for the bits of NaN codes (which the encode never
+    # makes): give those fp8_values' canonical NaN, signed as the code
+    v = codes.view(fmt).float().abs()
+    v = torch.where(v.isnan(), float("nan"), v)
+    return rescaled(torch.where(codes >= 0x80, -v, v), scales, block, shape, dtype)
 
 
 @register

@@ -17,16 +17,21 @@ import torch
 from . import _bits
 from ._fast import fast
 from .base import numel_of
-from .blockwise import BlockScaled, absmax_scaled, rescaled
+from .blockwise import BlockScaled, absmax_blocks, block_scales, rescaled
 from .registry import register
 
 
-@fast
+def _int4_scales(out, x, block):
+    packed, absmax = out
+    return packed, block_scales(absmax, 7.0)
+
+
+@fast(finish=_int4_scales)
 def int4_encode_reference(x: torch.Tensor, block: int):
     """``x`` → ``(packed uint8 [ceil(n/2)], scales fp32 [ceil(n/block)])``."""
-    scaled, scales = absmax_scaled(x, block, 7.0)
+    scaled, absmax = absmax_blocks(x, block, 7.0)
     codes = (torch.round(scaled).clamp_(-7, 7) + 8).to(torch.uint8).view(-1)[:x.numel()]
-    return _bits.pack(codes, 4), scales.view(-1)
+    return _bits.pack(codes, 4), absmax
 
 
 @fast

@@ -17,16 +17,22 @@ from dataclasses import dataclass
 import torch
 
 from ._fast import fast
-from .blockwise import BlockScaled, absmax_scaled, rescaled
+from .blockwise import BlockScaled, absmax_blocks, block_scales, rescaled
 from .registry import register
 
 
-@fast
+def _int8_scales(out, x, block):
+    q, absmax = out
+    return q, block_scales(absmax, 127.0)
+
+
+@fast(finish=_int8_scales)
 def int8_encode_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: ``x`` (any shape) → ``(q int8 [n], scales fp32 [ceil(n/block)])``."""
-    scaled, scales = absmax_scaled(x, block, 127.0)
+    """Torch reference: ``x`` (any shape) → ``(q int8 [n], scales fp32 [ceil(n/block)])`` (the
+    body returns the raw block absmax, :func:`_int8_scales` the scales: see ``fast``)."""
+    scaled, absmax = absmax_blocks(x, block, 127.0)
     q = torch.round(scaled).clamp_(-127, 127).to(torch.int8).view(-1)[:x.numel()]
-    return q, scales.view(-1)
+    return q, absmax
 
 
 @fast
