@@ -239,17 +239,23 @@ def timed_steps(rank: int, step: Callable[[], float], *, steps: int, warmup: int
 
 def run_timed(module: str, fn: str, variant: str, world: int, rate: float | None,
               kwargs: dict, *, timeout_s: float, stall_s: float, threads: int,
-              env: dict | None) -> list[dict] | dict:
+              env: dict | None, nodes: Sequence[int] | None = None) -> list[dict] | dict:
     """``module.fn`` (a function calling :func:`timed_steps`) on ``world`` ranks in a fresh
-    network namespace limited to ``rate`` Mbit/s (None: unshaped): every rank's result, or
-    the table's row of a variant that failed or that ccfx skipped (with the reason)."""
-    from bench.shaped import RankFailed, RankTimeout, run_ranks, shaped_namespace
+    network namespace limited to ``rate`` Mbit/s (None: unshaped), or, with ``nodes`` (the
+    node of each rank), on bench.shaped's two nodes joined by a link of that rate: every
+    rank's result, or the table's row of a variant that failed or that ccfx skipped (with the
+    reason)."""
+    from bench.shaped import RankFailed, RankTimeout, run_ranks, shaped_namespace, two_nodes
 
     t0 = time.perf_counter()
     try:
-        with shaped_namespace(rate) as ns:
+        with (shaped_namespace(rate) if nodes is None else two_nodes(rate)) as where:
+            ns, rank_env = where, None
+            if nodes is not None:
+                ns, rank_env = where.launch(nodes)
             ranks = run_ranks(module, fn, world, kwargs, netns=ns, timeout_s=timeout_s,
-                              threads_per_rank=threads, env=env, stall_s=stall_s)
+                              threads_per_rank=threads, env=env, stall_s=stall_s,
+                              rank_env=rank_env)
     except (RankFailed, RankTimeout) as e:
         return {"variant": variant, "status": "fails", "reason": e.reason,
                 "details": e.details[-4000:], "wall_s": time.perf_counter() - t0}
