@@ -335,7 +335,8 @@ def as_cluster(cluster) -> Cluster:
 def plan_parallel(model, example_inputs, cluster, *, target: int | None = None, top: int = 5,
                   microbatches=None, schedule: str = "1F1B", tensor_parallel: bool | None = None,
                   local_steps: bool | None = None, timer=None,
-                  measure: bool | None = None) -> ParallelPlan:
+                  measure: bool | None = None, recompute: bool | None = None,
+                  progress=None) -> ParallelPlan:
     """The fastest pipeline × data (× tensor) layout of ``model`` on ``cluster`` that fits in
     memory, its runners-up and the refused ones (:class:`ccfx.planner.layout_result.
     ParallelPlan`). ``example_inputs``: the whole step's batch. ``target``: the steps the
@@ -343,7 +344,9 @@ def plan_parallel(model, example_inputs, cluster, *, target: int | None = None, 
     lists. ``microbatches``, ``schedule``, ``tensor_parallel``, ``local_steps``: narrow the search
     (:func:`ccfx.planner.layout_search.search`); ``timer``: a ``CodecTimer`` for codec prices.
     ``measure``: time the model on this machine (:func:`model_facts`); None: where a device
-    is "measure here" (its flops not given)."""
+    is "measure here" (its flops not given). ``recompute``: activation recomputation per
+    block (None: where a layout does not fit without). ``progress``: called with a line
+    every few seconds of a long search (``ccfx plan`` prints them to stderr)."""
     cluster = as_cluster(cluster)
     if measure is None:
         measure = any(d.flops is None for d in cluster.devices)
@@ -351,7 +354,7 @@ def plan_parallel(model, example_inputs, cluster, *, target: int | None = None, 
                                                                     measure=measure)
     return search(facts, cluster, top=top, timer=timer, microbatches=microbatches,
                   schedule=schedule, tensor_parallel=tensor_parallel, target_steps=target,
-                  local_steps=local_steps)
+                  local_steps=local_steps, recompute=recompute, progress=progress)
 
 
 # -- ccfx plan ------------------------------------------------------------------------------------
@@ -381,7 +384,8 @@ def main(args) -> int:
             raise ConfigError(f"{args.model} returned {type(made).__name__}: return the pair "
                               "(model, example_inputs)")
         plan = plan_parallel(made[0], made[1], args.cluster, target=args.target, top=args.top,
-                             schedule=args.schedule)
+                             schedule=args.schedule,
+                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     except CcfxError as e:
         print(f"ccfx plan: {e}", file=sys.stderr)
         return 2

@@ -77,12 +77,15 @@ from .memory_model import (
     MemoryEstimate,
     bucket_memory,
     in_flight,
+    recompute_bytes,
     stage_memory,
 )
 from .model_facts import ModelFacts, StageFacts
 from .pipeline_model import EdgeTraffic, PipelineModel, StageCompute
 
 AXES = ("tp", "pp", "dp")
+#: activation recomputation the search weighs: none, or every block checkpointed
+RECOMPUTE = ("none", "block")
 #: the data-parallel bucket cap ccfx uses (``bucket_mb``), one latency per bucket
 BUCKET_BYTES = 25 * 2 ** 20
 #: a link that costs nothing: the pipeline without communication
@@ -110,6 +113,9 @@ class Layout:
     outer_codec: str = "none"
     #: each rank's device (names), overriding ``order``: a placement given by hand
     devices: tuple[str, ...] | None = None
+    #: activation recomputation: "none", or "block" (each block checkpointed: its backward
+    #: runs its forward again, and only its input is kept between the passes)
+    recompute: str = "none"
 
     def __post_init__(self):
         for name in ("pp", "dp", "tp", "microbatches"):
@@ -133,6 +139,8 @@ class Layout:
         if self.sharded and self.pp > 1:
             raise ConfigError("layout: sharded data parallel (ccfx.shard) runs without a "
                               "pipeline: use pp=1, or replicated data parallel")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"layout: recompute {self.recompute!r}: use one of {RECOMPUTE}")
 
     @property
     def world(self) -> int:
@@ -182,6 +190,8 @@ class Layout:
             parts.append(f"{nested[0]} inside nodes")
         if self.sync_every:
             parts.append(f"local H={self.sync_every}")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
         return " ".join(parts)
 
 
@@ -306,6 +316,9 @@ class LayoutPrediction:
     optimizer_s: float = 0.0
     #: per stage, how many data-parallel groups share its group's link (1: none)
     dp_flows: tuple[int, ...] = ()
+    #: a step no codec or link can beat: the pipeline's compute and bubble with instant
+    #: links (:func:`step_lower_bound`); what the search prunes by
+    lower_bound_s: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -442,7 +455,22 @@ def predict_layout(facts: ModelFacts, cluster: Cluster, layout: Layout, *,
                             notes, tuple(where_text[0]), tuple(where_text[1]),
                             (run.compute_mb, run.edges, tuple(hop_links)) if pp > 1 else None,
                             optimizer, tuple(p.flows if p is not None else 1
-                                             for p in priced_groups))
+                                             for p in priced_groups),
+                            step_lower_bound(times.fwd, times.bwd, times.tp_s,
+                                             layout.microbatches))
+
+
+def step_lower_bound(fwd: list[float], bwd: list[float], tp_s: list[float], m: int) -> float:
+    """Seconds no schedule, link or codec can beat: stage ``s`` starts its first forward
+    after the forwards of the stages before it, runs its ``m`` forwards and backwards one
+    after the other, and the stages before it run their last backward after it (codecs and
+    links only add to each). The 1F1B step with instant links when stages are alike."""
+    best = before = 0.0
+    for f, b, t in zip(fwd, bwd, tp_s):
+        work_f, work_b = f + t, b + t
+        best = max(best, before + m * (work_f + work_b))
+        before += work_f + work_b
+    return best
 
 
 def _check_layout(facts: ModelFacts, cluster: Cluster, layout: Layout) -> int:
@@ -514,6 +542,8 @@ def _stage_times(ctx: _Pricing) -> _StageTimes:
         collective_s, link = _stage_tensor_parallel(ctx, s, st)
         tp_s.append(collective_s)
         tp_links.append(link)
+    if ctx.layout.recompute == "block":  # the backward runs each block's forward again
+        bwd = [b + f for f, b in zip(fwd, bwd)]
     meas = ctx.facts.measured
     cores = meas.cores if meas is not None else None
     stretch = contention(cores, [f + b for f, b in zip(fwd, bwd)], dp * tp, m)
@@ -719,7 +749,9 @@ def _price_memory(ctx: _Pricing, codec_mem: list[int], exchange_mem: list[int]
         est = stage_memory(st, fraction=ctx.fraction,
                            held=in_flight(layout.schedule, s, pp, m), microbatches=m, tp=tp,
                            dp=dp, sharded=layout.sharded, largest_layer_bytes=largest,
-                           codec_bytes=codec_mem[s], exchange_bytes=exchange_mem[s])
+                           codec_bytes=codec_mem[s], exchange_bytes=exchange_mem[s],
+                           recompute=(recompute_bytes(facts, *ctx.stages[s])
+                                      if layout.recompute == "block" else None))
         devs = [ctx.dev(s, d, t) for d in range(dp) for t in range(tp)]
         smallest = min(devs, key=cluster.memory)
         cap = cluster.memory(smallest)

@@ -20,7 +20,8 @@ GIB = 2 ** 30
 class ParallelPlan:
     """``ranked``: the layouts that fit, fastest first; ``refused``: those above
     :data:`~ccfx.planner.memory_model.MEMORY_LIMIT` of a device's memory, with the reason;
-    ``skipped``: degrees not priced at all, and why."""
+    ``skipped``: degrees not priced at all, and why; ``pruned``: layouts not simulated, their
+    step's lower bound above the ``top`` fastest (3 refused) found (memory exact, no step)."""
 
     ranked: list[LayoutPrediction]
     refused: list[LayoutPrediction]
@@ -31,6 +32,7 @@ class ParallelPlan:
     search_s: float = 0.0
     target_steps: int | None = None
     notes: list[str] = field(default_factory=list)
+    pruned: list[LayoutPrediction] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.ranked and not self.refused:  # nothing priced: say why, not memory
@@ -40,13 +42,15 @@ class ParallelPlan:
                 "inputs are the whole step's batch: give one that splits over the replicas "
                 "(at least as many samples as devices), or describe fewer devices")
         if not self.ranked:
-            closest = min(self.refused, key=lambda p: p.peak_memory_bytes, default=None)
+            closest = min(self.refused + self.pruned, key=lambda p: p.peak_memory_bytes,
+                          default=None)
             why = (f"; the smallest, {closest.layout.describe()}: {closest.refused}"
                    if closest else "")
             raise ConfigError(
                 f"plan_parallel: no layout fits: {len(self.refused)} priced, every one above "
                 f"{MEMORY_LIMIT:.0%} of a device's memory{why}. Use devices with more memory, "
-                "a smaller batch (fewer activations per microbatch) or a smaller model")
+                "a smaller batch (fewer activations per microbatch), a smaller model, or "
+                "tensor parallelism (declare the model's TP plan)")
 
     # -- the chosen layout ------------------------------------------------------------------
 
@@ -160,9 +164,11 @@ class ParallelPlan:
             (f"plan_parallel: {f.num_layers} layers, {f.param_numel / 1e9:.3g} B parameters, "
              f"batch {f.batch} per step, {3 * f.flops / 1e12:.4g} TFLOP per step (forward + "
              f"backward); {c.world} devices in {len(nodes)} node(s)"),
-            (f"  searched {len(self.ranked) + len(self.refused)} layouts in "
-             f"{self.search_s:.2f} s: {len(self.ranked)} fit, {len(self.refused)} refused "
-             f"(memory above {MEMORY_LIMIT:.0%}), {len(self.skipped)} degree(s) skipped"),
+            (f"  searched {len(self.ranked) + len(self.refused) + len(self.pruned)} layouts"
+             f" in {self.search_s:.2f} s: {len(self.ranked)} fit, {len(self.refused)} refused "
+             f"(memory above {MEMORY_LIMIT:.0%}), {len(self.pruned)} pruned (their step's "
+             f"lower bound above the {self.top} fastest), {len(self.skipped)} degree(s) "
+             "skipped"),
         ]
         best = self.chosen
         lines.append(f"chosen: {best.layout.describe()}: {self._line(best)}")
@@ -219,6 +225,10 @@ class ParallelPlan:
             if link is not None:
                 out.append(f"tp groups of stage {s} on {_link(link)}")
                 break
+        if lay.recompute == "block":
+            out.append("recompute each block: wrap every block in torch.utils.checkpoint "
+                       "(ccfx compiles checkpointed regions); its backward runs its forward "
+                       "again, and a microbatch keeps only the blocks' inputs")
         out.extend(p.notes)
         return out
 

@@ -26,9 +26,10 @@ What is enumerated (small on purpose: a 64-device cluster is a few hundred layou
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -46,6 +47,7 @@ from .layout import (
     default_timer,
     exchange_wire_s,
     predict_layout,
+    step_lower_bound,
     steps_multiplier,
 )
 from .layout_result import ParallelPlan
@@ -170,25 +172,29 @@ def choose_codecs(facts: ModelFacts, layout: Layout, base: LayoutPrediction,
 def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTimer | None = None,
            microbatches: Sequence[int] | None = None, schedule: str = "1F1B",
            tensor_parallel: bool | None = None, config: Config | None = None,
-           target_steps: int | None = None, local_steps: bool | None = None) -> ParallelPlan:
+           target_steps: int | None = None, local_steps: bool | None = None,
+           recompute: bool | None = None, prune: bool = True,
+           progress: Callable[[str], None] | None = None) -> ParallelPlan:
     """Every layout (the module's docstring), priced; the fitting ones ranked by step.
     ``microbatches``: the counts to try (default ``pp``, ``2 pp``, ``4 pp``, ``8 pp``);
     ``tensor_parallel``: None (only for a model with a TP plan), True or False;
     ``local_steps``: None (local-step variants compete only where exposed communication is
     over half of the best every-step layout's step: their loss per step is not priced),
-    True (always) or False (never)."""
+    True (always) or False (never); ``recompute``: None (each block recomputed only where
+    the layout does not fit without), True (both everywhere) or False (never); ``prune``:
+    skip simulating a layout whose lower bound already loses to the ``top`` fitting (3
+    refused) layouts found (the answer and the listed layouts do not change; ``ranked`` then
+    holds the simulated ones only); ``progress``: called with a line every few seconds."""
     t0 = time.perf_counter()
     timer = timer or default_timer(cluster, facts)
     config = config or Config()
     links = Links(cluster)
-    priced: list[LayoutPrediction] = []
-    variants: list[LayoutPrediction] = []
     skipped: list[str] = []
-    for pp, dp, tp, counts in _degrees(facts, cluster, tensor_parallel, microbatches, skipped):
-        for order in orders(pp, dp, tp):
-            _price_order(facts, cluster, Layout(pp, dp, tp, counts[0], schedule, order=order,
-                                                boundaries=tuple(range(pp))),
-                         counts, timer, links, config, local_steps, priced, variants)
+    meter = _Progress(progress, t0)
+    quick = _quick_prices(facts, cluster, timer, links, config, schedule, microbatches,
+                          tensor_parallel, recompute, skipped, meter)
+    priced, variants, pruned = _simulate(facts, cluster, quick, timer, links, local_steps,
+                                         top if prune and not target_steps else None, meter)
     notes = _admit_local_steps(priced, variants, local_steps)
 
     # with a target, the score is the time to it: steps × multiplier × step
@@ -197,14 +203,100 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
 
     # the leaders' hop codecs chosen again by ``auto``'s own descent on the simulated step
     fitting = sorted((p for p in priced if p.fits), key=score)
-    for p in fitting[:top]:
+    meter.say(f"refining the codecs of the {min(top, len(fitting))} fastest", force=True)
+    for i, p in enumerate(fitting[:top]):
         better = refine_codecs(facts, cluster, p, timer, links, config, bool(target_steps))
+        meter.say(f"refined {i + 1} of {min(top, len(fitting))}")
         if better is not p:
             priced[priced.index(p)] = better
     fitting = sorted((p for p in priced if p.fits), key=score)
     refused = sorted((p for p in priced if not p.fits), key=score)
     return ParallelPlan(fitting, refused, skipped, facts, cluster, top,
-                        time.perf_counter() - t0, target_steps, notes)
+                        time.perf_counter() - t0, target_steps, notes, pruned)
+
+
+class _Progress:
+    """Lines for ``progress`` at most every ``every`` seconds: layouts priced and pruned."""
+
+    def __init__(self, out: Callable[[str], None] | None, t0: float, every: float = 3.0):
+        self.out, self.t0, self.every, self.last = out, t0, every, t0
+
+    def say(self, text: str, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.out is not None and (force or now - self.last >= self.every):
+            self.last = now
+            self.out(f"plan_parallel: {text} ({now - self.t0:.0f} s)")
+
+
+def _quick_prices(facts, cluster, timer, links, config, schedule, microbatches,
+                  tensor_parallel, recompute, skipped, meter) -> list[LayoutPrediction]:
+    """Every layout with its codecs chosen, priced without the pipeline simulation (memory
+    exact, the step's lower bound exact): the candidates :func:`_simulate` simulates."""
+    quick: list[LayoutPrediction] = []
+    for pp, dp, tp, counts in _degrees(facts, cluster, tensor_parallel, microbatches, skipped):
+        for order in orders(pp, dp, tp):
+            probe = Layout(pp, dp, tp, counts[0], schedule, order=order,
+                           boundaries=tuple(range(pp)))
+            bounds = _balanced(facts, cluster, probe)
+            for m in counts:
+                for sharded in ([False, True] if pp == 1 and dp > 1 else [False]):
+                    layout = Layout(pp, dp, tp, m, schedule, sharded, order, bounds)
+                    q = _quick(facts, cluster, layout, timer, links, config)
+                    quick.append(q)
+                    if recompute or (recompute is None and not q.fits):
+                        again = _quick(facts, cluster, replace(layout, recompute="block"),
+                                       timer, links, config)
+                        if recompute or again.fits:  # else its refusal says nothing new
+                            quick.append(again)
+            meter.say(f"{len(quick)} layouts laid out")
+    return quick
+
+
+def _balanced(facts: ModelFacts, cluster: Cluster, probe: Layout) -> tuple[int, ...]:
+    """Stage boundaries of ``probe``'s degrees and order, balanced by each stage's slowest
+    device."""
+    pp, dp, tp = probe.pp, probe.dp, probe.tp
+    where = probe.placement(cluster)
+    rates = [min(cluster.rate(where[probe.rank(s, d, t)]) for d in range(dp)
+                 for t in range(tp)) for s in range(pp)]
+    return balance([x.flops for x in facts.layers], rates)
+
+
+def _quick(facts, cluster, layout, timer, links, config) -> LayoutPrediction:
+    """``layout`` with its codecs chosen (:func:`choose_codecs`), priced without a
+    simulation."""
+    base = predict_layout(facts, cluster, layout, timer=timer, links=links, simulate=False)
+    layout = choose_codecs(facts, layout, base, timer, config)
+    return predict_layout(facts, cluster, layout, timer=timer, links=links, simulate=False)
+
+
+def _simulate(facts, cluster, quick: list[LayoutPrediction], timer, links, local_steps,
+              keep: int | None, meter: _Progress):
+    """The candidates simulated, lowest bound first; with ``keep``, one whose bound is above
+    the ``keep``-th fastest fitting step found (3rd refused, as the explanation lists them) is
+    pruned. (priced in the candidates' order, local-step variants, pruned)."""
+    done: dict[int, LayoutPrediction] = {}
+    variants: list[LayoutPrediction] = []
+    pruned: list[LayoutPrediction] = []
+    best: dict[bool, list[float]] = {True: [], False: []}  # fits -> the fastest steps
+    for i in sorted(range(len(quick)), key=lambda i: quick[i].lower_bound_s):
+        q = quick[i]
+        leaders = best[q.fits]
+        enough = keep if q.fits else 3
+        if keep is not None and len(leaders) >= enough and \
+                q.lower_bound_s > leaders[enough - 1]:
+            pruned.append(q)
+            continue
+        pred = predict_layout(facts, cluster, q.layout, timer=timer, links=links)
+        done[i] = pred
+        bisect.insort(leaders, pred.step_s)
+        if local_steps is not False:
+            local = _local_steps(facts, cluster, pred, timer, links)
+            if local is not None:
+                variants.append(local)
+        meter.say(f"{len(done) + len(pruned)}/{len(quick)} layouts: {len(done)} simulated, "
+                  f"{len(pruned)} pruned")
+    return [done[i] for i in sorted(done)], variants, pruned
 
 
 def _degrees(facts: ModelFacts, cluster: Cluster, tensor_parallel: bool | None,
@@ -231,31 +323,6 @@ def _degrees(facts: ModelFacts, cluster: Cluster, tensor_parallel: bool | None,
                                f"of {facts.batch} over {dp} replicas")
                 continue
             yield pp, dp, tp, counts
-
-
-def _price_order(facts: ModelFacts, cluster: Cluster, probe: Layout, counts: list[int],
-                 timer: CodecTimer, links: Links, config: Config, local_steps: bool | None,
-                 priced: list[LayoutPrediction], variants: list[LayoutPrediction]) -> None:
-    """Price the degrees and placement order of ``probe`` at each microbatch count (and
-    sharded where there is no pipeline), its stages balanced by device speed and its codecs
-    chosen; appends to ``priced`` and its local-step variants to ``variants``."""
-    pp, dp, tp, order, schedule = probe.pp, probe.dp, probe.tp, probe.order, probe.schedule
-    where = probe.placement(cluster)
-    rates = [min(cluster.rate(where[probe.rank(s, d, t)]) for d in range(dp)
-                 for t in range(tp)) for s in range(pp)]
-    bounds = balance([x.flops for x in facts.layers], rates)
-    for m in counts:
-        for sharded in ([False, True] if pp == 1 and dp > 1 else [False]):
-            layout = Layout(pp, dp, tp, m, schedule, sharded, order, bounds)
-            base = predict_layout(facts, cluster, layout, timer=timer, links=links,
-                                  simulate=False)
-            layout = choose_codecs(facts, layout, base, timer, config)
-            pred = predict_layout(facts, cluster, layout, timer=timer, links=links)
-            priced.append(pred)
-            if local_steps is not False:
-                local = _local_steps(facts, cluster, pred, timer, links)
-                if local is not None:
-                    variants.append(local)
 
 
 def _admit_local_steps(priced: list[LayoutPrediction], variants: list[LayoutPrediction],
@@ -289,13 +356,31 @@ def refine_codecs(facts: ModelFacts, cluster: Cluster, pred: LayoutPrediction,
     """``pred``'s layout with its hop codecs chosen by ``auto``'s coordinate descent
     (:func:`ccfx.planner.auto.choose_pipeline_codecs`: the best uniform start, then hop by hop
     and direction, on the simulated step, or on steps × step with ``to_target``); ``pred``
-    itself where that is not faster."""
+    itself where that is not faster. Where the uncompressed step is already within
+    ``MIN_GAIN`` of the step's lower bound no codec can win its place, so the descent's
+    answer (every hop uncompressed) is taken without running it."""
     if pred.pipeline is None or pred.layout.sync_every:
         return pred
     compute, edges, hop_links = pred.pipeline
     lay = pred.layout
     model = PipelineModel(compute, edges, list(hop_links), schedule=lay.schedule,
                           microbatches=lay.microbatches, timer=timer)
+    bound = step_lower_bound([c.forward_s for c in compute], [c.backward_s for c in compute],
+                             [0.0] * len(compute), lay.microbatches)
+    if model.predict({}).step_s * (1 - MIN_GAIN) <= bound:
+        hops = (("none", "none"),) * (lay.pp - 1)
+    else:
+        hops = _descend(model, edges, lay, config, to_target)
+    if hops == tuple(lay.hop_codecs):
+        return pred
+    again = predict_layout(facts, cluster, replace(lay, hop_codecs=hops), timer=timer,
+                           links=links)
+    return again if again.step_s < pred.step_s or to_target else pred
+
+
+def _descend(model: PipelineModel, edges, lay: Layout, config: Config,
+             to_target: bool) -> tuple[tuple[str, str], ...]:
+    """The hop codecs ``auto``'s coordinate descent chooses on ``model``."""
     roles = {"fwd": candidates("activation", config),
              "bwd": candidates("activation_grad", config)}
     multiplier = None
@@ -306,12 +391,7 @@ def refine_codecs(facts: ModelFacts, cluster: Cluster, pred: LayoutPrediction,
         multiplier = StepsModel(DEFAULT, edges)
     chosen = choose_pipeline_codecs(model, lambda e, d: roles[d], min_gain=MIN_GAIN,
                                     steps_multiplier=multiplier).choice
-    hops = tuple(tuple(chosen.get(h, ("none", "none"))) for h in range(lay.pp - 1))
-    if hops == tuple(lay.hop_codecs):
-        return pred
-    again = predict_layout(facts, cluster, replace(lay, hop_codecs=hops), timer=timer,
-                           links=links)
-    return again if again.step_s < pred.step_s or to_target else pred
+    return tuple(tuple(chosen.get(h, ("none", "none"))) for h in range(lay.pp - 1))
 
 
 def _local_steps(facts, cluster, pred: LayoutPrediction, timer, links) -> LayoutPrediction | None:

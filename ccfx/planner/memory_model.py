@@ -119,13 +119,16 @@ def in_flight(schedule: str, stage: int, pp: int, microbatches: int) -> int:
 def stage_memory(stage: StageFacts, *, fraction: float, held: int,
                  microbatches: int | None = None, tp: int = 1, dp: int = 1,
                  sharded: bool = False, largest_layer_bytes: int = 0, codec_bytes: int = 0,
-                 exchange_bytes: int = 0, foreach: bool = True) -> MemoryEstimate:
+                 exchange_bytes: int = 0, foreach: bool = True,
+                 recompute: tuple[int, int] | None = None) -> MemoryEstimate:
     """The estimate for one device of ``stage``: ``fraction`` is a microbatch's share of the
     traced batch, ``held`` the microbatches in flight (:func:`in_flight`) out of
     ``microbatches`` (None: more than ``held``), ``codec_bytes`` the codecs' state and buffers
     on this device (the caller prices them on its hops and buckets), ``exchange_bytes`` the
     gradient exchange's working set (:func:`bucket_memory`), ``foreach``: AdamW's foreach
-    implementation (torch's default on GPUs; False: CPU's loop over parameters).
+    implementation (torch's default on GPUs; False: CPU's loop over parameters),
+    ``recompute`` each block checkpointed: (bytes kept per microbatch between the passes, one
+    block's saved bytes rebuilt in its backward), at the traced batch (:func:`recompute_bytes`).
 
     Gradients coexist with the held activations when a backward ran before the peak (1F1B's
     steady state: fewer in flight than the step's microbatches). When every microbatch is in
@@ -142,12 +145,17 @@ def stage_memory(stage: StageFacts, *, fraction: float, held: int,
     # there); its output is no layer's saved tensor here but is kept until the backward
     received, sent = stage.in_bytes * fraction, stage.out_bytes * fraction
     per_mb = int(max(0.0, stage.saved_bytes * fraction - received) / tp + sent)
+    rebuilt = 0
+    if recompute is not None:  # the block inputs kept (whole on every tp rank); one block
+        kept, block = recompute  # rebuilt at a time in the backward
+        per_mb = int(max(0.0, kept * fraction - received) + sent)
+        rebuilt = int(block * fraction / tp)
     buffers = int(m * (received + sent))
     grads = params
     if microbatches is not None and held >= microbatches:
         grads = max(0, params - per_mb)
     largest_saved = stage.max_saved_bytes or stage.max_out_bytes
-    transient = int(2 * largest_saved * fraction / tp)
+    transient = int(2 * largest_saved * fraction / tp) + rebuilt
     if foreach:
         opt_step = params
     else:
@@ -157,6 +165,22 @@ def stage_memory(stage: StageFacts, *, fraction: float, held: int,
     return MemoryEstimate(params + gathered, grads, optimizer, per_mb * held, transient,
                           int(codec_bytes), held, buffers, int(exchange_bytes), opt_step,
                           params)
+
+
+def recompute_bytes(facts, lo: int, hi: int) -> tuple[int, int]:
+    """Layers ``lo`` … ``hi - 1`` with each block checkpointed (``torch.utils.checkpoint``),
+    at the traced batch: (bytes kept per microbatch, the bytes one block's backward rebuilds).
+    A block keeps its input (the previous layer's output; the first layer's, its own output's
+    size); what the first and last layer save beyond the lightest layer (the embeddings, the
+    head and the loss run outside the blocks) stays saved; the rebuilt block is the lightest
+    layer's saved bytes (the blocks are alike)."""
+    block = min(x.saved_bytes for x in facts.layers)
+    kept = 0
+    for i in range(lo, hi):
+        layer = facts.layers[i]
+        kept += facts.layers[i - 1].out_bytes if i > 0 else layer.out_bytes
+        kept += layer.saved_bytes - block
+    return kept, block
 
 
 def bucket_memory(stage: StageFacts, spec: str, dp: int, *, tp: int = 1,

@@ -111,6 +111,8 @@ class PipelineModel:
         self.shared = list(shared)
         #: per stage, seconds after its part of the schedule (the optimizer step)
         self.tail_s = list(tail_s)
+        #: predictions by choice: ``auto``'s descent asks for the same choice again
+        self._memo: dict[tuple, PipelinePrediction] = {}
 
     @property
     def num_stages(self) -> int:
@@ -120,8 +122,17 @@ class PipelineModel:
         return self.timer.cost(spec, edge.shape, edge.dtype)
 
     def predict(self, choice: Choice | None = None) -> PipelinePrediction:
-        """The step with ``choice`` (edges not in it: uncompressed)."""
+        """The step with ``choice`` (edges not in it: uncompressed), memoised per choice."""
         choice = choice or {}
+        known = {e.index for e in self.edges}
+        key = tuple(sorted((k, tuple(v)) for k, v in choice.items()
+                           if k in known and tuple(v) != ("none", "none")))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._predict(choice)
+        return hit
+
+    def _predict(self, choice: Choice) -> PipelinePrediction:
         n = self.num_stages
         enc = {k: [0.0] * n for k in ("fwd", "bwd")}
         dec = {k: [0.0] * n for k in ("fwd", "bwd")}

@@ -28,6 +28,7 @@ exposed; most steady-state sends hide), computed for the actual schedule.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,17 +112,28 @@ def simulate(schedule: str, stages: Sequence[StageCost], microbatches: int,
 def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
          links: Sequence[Link]) -> Timeline:
     """Run every rank's program: each step advances the runnable rank with the earliest
-    clock that can move; where all wait, the earliest ready message goes on its link."""
+    clock that can move; where all wait, the earliest ready message goes on its link.
+
+    The runnable ranks are kept sorted by (clock, rank), and a rank whose wait failed is not
+    asked again until a message was posted or put on a link (``sim.version``): asking it
+    would fail again and change nothing, so the order of events is the plain loop's."""
     sim = _Simulation(programs, nbytes, links)
-    n = len(programs)
-    while True:
-        runnable = [r for r in range(n) if sim.pc[r] < len(programs[r])]
-        if not runnable:
-            break
-        if not any(sim.advance(r) for r in sorted(runnable, key=lambda r: sim.clock[r])):
-            # every runnable rank waits: put the earliest ready message on its link
+    order = [(0.0, r) for r in range(len(programs)) if programs[r]]
+    failed: dict[int, int] = {}  # rank -> sim.version when its wait last failed
+    while order:
+        for k, (clock, r) in enumerate(order):
+            if failed.get(r) == sim.version:
+                continue
+            if sim.advance(r):
+                failed.pop(r, None)
+                del order[k]
+                if sim.pc[r] < len(programs[r]):
+                    bisect.insort(order, (sim.clock[r], r))
+                break
+            failed[r] = sim.version
+        else:  # every runnable rank waits: put the earliest ready message on its link
             if not sim.pending:
-                stuck = {r: programs[r][sim.pc[r]] for r in runnable}
+                stuck = {r: programs[r][sim.pc[r]] for _, r in order}
                 raise RuntimeError(f"the simulated schedule deadlocks: {stuck}")
             sim.schedule_ready(sim.pending[0][0])
     return Timeline(max(sim.clock), sim.compute, sim.waited,
@@ -147,12 +159,15 @@ class _Simulation:
         self.pending: list[tuple[float, int, Message]] = []  # ready messages not yet on a link
         self.queued: set[Message] = set()
         self.order = 0
+        #: bumped whenever a message is posted or put on a link: what a blocked wait sees
+        self.version = 0
 
     def schedule_ready(self, upto: float) -> None:
         """Put messages on their link in the order they became ready, up to time ``upto``
         (no rank can post anything earlier than the earliest clock still running)."""
         while self.pending and self.pending[0][0] <= upto:
             ready, _, msg = heapq.heappop(self.pending)
+            self.version += 1
             link = self.links[msg.hop]
             key = ("medium", link) if link.shared else (msg.src, msg.dst)
             start = max(ready, self.link_free.get(key, 0.0))
@@ -189,6 +204,7 @@ class _Simulation:
                 self.queued.add(msg)
                 heapq.heappush(self.pending, (max(ends.values()), self.order, msg))
                 self.order += 1
+                self.version += 1
 
     def wait(self, r: int, messages) -> None:
         """Rank ``r`` waits for ``messages`` (all timed): its clock moves to the last one's
