@@ -127,10 +127,18 @@ class PipelineModel:
         known = {e.index for e in self.edges}
         key = tuple(sorted((k, tuple(v)) for k, v in choice.items()
                            if k in known and tuple(v) != ("none", "none")))
+        key = (key, self._settings())
         hit = self._memo.get(key)
         if hit is None:
             hit = self._memo[key] = self._predict(choice)
         return hit
+
+    def _settings(self) -> tuple:
+        """What a prediction depends on besides the choice: the attributes a caller may set
+        between two predictions (a memoised step never outlives a change to them)."""
+        return (tuple(self.compute), tuple(self.edges), tuple(self.links), self.schedule,
+                self.microbatches, self.epilogue_only, tuple(self.shared),
+                tuple(self.tail_s), self.group_link, id(self.timer))
 
     def _predict(self, choice: Choice) -> PipelinePrediction:
         n = self.num_stages
