@@ -19,6 +19,6 @@ def gpt_1b(batch: int = 512):
 
 
 def gpt_1b_big_batch():
-    """The same GPT with 2048 sequences per step: without a pipeline a replica's activations
-    no longer fit in 80 GiB (``ccfx plan`` lists those layouts as refused)."""
+    """The same GPT with 2048 sequences per step: without a pipeline or recomputation a
+    replica's activations no longer fit in 80 GiB (``ccfx plan`` lists those as refused)."""
     return gpt_1b(batch=2048)

@@ -6,7 +6,8 @@
 #     bash examples/plan.sh
 #
 # Other inputs: --cluster examples/cluster64.toml (the same GPUs, no slow split), --model
-# examples/gpt1b.py:gpt_1b_big_batch (4x the batch: layouts without a pipeline no longer fit),
+# examples/gpt1b.py:gpt_1b_big_batch (4x the batch: only with each block recomputed or a
+# pipeline do the activations fit),
 # --json (the chosen options only), --target STEPS (also the time to reach them).
 # In Python: ccfx.plan_parallel(model, example_inputs, "examples/cluster64_split.toml").
 set -euo pipefail
