@@ -21,6 +21,13 @@ if "CCFX_CACHE_DIR" not in os.environ:
 
     os.environ["CCFX_CACHE_DIR"] = tempfile.mkdtemp(prefix="ccfx-test-cache-")
 
+# Codecs run eagerly unless a test asks for the compiled CPU path (``ccfx.codecs._fast``):
+# compiling every codec in every rank of every spawn costs seconds per process, and the
+# compiled path is pinned bit for bit against the eager one on its own (tests/
+# test_codec_compiled.py, test_codec_payload_pins.py). The examples run as users run them
+# (tests/test_examples.py sets "auto").
+os.environ.setdefault("CCFX_CODEC_COMPILE", "0")
+
 import pytest
 import torch
 

@@ -362,6 +362,8 @@ def straggler_replica(k: int, lighthouse: str, delay_s: float, stop_at: int,
                              replica_id=f"s{k}", quorum_timeout_s=8.0, **OPTIONS)
     i = 0
     while outer.elastic.manager.current_step() < stop_at and i < 50:
+        if finished is not None and finished.is_set():
+            break  # its peers stopped: a sync now would wait out quorum_timeout_s for nothing
         loss_of(model, k, i).backward()
         time.sleep(step_s + (delay_s if i == 1 else 0.0))
         try:

@@ -30,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ENV = {"CCFX_OPTIONS": '{"lowering": "eager"}', "TRANSFORMERS_VERBOSITY": "error",
-       "OMP_NUM_THREADS": "1"}
+       "OMP_NUM_THREADS": "1", "CCFX_CODEC_COMPILE": "auto"}
 #: steps for the multi-process examples: enough for the loss to move and a few syncs
 STEPS = "6"
 
