@@ -30,7 +30,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ENV = {"CCFX_OPTIONS": '{"lowering": "eager"}', "TRANSFORMERS_VERBOSITY": "error",
-       "OMP_NUM_THREADS": "1", "CCFX_CODEC_COMPILE": "auto"}
+       "OMP_NUM_THREADS": "1", "CCFX_CODEC_COMPILE": "auto",
+       # a rank that aborts (SIGABRT, SIGSEGV) prints every Python thread's stack first
+       "PYTHONFAULTHANDLER": "1"}
 #: steps for the multi-process examples: enough for the loss to move and a few syncs
 STEPS = "6"
 
@@ -52,7 +54,8 @@ def _run(argv: list[str], cwd: Path, timeout_s: float = 240) -> str:
     """Run ``argv`` as a user does; its stdout (the test fails with its stderr's tail)."""
     out = subprocess.run(argv, cwd=cwd, env=_env(), timeout=timeout_s, capture_output=True,
                          text=True, check=False)
-    assert out.returncode == 0, f"{argv} exited {out.returncode}:\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, (f"{argv} exited {out.returncode}:\n{out.stderr[-3000:]}\n"
+                                 f"stdout's tail:\n{out.stdout[-1500:]}")
     return out.stdout
 
 

@@ -65,6 +65,7 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
         choice = start
     tables: dict[tuple[int, str], list[tuple[str, float]]] = {}
     for _ in range(passes):
+        before = dict(choice)
         for e, d, specs in searched:
             table = []
             for spec in specs:
@@ -75,6 +76,8 @@ def choose_pipeline_codecs(model: PipelineModel, pool: Pool, *, min_gain: float 
             tables[(e.index, d)] = table
             current = choice[e.index][0 if d == "fwd" else 1]
             choice[e.index] = _set(choice[e.index], d, _winner(table, min_gain, current))
+        if choice == before:  # a pass that changed nothing: another would repeat it exactly
+            break
     if score(choice) >= base_s * (1 - min_gain):
         # all together the lossy codecs do not buy min_gain: send everything raw
         for e, d, _ in searched:
