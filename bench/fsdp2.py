@@ -370,15 +370,17 @@ def time_part(a) -> dict:
 
 
 def loss_table(losses: dict[str, dict[str, float]]) -> list[list[str]]:
-    """Rows of variant, per seed, mean ± std, paired difference against fsdp2 (mean of the
-    seeds' relative differences, and the largest)."""
-    base = losses.get("fsdp2")
+    """Rows of variant, per seed, mean ± std, paired difference against its baseline (plain
+    fsdp2; torch's hsdp for hsdp-ccfx): the mean of the seeds' relative differences, and the
+    largest."""
     rows = []
     for variant, by_seed in losses.items():
         vals = list(by_seed.values())
         sd = statistics.stdev(vals) if len(vals) > 1 else float("nan")
         diff = "-"
-        if base is not None and variant != "fsdp2":
+        plain = "hsdp" if variant in HSDP_VARIANTS else "fsdp2"
+        base = losses.get(plain)
+        if base is not None and variant != plain:
             rel = [by_seed[s] / base[s] - 1 for s in by_seed if s in base]
             diff = f"{statistics.mean(rel):+.2%} (max {max(rel, key=abs):+.2%})"
         rows.append([variant, " ".join(f"{x:.4f}" for x in vals),
@@ -399,7 +401,7 @@ def loss_part(a) -> dict:
     print(f"\n{a.model}: held-out loss after {steps} steps ({len(a.seeds)} seeds), "
           f"{a.world} ranks")
     print(common.table(loss_table(losses), ["variant", "per seed", "mean ± std",
-                                            "paired vs fsdp2"]))
+                                            "paired vs plain"]))
     return {"loss": losses}
 
 

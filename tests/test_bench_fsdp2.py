@@ -40,6 +40,10 @@ def test_loss_table_pairs_each_seed_with_plain_fsdp2():
     assert rows["fsdp2"][3] == "-"
     assert rows["fsdp2-ccfx"][3] == "+0.00% (max +1.00%)"  # +1 % and -1 %: mean 0
     assert rows["fsdp2-ccfx"][1] == "2.0200 3.9600"
+    # HSDP with ccfx pairs with torch's HSDP, not with plain FSDP2
+    hsdp = {r[0]: r for r in fsdp2.loss_table({**losses, "hsdp": {"0": 1.0, "1": 1.0},
+                                                 "hsdp-ccfx": {"0": 1.01, "1": 1.01}})}
+    assert hsdp["hsdp"][3] == "-" and hsdp["hsdp-ccfx"][3] == "+1.00% (max +1.00%)"
 
 
 def test_memory_table_largest_rank_ratios_and_a_tracker_failure():
@@ -109,7 +113,7 @@ def test_the_loss_part_trains_both_fsdp2_variants_from_one_start(tmp_path, capsy
     out = tmp_path / "fsdp2.json"
     assert fsdp2.main(["--part", "loss", "--model", "tiny", "--steps", "2", "--seeds", "0",
                        "--variants", "fsdp2", "fsdp2-ccfx", "--json", str(out)]) == 0
-    assert "paired vs fsdp2" in capsys.readouterr().out
+    assert "paired vs plain" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["bench"] == "fsdp2" and data["model"] == "tiny"
     plain, coded = data["loss"]["fsdp2"]["0"], data["loss"]["fsdp2-ccfx"]["0"]
