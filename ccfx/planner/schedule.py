@@ -114,23 +114,22 @@ def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
     """Run every rank's program: each step advances the runnable rank with the earliest
     clock that can move; where all wait, the earliest ready message goes on its link.
 
-    The runnable ranks are kept sorted by (clock, rank), and a rank whose wait failed is not
-    asked again until a message was posted or put on a link (``sim.version``): asking it
-    would fail again and change nothing, so the order of events is the plain loop's."""
+    The runnable ranks are kept sorted by (clock, rank). A rank whose wait failed is asked
+    again only when asking could change something: every message it waits for is on a link
+    now, or a message became ready by its clock (asking puts it on its link). Otherwise
+    asking would fail and change nothing, so the order of events is the plain loop's."""
     sim = _Simulation(programs, nbytes, links)
     order = [(0.0, r) for r in range(len(programs)) if programs[r]]
-    failed: dict[int, int] = {}  # rank -> sim.version when its wait last failed
     while order:
         for k, (clock, r) in enumerate(order):
-            if failed.get(r) == sim.version:
+            if r in sim.missing and sim.missing[r] and not (
+                    sim.pending and sim.pending[0][0] <= clock):
                 continue
             if sim.advance(r):
-                failed.pop(r, None)
                 del order[k]
                 if sim.pc[r] < len(programs[r]):
                     bisect.insort(order, (sim.clock[r], r))
                 break
-            failed[r] = sim.version
         else:  # every runnable rank waits: put the earliest ready message on its link
             if not sim.pending:
                 stuck = {r: programs[r][sim.pc[r]] for _, r in order}
@@ -159,15 +158,18 @@ class _Simulation:
         self.pending: list[tuple[float, int, Message]] = []  # ready messages not yet on a link
         self.queued: set[Message] = set()
         self.order = 0
-        #: bumped whenever a message is posted or put on a link: what a blocked wait sees
-        self.version = 0
+        #: a blocked rank -> how many of the messages it waits for are not on a link yet
+        self.missing: dict[int, int] = {}
+        #: a message not on a link yet -> the blocked ranks waiting for it
+        self.waiters: dict[Message, set[int]] = {}
 
     def schedule_ready(self, upto: float) -> None:
         """Put messages on their link in the order they became ready, up to time ``upto``
         (no rank can post anything earlier than the earliest clock still running)."""
         while self.pending and self.pending[0][0] <= upto:
             ready, _, msg = heapq.heappop(self.pending)
-            self.version += 1
+            for r in self.waiters.pop(msg, ()):
+                self.missing[r] -= 1
             link = self.links[msg.hop]
             key = ("medium", link) if link.shared else (msg.src, msg.dst)
             start = max(ready, self.link_free.get(key, 0.0))
@@ -187,8 +189,13 @@ class _Simulation:
             self.post(r, ins.messages)
         else:
             self.schedule_ready(self.clock[r])
-            if any(m not in self.times for m in ins.messages):
-                return False  # blocked: a peer has not posted yet, or its link is busy earlier
+            untimed = [m for m in ins.messages if m not in self.times]
+            if untimed:  # blocked: a peer has not posted yet, or its link is busy earlier
+                self.missing[r] = len(untimed)
+                for m in untimed:
+                    self.waiters.setdefault(m, set()).add(r)
+                return False
+            self.missing.pop(r, None)
             self.wait(r, ins.messages)
         self.pc[r] += 1
         return True
@@ -204,7 +211,6 @@ class _Simulation:
                 self.queued.add(msg)
                 heapq.heappush(self.pending, (max(ends.values()), self.order, msg))
                 self.order += 1
-                self.version += 1
 
     def wait(self, r: int, messages) -> None:
         """Rank ``r`` waits for ``messages`` (all timed): its clock moves to the last one's
