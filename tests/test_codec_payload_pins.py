@@ -158,7 +158,7 @@ LARGE = {
 
 
 def _id(case):
-    spec, make, shape, dtype, seed = case
+    spec, _make, shape, dtype, seed = case
     return f"{spec}-{'x'.join(map(str, shape))}-{str(dtype)[6:]}-{seed}"
 
 
