@@ -181,3 +181,19 @@ def test_small_tensors_encode_to_the_pinned_payload_bytes(case, monkeypatch):
 def test_large_cpu_tensors_encode_to_the_pinned_payload_bytes_compiled(case, monkeypatch):
     monkeypatch.delenv("CCFX_CODEC_COMPILE_MIN_NUMEL", raising=False)
     _check(LARGE, case, "auto", monkeypatch)
+
+
+@pytest.mark.parametrize("mode", ["0", "1"])
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_decodes_every_code_to_its_value_bit_for_bit(fmt, mode, monkeypatch):
+    """The reference decode of all 256 codes (NaN and inf codes included), eagerly and
+    compiled, is the integer definition's (``fp8_values``: a NaN code's canonical NaN, signed
+    as the code) bit for bit, times the block's scale."""
+    from ccfx.codecs.fp8 import fp8_decode_reference, fp8_values
+
+    monkeypatch.setenv("CCFX_CODEC_COMPILE", mode)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4)
+    scales = torch.tensor([1.0, 2.0, 0.5, -3.0])
+    got = fp8_decode_reference(codes, scales, 256, fmt, (1024,), torch.float32)
+    want = (fp8_values(codes, fmt).view(4, 256) * scales.view(-1, 1)).view(-1)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
