@@ -36,7 +36,17 @@ def int4_encode_reference(x: torch.Tensor, block: int):
 
 @fast
 def int4_decode_reference(packed, scales, block: int, shape, dtype):
-    q = _bits.unpack(packed, numel_of(shape), 4).float() - 8
+    n = numel_of(shape)
+    if block % 2 == 0:
+        # Whole bytes per block: each block's bytes times its own scale (a row), low and high
+        # nibbles interleaved, which inductor makes one vectorized pass (1.3x the unpack's).
+        nblocks = scales.numel()
+        p = torch.nn.functional.pad(packed, (0, nblocks * block // 2 - packed.numel()))
+        p = p.to(torch.int32).view(nblocks, block // 2)
+        s = scales.view(-1, 1)
+        lo, hi = ((p & 15) - 8).float() * s, ((p >> 4) - 8).float() * s
+        return torch.stack([lo, hi], dim=2).view(-1)[:n].view(shape).to(dtype)
+    q = _bits.unpack(packed, n, 4).float() - 8
     return rescaled(q, scales, block, shape, dtype)
 
 
