@@ -268,3 +268,16 @@ def dies_mid_step(rank: int, world: int, dead: int = 1) -> dict:
         os._exit(0)
     time.sleep(0.5)
     return caught(lambda: _steps(model, opt, rank, 1))
+
+
+def assert_trains_like_plain(plain: list[dict], coded: list[dict], fall: float) -> None:
+    """In the test: each rank's compressed losses fall by at least ``fall`` and stay within
+    10 % of plain FSDP2's at every step (a lost or doubled gradient misses both); the ranks
+    hold one sharded model, and the codecs changed it."""
+    for rank in range(len(coded)):
+        losses = coded[rank]["losses"]
+        assert losses[-1] < losses[0] - fall, losses
+        for got, want in zip(losses, plain[rank]["losses"]):
+            assert abs(got - want) <= 0.1 * want, (losses, plain[rank]["losses"])
+    assert coded[0]["params"] == coded[1]["params"]  # one model, sharded
+    assert coded[0]["params"] != plain[0]["params"]  # the codecs ran
