@@ -23,12 +23,12 @@ import torch
 
 from bench import common
 
-#: name -> (blocks, width, heads, sequence, the step's sequences, nodes, devices per node,
-#: Gbit/s between nodes)
+#: name -> (vocabulary, blocks, width, heads, sequence, the step's sequences, nodes, devices
+#: per node, Gbit/s between nodes)
 CASES = {
-    "7b-64": (36, 4096, 32, 512, 64, 8, 8, 100),
-    "65b-1024": (80, 8192, 64, 4096, 1024, 128, 8, 400),
-    "tiny-4": (4, 64, 4, 64, 16, 2, 2, 1),
+    "7b-64": (50304, 36, 4096, 32, 512, 64, 8, 8, 100),
+    "65b-1024": (50304, 80, 8192, 64, 4096, 1024, 128, 8, 400),
+    "tiny-4": (96, 4, 64, 4, 64, 16, 2, 2, 1),
 }
 
 
@@ -37,9 +37,9 @@ def case(name: str):
     import ccfx
     from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
 
-    layers, width, heads, seq, batch, nodes, per, inter = CASES[name]
-    config = GPTConfig(vocab_size=50304 if width > 64 else 96, block_size=seq, n_layer=layers,
-                       n_head=heads, n_embd=width)
+    vocab, layers, width, heads, seq, batch, nodes, per, inter = CASES[name]
+    config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads,
+                       n_embd=width)
     with torch.device("meta"):
         model = TinyGPT(config).to(torch.bfloat16)
         idx = torch.zeros(batch, config.block_size, dtype=torch.long)

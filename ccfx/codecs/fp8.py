@@ -89,7 +89,7 @@ def fp8_decode_reference(codes, scales, block: int, fmt: torch.dtype, shape, dty
     # makes): give those fp8_values' canonical NaN, signed as the code. (copysign on the cast
     # value, not a test of the uint8 code: inductor then keeps the loop vectorized, 2.6x.)
     v = codes.view(fmt).float()
-    v = torch.where(v != v, torch.copysign(torch.full_like(v, float("nan")), v), v)
+    v = torch.where(v.isnan(), torch.copysign(torch.full_like(v, float("nan")), v), v)
     return rescaled(v, scales, block, shape, dtype)
 
 

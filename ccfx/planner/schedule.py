@@ -122,8 +122,7 @@ def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
     order = [(0.0, r) for r in range(len(programs)) if programs[r]]
     while order:
         for k, (clock, r) in enumerate(order):
-            if r in sim.missing and sim.missing[r] and not (
-                    sim.pending and sim.pending[0][0] <= clock):
+            if sim.missing.get(r) and not (sim.pending and sim.pending[0][0] <= clock):
                 continue
             if sim.advance(r):
                 del order[k]
