@@ -66,14 +66,17 @@ def explain(compiled) -> str:
     return explain_plan(compiled if isinstance(compiled, Plan) else plan_of(compiled))
 
 
-def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather"):
+def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather", *,
+                  collective_timeout_s: float = 300.0):
     """``(state, hook)`` that average eager DDP's gradient buckets through a codec:
     ``ddp_model.register_comm_hook(*ccfx.ddp_comm_hook("powersgd:rank=4,ef"))``;
-    ``collective="ring"`` averages non-summable payloads on ccfx's re-encoding ring. See
+    ``collective="ring"`` averages non-summable payloads on ccfx's re-encoding ring;
+    ``collective_timeout_s``: how long a CPU rank waits for its peers before naming them. See
     :mod:`ccfx.runtime.comm_hook`."""
     from ccfx.runtime.comm_hook import ddp_comm_hook as _ddp_comm_hook
 
-    return _ddp_comm_hook(spec, process_group, collective)
+    return _ddp_comm_hook(spec, process_group, collective,
+                          collective_timeout_s=collective_timeout_s)
 
 
 def ledger_of(compiled):

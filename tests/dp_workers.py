@@ -214,22 +214,37 @@ def dies_mid_step(rank, world, timeout_s, dead=1):
     return _timed_backward(out)
 
 
-def hook_dies_mid_step(rank, world, dead=1):
-    """Eager DDP with ccfx's comm hook: one step on every rank, then rank ``dead`` exits; the
-    others' backward must fail naming the bucket and the dead rank."""
+def hook_dies_mid_step(rank, world, how="dies", dead=1):
+    """Eager DDP with ccfx's comm hook (``collective_timeout_s`` 3 s): one step on every rank,
+    then rank ``dead`` exits (``how="dies"``) or stops itself (``"frozen"``: SIGSTOP, killed by
+    rank 0 once it has its error); the others' backward must fail naming the bucket and the
+    rank, ``since`` seconds after."""
+    import json
     import os
+    import signal
     import time
 
     from torch.nn.parallel import DistributedDataParallel
 
+    from ccfx.wire import agree
+
     model = DistributedDataParallel(mlp(seed=0))
-    model.register_comm_hook(*ccfx.ddp_comm_hook("int8"))
+    model.register_comm_hook(*ccfx.ddp_comm_hook("int8", collective_timeout_s=3.0))
     for step in range(2):  # every rank: DDP's buckets, rebuilt in the second forward
         loss_fn(model(batch(rank, step))).backward()
+    store = agree._store()
     if rank == dead:
-        os._exit(0)
+        store.set("test/dead_at", repr(time.time()).encode())
+        os.kill(os.getpid(), signal.SIGSTOP) if how == "frozen" else os._exit(0)
+        os._exit(3)  # woken by the kill below: never reached
+    store.wait(["test/dead_at"])
     time.sleep(0.5)
-    return caught(lambda: loss_fn(model(batch(rank, 2))).backward())
+    got = caught(lambda: loss_fn(model(batch(rank, 2))).backward())
+    got["since"] = time.time() - float(store.get("test/dead_at").decode())
+    if how == "frozen":
+        os.kill(json.loads(store.get(f"ccfx/agree/proc/{dead}").decode())["pid"],
+                signal.SIGKILL)
+    return got
 
 
 def _timed_backward(out) -> dict:

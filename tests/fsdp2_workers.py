@@ -270,6 +270,36 @@ def dies_mid_step(rank: int, world: int, dead: int = 1) -> dict:
     return caught(lambda: _steps(model, opt, rank, 1))
 
 
+def freezes_mid_step(rank: int, world: int, codec: str, timeout_s: float,
+                     frozen: int = 1) -> dict:
+    """One step on every rank with ``codec`` on both kinds and ``collective_timeout_s`` =
+    ``timeout_s``, then rank ``frozen`` stops itself (SIGSTOP); the others' next step must
+    fail within the timeout naming it. ``since``: seconds from the freeze to the error. Once
+    it has its error, rank 0 kills the frozen rank (its pid: what ranks publish)."""
+    import json
+    import os
+    import signal
+    import time
+
+    from ccfx.wire import agree
+
+    model = sharded(world)
+    register_codec(model, codec, options={"collective_timeout_s": timeout_s})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, rank, 1)
+    store = agree._store()
+    if rank == frozen:
+        store.set("test/frozen_at", repr(time.time()).encode())
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(3)  # woken by the kill below: never reached
+    store.wait(["test/frozen_at"])
+    got = caught(lambda: _steps(model, opt, rank, 1))
+    got["since"] = time.time() - float(store.get("test/frozen_at").decode())
+    proc = json.loads(store.get(f"ccfx/agree/proc/{frozen}").decode())
+    os.kill(proc["pid"], signal.SIGKILL)
+    return got
+
+
 def assert_trains_like_plain(plain: list[dict], coded: list[dict], fall: float) -> None:
     """In the test: each rank's compressed losses fall by at least ``fall`` and stay within
     10 % of plain FSDP2's at every step (a lost or doubled gradient misses both); the ranks

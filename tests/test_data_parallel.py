@@ -169,15 +169,18 @@ def test_a_dead_rank_is_an_error_within_the_timeout_named_by_rank_not_only_by_ad
 
 
 @pytest.mark.slow
-def test_a_dead_rank_under_the_comm_hook_is_named_with_the_bucket():
-    # eager DDP with ccfx.ddp_comm_hook: the hook's error reaches backward()'s caller as it is
+@pytest.mark.parametrize("how, verb", [("dies", "has exited"), ("frozen", "is stopped")])
+def test_a_dead_or_frozen_rank_under_the_comm_hook_is_named_with_the_bucket(how, verb):
+    # eager DDP with ccfx.ddp_comm_hook: the hook's error reaches backward()'s caller as it is;
+    # a frozen peer is named at collective_timeout_s (3 s), not at the group's timeout
     with pytest.raises(RankFailed) as e:
-        spawn(dp_workers.hook_dies_mid_step, 2, (), timeout_s=180, grace_s=60)
+        spawn(dp_workers.hook_dies_mid_step, 2, (how,), timeout_s=180, grace_s=60)
     survivor = e.value.results[0]
     assert survivor["error"] == "CollectiveError", survivor
     msg = survivor["message"]
     assert "rank 0 of 2: the DDP comm hook's exchange of bucket 0 (int8 via all_gather" in msg, msg
-    assert "Rank 1 (" in msg and "has exited" in msg, msg
+    assert "Rank 1 (" in msg and verb in msg, msg
+    assert survivor["since"] < 60, survivor
 
 
 def test_without_a_process_group_data_parallel_is_world_size_one():

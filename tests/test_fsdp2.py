@@ -222,6 +222,20 @@ def test_a_dead_rank_is_named_with_the_module_kind_and_codec():
     assert "Rank 1 (" in msg and "has exited" in msg, msg
 
 
+@pytest.mark.parametrize("codec", ["int8", "none"])
+def test_a_frozen_rank_is_named_within_collective_timeout_s(codec):
+    # FSDP's own group keeps torchrun's 30-minute timeout; ccfx's wait on it gives up first
+    with pytest.raises(RankFailed) as e:
+        spawn(w.freezes_mid_step, 2, (codec, 3.0), timeout_s=120, grace_s=30)
+    survivor = e.value.results[0]
+    assert survivor["error"] == "CollectiveError", survivor
+    msg = survivor["message"]
+    assert f"FSDP2's all_gather of module 'root' ({codec}, step 1) failed" in msg, msg
+    assert "Rank 1 (" in msg and "is stopped" in msg, msg
+    assert "collective_timeout_s (3 s on CPU" in msg, msg
+    assert 3.0 <= survivor["since"] < 60, survivor  # not the group's timeout
+
+
 # -- one process: bad input -------------------------------------------------------------------
 
 
@@ -233,6 +247,13 @@ def test_a_model_with_neither_fsdp_nor_ddp_is_a_config_error_naming_what_it_hold
     monkeypatch.setattr(ccfx.integrations, "_world", lambda group=None: 2)
     with pytest.raises(ccfx.ConfigError, match=r"fully_shard; got a Sequential holding"):
         register_codec(model, "int8")
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "60", True])
+def test_a_collective_timeout_that_is_not_positive_seconds_is_a_config_error(one_rank_group,
+                                                                              value):
+    with pytest.raises(ccfx.ConfigError, match=r"collective_timeout_s.*positive number"):
+        register_codec(w.sharded(1), "int8", options={"collective_timeout_s": value})
 
 
 def test_registering_twice_is_a_config_error(one_rank_group):
@@ -273,7 +294,7 @@ def test_a_failed_collective_names_the_rank_module_kind_and_codec(monkeypatch):
         def all_gather(self, t):
             raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
 
-    monkeypatch.setattr(fsdp2_comms, "_comm", lambda group: Broken())
+    monkeypatch.setattr(fsdp2_comms, "_comm", lambda group, timeout_s=None: Broken())
     state = fsdp2_comms.FSDP2Codecs({"all_gather": "int8"})
     gather = state.add_module("blocks.1")["all_gather"]
     comm = fsdp2_comms.CodecAllGather(state, gather)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _torch_compat as tc
+from ..config import Config
 from ..errors import CcfxWarning, ConfigError
 from ..plan import Decision
 from ..runtime.fsdp2_codecs import file_name
@@ -108,19 +109,29 @@ def _shard_group(modules):
     return None
 
 
+def _timeout_of(options: dict | None) -> float:
+    """``options["collective_timeout_s"]``: how long a CPU collective waits for its peers."""
+    value = (options or {}).get("collective_timeout_s", Config.collective_timeout_s)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"register_codec: options['collective_timeout_s']={value!r}: give "
+                          "seconds, a positive number (e.g. 300)")
+    return float(value)
+
+
 def _auto(module, specs: dict[str, str], options: dict | None, group):
     """``"auto"``'s choice for the kinds that ask for it: ``(chosen, decisions,
     prediction)`` (:mod:`._fsdp2_auto`), or None when no kind does."""
     from . import _fsdp2_auto
 
     if "auto" not in specs.values():
-        if options:
+        if set(options or {}) - {"collective_timeout_s"}:
             raise ConfigError("register_codec: options= prices 'auto' codecs, and no kind "
                               "asks for 'auto': leave options out, or give 'auto'")
         return None
     modules = fsdp_modules(module)
     try:
-        chosen, decisions, prediction = _fsdp2_auto.decide(modules, dict(options or {}),
+        priced = {k: v for k, v in (options or {}).items() if k != "collective_timeout_s"}
+        chosen, decisions, prediction = _fsdp2_auto.decide(modules, priced,
                                                            _shard_group(modules), group)
     except ConfigError as e:
         raise ConfigError(f"register_codec(model, 'auto'): {e} (FSDP2: give them as "
@@ -146,6 +157,7 @@ def register(target: Any, spec: Any, process_group=None, *, replicate=None, acce
     specs = specs_by_kind(spec, hsdp=group is not None)
     auto = _auto(module, specs, options, group)
     state = attach(module, specs, group, auto[0] if auto else None)
+    state.timeout_s = _timeout_of(options)
     if auto:  # (a decision names its channel's row in the plan: "collective <index>")
         state.prediction = auto[2]
         state.decisions = [Decision(f"collective {state.channels[key].index}", d.chosen,

@@ -50,12 +50,12 @@ per step for it). There, give every rank the same number of equal batches
 after the smallest rank's number of batches (``all_reduce(MIN)`` of ``len(loader)`` before
 training); a rank that recompiles for an uneven batch is named (README, "When things fail").
 
-Failures. A bucket exchange that fails (a peer died, hung past the process group's timeout, or
-ran another model) is a :class:`~ccfx.CollectiveError` naming this rank, the bucket, codec,
-collective and step, and the peer rank gloo's address points at (the hook publishes this
-process's host and pid at its first bucket, for :func:`ccfx.wire.agree.blame`); DDP hands it to
-``backward()``'s caller as it is. The time bound is the hook's process group's own timeout:
-the hook runs on DDP's group, which the user (or the framework) made.
+Failures. A bucket exchange that fails (a peer died, froze, or ran another model) is a
+:class:`~ccfx.CollectiveError` naming this rank, the bucket, codec, collective and step, and the
+peer (the hook publishes this process's host and pid at its first bucket, for
+:func:`ccfx.wire.agree.blame`); DDP hands it to ``backward()``'s caller as it is. On CPU (gloo)
+each wait lasts at most ``collective_timeout_s`` (``Work.wait(timeout)``), so a frozen peer is
+named within it; DDP's group, which the user (or the framework) made, keeps its own timeout.
 """
 
 import warnings
@@ -69,7 +69,7 @@ import torch.distributed as dist
 from .. import _torch_compat as tc
 from .. import codecs
 from ..codecs.state import SCHEME, check, check_finite, check_place, ddp_channel, named, split_key
-from ..config import COLLECTIVES
+from ..config import COLLECTIVES, Config
 from ..errors import CcfxWarning, CollectiveError, ConfigError
 from ..wire.comm import ProcessGroupComm
 from ..wire.exchange import BucketLayout, Exchange, exchange_for
@@ -101,9 +101,16 @@ class CommHookState:
     the same Q's and residuals (see the module docstring on DDP's bucket rebuild).
     """
 
-    def __init__(self, spec: str, process_group=None, collective: str = "all_gather"):
+    def __init__(self, spec: str, process_group=None, collective: str = "all_gather", *,
+                 collective_timeout_s: float = Config.collective_timeout_s):
         if collective not in COLLECTIVES:
             raise ConfigError(f"collective={collective!r}: choose one of {', '.join(COLLECTIVES)}")
+        if isinstance(collective_timeout_s, bool) or not isinstance(
+                collective_timeout_s, (int, float)) or not collective_timeout_s > 0:
+            raise ConfigError(f"collective_timeout_s={collective_timeout_s!r}: give seconds, a "
+                              "positive number (e.g. 300)")
+        #: how long a wait on CPU (gloo) lasts before the peers are named
+        self.collective_timeout_s = float(collective_timeout_s)
         self.spec = codecs.canonical(spec)
         self.process_group = process_group
         self.collective = collective
@@ -272,7 +279,8 @@ def codec_hook(state: CommHookState,
     this function's name as the comm hook). No ``from __future__ import annotations`` in this
     module: DDP checks these two annotations against the classes themselves."""
     live = state.bucket_state(bucket)
-    comm = ProcessGroupComm(state.process_group)
+    on_cpu = bucket.buffer().device.type == "cpu"  # a CUDA wait orders streams instead
+    comm = ProcessGroupComm(state.process_group, state.collective_timeout_s if on_cpu else None)
     try:
         averaged = live.exchange.run(bucket.gradients(), live.tensors, comm)
     except RuntimeError as e:
@@ -280,7 +288,7 @@ def codec_hook(state: CommHookState,
     buffer = bucket.buffer()
     flat = torch.cat([t.reshape(-1) for t in averaged]).to(buffer.dtype).view(buffer.shape)
     state.ledger.record_bucket(0, bucket.index(), live.exchange.raw_bytes,
-                              live.exchange.wire_bytes())
+                              live.exchange.sent_bytes())
     state._bucket_params[bucket.index()] = (state.steps,
                                             tuple(id(p) for p in bucket.parameters()))
     if bucket.is_last():
@@ -293,9 +301,9 @@ def codec_hook(state: CommHookState,
 
 def _failed(state: CommHookState, bucket: dist.GradBucket, live: _BucketState,
             e: RuntimeError) -> CollectiveError:
-    """A failed exchange (a dead, hung or diverged peer: gloo's error, after the hook's process
-    group's timeout at most) as a :class:`~ccfx.CollectiveError` naming this rank, the bucket,
-    what was awaited and the peer rank gloo's address points at (:func:`ccfx.wire.agree.blame`).
+    """A failed exchange (a dead, frozen or diverged peer: gloo's error, after
+    ``collective_timeout_s`` at most on CPU) as a :class:`~ccfx.CollectiveError` naming this
+    rank, the bucket, what was awaited and the peer rank gloo's address points at (:func:`ccfx.wire.agree.blame`).
     DDP passes it on as the ``RuntimeError`` of ``backward()``, with this text."""
     from ..wire import agree
 
@@ -304,21 +312,24 @@ def _failed(state: CommHookState, bucket: dist.GradBucket, live: _BucketState,
     first, who = agree.failed(what, e, agree.world_ranks(state.process_group))
     rank, world = dist.get_rank(), dist.get_world_size(state.process_group)
     return CollectiveError(
-        f"rank {rank} of {world}: {what} failed: {first}.{who} A peer rank died, hung past the "
-        "process group's timeout (init_process_group(timeout=...)), or ran a different "
-        "model; see that rank's own error.")
+        f"rank {rank} of {world}: {what} failed: {first.rstrip('.!')}.{who} A peer rank died, "
+        f"froze or fell behind past collective_timeout_s ({state.collective_timeout_s:g} s on "
+        "CPU), or ran a different model; see that rank's own error.")
 
 
-def ddp_comm_hook(spec: str, process_group=None,
-                  collective: str = "all_gather") -> tuple[CommHookState, Hook]:
+def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather", *,
+                  collective_timeout_s: float = Config.collective_timeout_s,
+                  ) -> tuple[CommHookState, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's buckets are
     averaged through the codec ``spec`` (``"none"``, ``"fp16"``, ``"int8"``,
     ``"topk:ratio=0.01,ef"``, ``"powersgd:rank=4,ef"``, ...) over ``process_group`` (default:
     WORLD). The spec is checked here (:class:`~ccfx.ConfigError` lists the codecs), not at the
     first backward. Every rank ends with the same averaged gradients, bit for bit.
     ``collective``: how non-summable payloads are averaged, ``"all_gather"``, ``"ring"``
-    (:mod:`ccfx.wire.ring`) or ``"auto"`` (the ring from 3 ranks, by bytes)."""
-    return CommHookState(spec, process_group, collective), codec_hook
+    (:mod:`ccfx.wire.ring`) or ``"auto"`` (the ring from 3 ranks, by bytes).
+    ``collective_timeout_s``: how long a CPU rank waits for its peers before naming them."""
+    return (CommHookState(spec, process_group, collective,
+                          collective_timeout_s=collective_timeout_s), codec_hook)
 
 
 def hook_state_of(model) -> CommHookState | None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .. import codecs
 from ..codecs.ef import ErrorFeedback
 from ..codecs.state import check, check_finite, check_place, fsdp2_channel, named
+from ..config import Config
 from ..errors import CollectiveError, ConfigError
 from ..wire.collectives import CollectiveCall, CompressedCollective, refuse
 from .ledger import Ledger
@@ -172,6 +173,9 @@ class FSDP2Codecs:
         self.ledger = Ledger()
         self.channels: dict[tuple[str, str], Channel] = {}
         self.modules: list[str] = []
+        #: how long a collective on CPU (gloo) waits for its peers before a CollectiveError
+        #: names them (``options={"collective_timeout_s": ...}``; Config's default)
+        self.timeout_s: float = Config.collective_timeout_s
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -228,9 +232,11 @@ class FSDP2Codecs:
                 "module (the same values: a sum), or give reduce_scatter a codec (ccfx "
                 "applies the factor itself)")
         return CollectiveError(
-            f"rank {rank} of {group.size()}: {what} failed: {first}.{who} A peer rank died, "
-            "hung past the process group's timeout (init_process_group(timeout=...)), or ran "
-            "a different model; see that rank's own error.")
+            f"rank {rank} of {group.size()}: {what} failed: {first.rstrip('.!')}.{who} A peer "
+            f"rank died, froze or fell behind past collective_timeout_s ({self.timeout_s:g} s "
+            "on CPU; "
+            "register_codec(..., options={'collective_timeout_s': ...})), or ran a different "
+            "model; see that rank's own error.")
 
     # -- checkpoints ----------------------------------------------------------------------
 

@@ -33,9 +33,12 @@ FSDP2 (torch 2.13) takes as a finished synchronous collective (it waits only on 
 
 The channels, their state, the ledger and the checkpoint are :mod:`.fsdp2_codecs`'s.
 
-Failures: a collective that fails (a peer died, hung past the process group's timeout, ran
-another model) is a :class:`~ccfx.CollectiveError` naming this rank, the module, the kind, the
-codec and the step. The time bound is FSDP's process group's timeout.
+Failures: a collective that fails (a peer died, froze, ran another model) is a
+:class:`~ccfx.CollectiveError` naming this rank, the module, the kind, the codec, the step and
+the peer. On CPU (gloo) a synchronous collective, raw or compressed, waits at most
+``collective_timeout_s`` (``FSDP2Codecs.timeout_s``, 300 s unless ``options=`` sets it) through
+``Work.wait(timeout)``, so a frozen peer is named within it; FSDP's group keeps its own timeout.
+A raw collective FSDP asks for with ``async_op`` returns torch's ``Work``, which FSDP waits on.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import torch.distributed as dist
 
 from .. import _torch_compat as tc
 from ..errors import ConfigError
-from ..wire.comm import ProcessGroupComm
+from ..wire.comm import ProcessGroupComm, wait_work
 from .fsdp2_codecs import KINDS, Channel, FSDP2Codecs, check_spec
 from .fsdp2_plan import plan_of_fsdp2
 
@@ -76,9 +79,25 @@ def _reduce_op(op) -> tuple[str, float | None]:
     return str(kind).rsplit(".", 1)[-1].lower(), None
 
 
-def _comm(group) -> ProcessGroupComm:
+def _timeout(owner: FSDP2Codecs, t: torch.Tensor) -> float | None:
+    """How long a wait on ``t``'s collective may last: the owner's bound on CPU (gloo), the
+    group's own on an accelerator (a CUDA wait orders streams; NCCL has its watchdog)."""
+    return owner.timeout_s if t.device.type == "cpu" else None
+
+
+def _comm(group, timeout_s: float | None = None) -> ProcessGroupComm:
     """The wire layer's Comm over FSDP's group (a test replaces it to make a peer fail)."""
-    return ProcessGroupComm(group)
+    return ProcessGroupComm(group, timeout_s)
+
+
+def _raw(issue, async_op: bool, timeout_s: float | None):
+    """torch's own collective: ``issue(async_op)``'s ``Work`` when FSDP asks for one, else
+    waited for here within ``timeout_s`` (None)."""
+    work = issue(async_op or timeout_s is not None)
+    if async_op or work is None:
+        return work
+    wait_work(work, timeout_s)
+    return None
 
 
 class CodecAllGather(tc.FsdpAllGather):
@@ -93,13 +112,16 @@ class CodecAllGather(tc.FsdpAllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False):
         ch = self.channel.bind(input_tensor, group)
+        timeout_s = _timeout(self.owner, input_tensor)
         if ch.algorithm is None:
             try:
-                work = _all_gather_flat(output_tensor, input_tensor, group, async_op)
+                work = _raw(lambda a: _all_gather_flat(output_tensor, input_tensor, group, a),
+                            async_op, timeout_s)
             except RuntimeError as e:
                 raise self.owner.failed(ch, group, e) from e
         else:  # the input is a view of the output: encoded before anything is written
-            output_tensor.copy_(self.owner.run(ch, input_tensor, _comm(group), group))
+            output_tensor.copy_(self.owner.run(ch, input_tensor, _comm(group, timeout_s),
+                                               group))
             work = None
         self.owner.count(ch)
         return work
@@ -119,14 +141,16 @@ class CodecReduceScatter(tc.FsdpReduceScatter):
                  async_op: bool = False):
         reduce_op, factor = _reduce_op(op)
         ch = self.channel.bind(input_tensor, group, reduce_op)
+        timeout_s = _timeout(self.owner, input_tensor)
         if ch.algorithm is None:
             try:
-                work = _reduce_scatter_flat(output_tensor, input_tensor, op, group, async_op)
+                work = _raw(lambda a: _reduce_scatter_flat(output_tensor, input_tensor, op,
+                                                           group, a), async_op, timeout_s)
             except RuntimeError as e:
                 raise self.owner.failed(ch, group, e) from e
         else:
             x = input_tensor if factor is None else input_tensor * factor
-            output_tensor.copy_(self.owner.run(ch, x, _comm(group), group)
+            output_tensor.copy_(self.owner.run(ch, x, _comm(group, timeout_s), group)
                                  .view_as(output_tensor))
             work = None
         self.owner.count(ch)
@@ -143,14 +167,17 @@ class CodecAllReduce:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         group = self.owner.replicate
         ch = self.channel.bind(reduce_output, group, "avg")
+        timeout_s = _timeout(self.owner, reduce_output)
         if ch.algorithm is None:  # torch's own (sum, then / replicas: gloo has no avg)
             try:
-                dist.all_reduce(reduce_output, group=group)
+                _raw(lambda a: dist.all_reduce(reduce_output, group=group, async_op=a), False,
+                     timeout_s)
             except RuntimeError as e:
                 raise self.owner.failed(ch, group, e) from e
             reduce_output.div_(group.size())
         else:
-            reduce_output.copy_(self.owner.run(ch, reduce_output.view(-1), _comm(group), group)
+            reduce_output.copy_(self.owner.run(ch, reduce_output.view(-1),
+                                               _comm(group, timeout_s), group)
                                 .view_as(reduce_output))
         self.owner.count(ch)
 

@@ -15,6 +15,7 @@ over any of them:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -94,6 +95,16 @@ class LocalComm:
         return _ring.ring_round_trip(flat, spec, new), new
 
 
+def wait_work(work, timeout_s: float | None) -> None:
+    """Wait for a ``torch.distributed`` ``Work``, at most ``timeout_s`` seconds (None: the
+    group's own timeout). Past it gloo raises ``RuntimeError("... timed out ...")`` and the
+    group is left as it is: the caller names the peer (:mod:`ccfx.wire.blame`)."""
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+
+
 @dataclass
 class _InFlight:
     """A collective issued but not yet waited on, and the tensor it fills."""
@@ -109,11 +120,15 @@ class ProcessGroupComm:
     and returns the result tensor. Inputs are left untouched, as with
     :class:`FunctionalComm`: ``all_reduce`` reduces a copy, since a codec's payload may be a
     view of the gradients or of its state.
+
+    ``timeout_s``: ``wait`` gives up after that long (:func:`wait_work`), so a frozen peer is
+    found without touching the group's own timeout; None waits as long as the group does.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, timeout_s: float | None = None):
         self.group = group
         self.world = dist.get_world_size(group)
+        self.timeout_s = timeout_s
 
     def all_reduce(self, t: torch.Tensor) -> _InFlight:
         out = t.detach().clone(memory_format=torch.contiguous_format)
@@ -146,7 +161,7 @@ class ProcessGroupComm:
         return _InFlight(work, out)
 
     def wait(self, handle: _InFlight) -> torch.Tensor:
-        handle.work.wait()
+        wait_work(handle.work, self.timeout_s)
         return handle.result
 
     def ring(self, flat: torch.Tensor, spec: str,
