@@ -54,7 +54,7 @@ from .dynamo_context import OwnerToken, config_of_wrapper, contexts_of, running_
 from .dynamo_context import through_dynamo as _through_dynamo
 from .dynamo_context import wrapper_of as _wrapper_of
 from .lowering import LoweredGraphs, lower
-from .plan_builder import build_graph_plan, expansion_notes
+from .plan_builder import build_graph_plan, capacity_notes, expansion_notes
 
 log = logging.getLogger("ccfx")
 _install_torch_logs()  # TORCH_LOGS=ccfx, TORCH_TRACE artifacts
@@ -366,11 +366,12 @@ class CcfxBackend:
 
     def _note_expansions(self, graph_plan: GraphPlan) -> None:
         """Each channel of the graph whose codec sends more than the raw bytes
-        (:func:`.plan_builder.expansion_notes`): a note in the plan, and one CcfxWarning per
+        (:func:`.plan_builder.expansion_notes`) or sends a variable payload at its capacity
+        (:func:`.plan_builder.capacity_notes`): a note in the plan, and one CcfxWarning per
         channel and codec for the model (not again when a graph recompiles)."""
         import warnings
 
-        for key, note in expansion_notes(graph_plan):
+        for key, note in expansion_notes(graph_plan) + capacity_notes(graph_plan):
             if note not in graph_plan.notes:
                 graph_plan.notes.append(note)
             if key not in self._expansions_warned:

@@ -127,3 +127,17 @@ def expansion_notes(g: GraphPlan) -> list[tuple[str, str]]:
                 f"{instead} instead")
         notes.append((f"{what} {spec}", note))
     return notes
+
+
+def capacity_notes(g: GraphPlan) -> list[tuple[str, str]]:
+    """``(channel and codec, note)`` for each channel of ``g`` whose codec's payload size
+    depends on the data (``tlc``): every channel of a compiled graph sends the capacity
+    (:func:`ccfx.codecs.variable.capacity_note`), and the plan says so."""
+    from ccfx.codecs.variable import capacity_note
+
+    notes = []
+    for what, spec, _shape, _dtype, _raw, wire in _channels(g):
+        note = capacity_note(f"graph {g.index} {what}", spec, wire)
+        if note is not None:
+            notes.append((f"{what} {spec}", note))
+    return notes

@@ -15,7 +15,8 @@ SPECS = [
     "int4:block=33", "qsgd", "qsgd:levels=1000,block=16", "terngrad", "sign", "sign:block=5",
     "topk", "topk:ratio=0.3", "randomk:ratio=0.2", "threshold", "threshold:tau=0.5,cap=0.5",
     "powersgd", "powersgd:rank=1", "topk:ratio=0.1,ef", "powersgd:rank=2,ef", "int4:ef",
-    "randomk:ef",
+    "randomk:ef", "tlc", "tlc:sparsity=1.5,block=7", "tlc:ef", "redsync",
+    "redsync:density=0.3,margin=1.5,ef",
 ]
 SHAPES = [(257, 33), (1,), (0,), (), (3, 0, 2), (8, 9, 10), (1000,)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

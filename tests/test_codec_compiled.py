@@ -13,7 +13,8 @@ import torch
 from ccfx import codecs
 
 SPECS = ["fp16", "bf16", "fp8", "fp8:fmt=e5m2", "int8", "int8:block=33", "int4", "sign", "qsgd",
-         "terngrad:block=7", "topk", "threshold:tau=1.5", "randomk", "powersgd"]
+         "terngrad:block=7", "topk", "threshold:tau=1.5", "randomk", "powersgd",
+         "tlc:block=33", "redsync:density=0.05"]
 
 
 def _run(spec, x, monkeypatch, mode):

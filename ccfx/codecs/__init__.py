@@ -9,9 +9,11 @@ from . import (  # noqa: F401  (each module registers its codecs)
     powersgd,
     qsgd,
     randomk,
+    redsync,
     sign,
     terngrad,
     threshold,
+    tlc,
     topk,
 )
 from .base import Codec, Context, Encoded

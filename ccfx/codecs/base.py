@@ -103,6 +103,10 @@ class Codec:
     #: True when the codec keeps tensors between calls (``state_layout`` is not empty).
     #: ``registry.get`` returns a fresh object for every call with such a spec.
     stateful: ClassVar[bool] = False
+    #: True when the payload's size depends on the data: its tensors have a fixed capacity
+    #: (the layout, what ``wire_bytes`` counts) and only the first ``used_elements(payload)``
+    #: entries of ``payload[0]`` carry data (see :mod:`ccfx.codecs.variable`).
+    variable: ClassVar[bool] = False
 
     # -- what a subclass implements -------------------------------------------------------
 
@@ -147,6 +151,19 @@ class Codec:
         for s, d in self.payload_layout(tuple(shape), dtype):
             total = total + numel_of(s) * d.itemsize
         return total
+
+    def used_elements(self, payload) -> int:
+        """How many leading entries of ``payload[0]`` carry data (all but for ``variable``)."""
+        return payload[0].numel()
+
+    def used_bytes(self, payload) -> int:
+        """The bytes of ``payload`` that carry data: ``nbytes`` unless the codec is
+        ``variable``, whose ``payload[0]`` past ``used_elements`` is padding."""
+        if not payload:
+            return 0
+        head, rest = payload[0], payload[1:]
+        return (self.used_elements(payload) * head.element_size()
+                + sum(t.numel() * t.element_size() for t in rest))
 
     def applies_to(self, dtype: torch.dtype) -> bool:
         """Whether this codec compresses tensors of ``dtype`` (others travel raw)."""

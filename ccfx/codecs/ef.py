@@ -41,6 +41,13 @@ class ErrorFeedback(Codec):
         inner = self.inner.spec
         return inner + (",ef" if ":" in inner else ":ef")
 
+    @property
+    def variable(self) -> bool:  # type: ignore[override]
+        return self.inner.variable
+
+    def used_elements(self, payload) -> int:
+        return self.inner.used_elements(payload)
+
     def applies_to(self, dtype):
         return self.inner.applies_to(dtype)
 

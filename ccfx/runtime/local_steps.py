@@ -231,7 +231,7 @@ class LocalSteps:
                 p.copy_(g if alpha == 0 else torch.lerp(g, p.float(), alpha))
         self.syncs += 1
         raw = sum(t.numel() for t in frag.global_) * 4
-        wire = sum(part.exchange.wire_bytes() for part in frag.parts)
+        wire = sum(part.exchange.sent_bytes() for part in frag.parts)
         self.raw_bytes += raw
         self.wire_bytes += wire
         ledger = self.ledger() if callable(self.ledger) else self.ledger

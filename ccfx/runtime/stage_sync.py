@@ -123,7 +123,7 @@ class StageGradSync:
             del averaged  # not held while the next bucket's exchange runs
             if self.ledger is not None:
                 self.ledger.record_bucket(self.graph, index, exchange.raw_bytes,
-                                          exchange.wire_bytes())
+                                          exchange.sent_bytes())
 
 
     def _failed(self, index: int, exchange, e: RuntimeError) -> CollectiveError:

@@ -53,6 +53,7 @@ from ..codecs import ops as _ops  # noqa: F401  (registers torch.ops.ccfx_codecs
 from ..codecs.powersgd import PowerSGD
 from ..errors import ConfigError
 from . import ring as _ring
+from .comm import ProcessGroupComm
 
 Tensors = list[torch.Tensor]
 
@@ -105,6 +106,11 @@ class Exchange(abc.ABC):
     @abc.abstractmethod
     def wire_bytes(self) -> int:
         """Payload bytes this rank contributes per step (exact)."""
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank sent in its last run: ``wire_bytes()`` but where the payload's size
+        depends on the data and the run could send less (:class:`GatherExchange`)."""
+        return self.wire_bytes()
 
     @property
     def raw_bytes(self) -> int:
@@ -169,14 +175,51 @@ class AllReduceExchange(_FlatExchange):
 
 
 class GatherExchange(_FlatExchange):
+    """Every rank's payload all-gathered, decoded and summed in rank order.
+
+    A ``variable`` codec (``tlc``) over a process group (:class:`ProcessGroupComm`, eager)
+    sends only what its payloads use: the ranks all-gather their used lengths first (4 bytes
+    each), then ``payload[0]`` cut to the longest (shorter ones padded to it) and the other
+    payload tensors whole; ``sent_bytes()`` counts that. Traced (:class:`FunctionalComm`,
+    static shapes) and local exchanges send the capacity, as for any codec."""
+
     collective = "all_gather"
 
+    def __init__(self, layout, spec):
+        super().__init__(layout, spec)
+        self._sent: int | None = None
+
+    def sent_bytes(self) -> int:
+        return self.wire_bytes() if self._sent is None else self._sent
+
     def _issue(self, grads, state, carry, comm):
-        return [comm.all_gather(p) for p in self._encode(self.layout.flat(grads), state)]
+        payload = self._encode(self.layout.flat(grads), state)
+        if self._cut(comm):
+            return self._issue_used(payload, comm)
+        return [comm.all_gather(p) for p in payload]
+
+    def _cut(self, comm) -> bool:
+        """Whether this run sends a variable payload cut to its used length."""
+        return self.codec.variable and isinstance(comm, ProcessGroupComm)
+
+    def _issue_used(self, payload, comm):
+        used = torch.tensor([self.codec.used_elements(payload)], dtype=torch.int32,
+                            device=payload[0].device)
+        longest = int(comm.wait(comm.all_gather(used)).max())
+        head = payload[0].reshape(-1)[:longest]
+        self._sent = (used.nbytes + head.nbytes
+                      + sum(p.numel() * p.element_size() for p in payload[1:]))
+        return [comm.all_gather(head), *(comm.all_gather(p) for p in payload[1:])]
 
     def _finish(self, grads, state, carry, comm):
-        gathered = [comm.wait(h).view(comm.world, *shape)
-                    for h, (shape, _) in zip(carry, self.payload)]
+        if self._cut(comm):
+            gathered = [comm.wait(h).view(comm.world, -1) for h in carry]
+            capacity = int(self.payload[0][0][0])  # padded back: decode takes the layout
+            gathered[0] = torch.nn.functional.pad(gathered[0],
+                                                  (0, capacity - gathered[0].shape[1]))
+        else:
+            gathered = [comm.wait(h).view(comm.world, *shape)
+                        for h, (shape, _) in zip(carry, self.payload)]
         total = None
         # Rank order: every rank sums the same way. Decode's state is read, not kept: the
         # gather codecs (int8, sign, topk, qsgd, ...) keep no state on the decode side.

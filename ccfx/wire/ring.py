@@ -95,6 +95,10 @@ def ring_codec(spec: str) -> RingCodec:
     if isinstance(inner, PowerSGD):
         why = ("PowerSGD's payloads are summable (it all-reduces P and then Q) and it keeps Q "
                "between calls, so it has an exchange of its own")
+    elif inner.variable:
+        why = ("its payload's size depends on the data, and the ring's point-to-point hops "
+               "send fixed-size chunks, so every hop would send the whole capacity (an eager "
+               "all-gather over a process group sends only the used bytes)")
     else:
         extra = sorted(set(inner.state_layout((1,), torch.float32)) - {"step"})
         if extra:
