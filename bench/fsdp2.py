@@ -12,6 +12,13 @@ Variants:
 * ``fsdp2-ccfx``: the same model and loop, plus one line,
   ``register_codec(model, {"all_gather": "int8", "reduce_scatter": "int4:ef"})``: every FSDP
   module's all-gather and reduce-scatter through ccfx's codecs (still eager);
+* ``fsdp2-ccfx-compiled``: ``fsdp2-ccfx`` with every block compiled by inductor
+  (``block.compile()`` before ``fully_shard``, as torchtitan compiles per block): the FSDP2
+  row whose compute is compiled like ``ccfx-shard``'s;
+* ``fsdp2-auto``: ``register_codec(model, "auto", options={"link_gbps": <the shaped rate>})``:
+  ccfx picks each module's codecs from the link and prices the step's collectives; the table's
+  notes set that prediction beside the seconds measured inside ccfx's comms, and the predicted
+  step (the measured step less the measured comms, plus the predicted ones) beside the step;
 * ``ccfx-shard``: ``ccfx.shard(model)`` compiled by ``backend="ccfx"`` with the same codecs
   (``collective_overrides``; bench/sharded_dp's ``ccfx-zero++``). ccfx.shard compresses only
   inside a graph ccfx compiled, so this row includes compiled compute.
@@ -65,7 +72,7 @@ from ccfx.models import GPTConfig, TinyGPT
 CODECS = {"all_gather": "int8", "reduce_scatter": "int4:ef"}
 #: HSDP: only the replicas' all-reduce (the slow link between the nodes) compressed.
 HSDP_CODECS = {"all_reduce": "int4:ef"}
-VARIANTS = ("fsdp2", "fsdp2-ccfx", "ccfx-shard")
+VARIANTS = ("fsdp2", "fsdp2-ccfx", "fsdp2-ccfx-compiled", "fsdp2-auto", "ccfx-shard")
 HSDP_VARIANTS = ("hsdp", "hsdp-ccfx")
 #: HSDP's placement on bench.shaped's two nodes: ranks 0, 1 on node 0 and 2, 3 on node 1, so
 #: the shard groups ({0, 1}, {2, 3}) stay inside a node and the replicas' ({0, 2}, {1, 3})
@@ -120,9 +127,10 @@ def _hsdp(model: torch.nn.Module, variant: str, world: int) -> None:
                                          replicate=mesh["replicate"])
 
 
-def build(variant: str, model_name: str, seed: int, world: int):
+def build(variant: str, model_name: str, seed: int, world: int, link_gbps: float = 1.0):
     """``(model, run)``: ``model_name`` sharded over every rank as ``variant`` does it, and what
-    to call (the model itself, or ccfx.shard's model compiled by backend="ccfx")."""
+    to call (the model itself, or ccfx.shard's model compiled by backend="ccfx");
+    ``link_gbps``: the link ``fsdp2-auto`` prices."""
     if variant not in VARIANTS + HSDP_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}: one of {VARIANTS + HSDP_VARIANTS}")
     model = make_model(model_name, seed)
@@ -140,22 +148,36 @@ def build(variant: str, model_name: str, seed: int, world: int):
 
     mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:
+        if variant == "fsdp2-ccfx-compiled":
+            block.compile()
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if variant == "fsdp2-ccfx":
+    if variant in ("fsdp2-ccfx", "fsdp2-ccfx-compiled"):
         import ccfx.integrations
 
         ccfx.integrations.register_codec(model, dict(CODECS))
+    elif variant == "fsdp2-auto":
+        import ccfx.integrations
+
+        ccfx.integrations.register_codec(model, "auto", options={"link_gbps": link_gbps})
     return model, model
 
 
 def time_rank(rank: int, world: int, *, variant: str, model: str, steps: int,
-              warmup: int = 2, seed: int = 0) -> dict:
+              warmup: int = 2, seed: int = 0, link_gbps: float = 1.0) -> dict:
     """Warm up (ccfx-shard compiles), barrier, time ``steps`` steps on a fixed random batch of
-    this rank (:func:`bench.common.timed_steps`, wire bytes from ccfx's ledger)."""
-    module, run = build(variant, model, seed, world)
+    this rank (:func:`bench.common.timed_steps`, wire bytes from ccfx's ledger); for FSDP2
+    with ccfx's comms also ``comm_s``, the seconds per timed step inside them."""
+    from ccfx.runtime.fsdp2_comms import fsdp2_state_of
+
+    module, run = build(variant, model, seed, world, link_gbps)
     step = fixed_batch_step(module, run, 1000 * seed + rank)
-    return common.timed_steps(rank, step, steps=steps, warmup=warmup, compiled=run)
+    state = fsdp2_state_of(module)
+    out = common.timed_steps(rank, step, steps=steps, warmup=warmup, compiled=run,
+                             after_warmup=lambda: {"comm_s": state.seconds} if state else {})
+    if state is not None and "comm_s" in out:
+        out["comm_s"] = (state.seconds - out["comm_s"]) / steps
+    return out
 
 
 def loss_rank(rank: int, world: int, *, variant: str, model: str, steps: int,
@@ -265,16 +287,18 @@ def _spec(variant: str, kind: str) -> str:
     return HSDP_CODECS.get(kind, "none") if variant == "hsdp-ccfx" else CODECS[kind]
 
 
-def formula_bytes(variant: str, model_name: str, world: int) -> float:
+def formula_bytes(variant: str, model_name: str, world: int) -> float | None:
     """Bytes one rank sends per step by the wire layer's formula (the ring convention): a
     block's weights gathered twice (forward, and again in backward: ``reshard_after_forward``),
     the root's once (FSDP2 keeps the root's gathered for backward), each module's gradients
     reduce-scattered once; under HSDP over a shard group of W/2, then the reduce-scatter's
     output all-reduced across the 2 replicas. The codecs are the variant's (``fsdp2`` and
-    ``hsdp``: none). ccfx.shard's own collectives are per parameter, not per module: its row
+    ``hsdp``: none; ``fsdp2-auto``: None, chosen on the ranks). ccfx.shard's own collectives are per parameter, not per module: its row
     prints this as an approximation."""
     from ccfx.wire.collectives import CollectiveCall, CompressedCollective
 
+    if variant == "fsdp2-auto":  # its codecs are chosen on the ranks: no formula ahead
+        return None
     hsdp = variant in HSDP_VARIANTS
     group = world // 2 if hsdp else world
     total = 0
@@ -306,14 +330,31 @@ def run_time(variant: str, model: str, world: int, rate: float | None, steps: in
         rate * 1e6)
     silent_s = 900 if variant == "ccfx-shard" else 240
     t0 = time.perf_counter()
-    ranks = common.run_timed("bench.fsdp2", "time_rank", variant, world, rate,
-                             {"variant": variant, "model": model, "steps": steps},
+    kwargs = {"variant": variant, "model": model, "steps": steps,
+              "link_gbps": 100.0 if rate is None else rate / 1000}
+    ranks = common.run_timed("bench.fsdp2", "time_rank", variant, world, rate, kwargs,
                              timeout_s=2 * silent_s + 3 * link_s * (steps + 2),
                              stall_s=silent_s + 3 * link_s,
                              threads=threads, env=common.CACHE_OFF, nodes=nodes)
     if isinstance(ranks, dict):  # failed or skipped: the row says why
         return ranks
-    return common.step_row(variant, ranks, time.perf_counter() - t0)
+    row = common.step_row(variant, ranks, time.perf_counter() - t0)
+    row["comm_s"] = ranks[0].get("comm_s")
+    return row
+
+
+def prediction_note(row: dict) -> str:
+    """For a row with auto's prediction: the predicted collectives beside those measured
+    inside ccfx's comms, and the predicted step (the measured step less the measured comms,
+    plus the predicted) beside the measured one."""
+    p, comm = row.get("predicted"), row.get("comm_s")
+    if row["status"] != "ok" or not p or comm is None:
+        return ""
+    step = row["step_s"] - comm + p["chosen_s"]
+    return (f"{row['variant']}: collectives predicted {p['chosen_s']:.3f} s/step "
+            f"(uncompressed {p['uncompressed_s']:.3f}), measured inside ccfx's comms "
+            f"{comm:.3f} s; predicted step {step:.3f} s against {row['step_s']:.3f} s "
+            f"measured: {step / row['step_s'] - 1:+.1%}")
 
 
 def time_table(rows: list[dict], model: str, world: int) -> list[list[str]]:
@@ -327,12 +368,12 @@ def time_table(rows: list[dict], model: str, world: int) -> list[list[str]]:
         if r["status"] != "ok":
             out.append(common.failed_row(r, notes, 6))
             continue
-        formula = formula_bytes(r["variant"], model, world) / 2**20
+        formula = formula_bytes(r["variant"], model, world)
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 2**20:.2f}"
         out.append([r["variant"], f"{r['step_s']:.3f}",
                     f"{base['step_s'] / r['step_s']:.2f}" if base else "-", wire,
-                    f"({formula:.2f})" if r["variant"] in ("fsdp2", "hsdp") else
-                    f"{formula:.2f}",
+                    "-" if formula is None else f"({formula / 2**20:.2f})"
+                    if r["variant"] in ("fsdp2", "hsdp") else f"{formula / 2**20:.2f}",
                     f"{r['loss']:.4f}"])
     return out + ([["\n".join(notes)]] if notes else [])
 
@@ -365,6 +406,8 @@ def time_part(a) -> dict:
         print(common.table(cells, [*TIME_HEADER[:2], "x hsdp" if hsdp else "x fsdp2",
                                    *TIME_HEADER[3:]]))
         print(notes, flush=True)
+        for note in filter(None, map(prediction_note, rows)):
+            print(note, flush=True)
         tables.append({"rate_mbit": rate, "rows": rows})
     return {"tables": tables}
 

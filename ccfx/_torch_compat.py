@@ -194,6 +194,19 @@ INTERNALS: tuple[Internal, ...] = (
        "together (fully_shard([norm, lm_head]): one parameter group, one set of comms), so "
        "ccfx keeps one channel per group, not one idle channel per module", "none: FSDPModule "
        "does not say which modules share its parameter group", "ccfx/runtime/fsdp2_comms.py"),
+    _i("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups",
+       "how many times a step gathers an FSDP module's parameters (twice when it reshards "
+       "after forward): FSDP2 'auto' prices each gather it will run", "none: fully_shard "
+       "takes reshard_after_forward and FSDPModule only sets it", "ccfx/integrations/"
+       "_fsdp2_auto.py", how="instance"),
+    _i("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._auto_reshard_after_forward",
+       "whether the root module keeps its parameters between forward and backward (FSDP2's "
+       "default for the root: one gather a step)", "none, as above",
+       "ccfx/integrations/_fsdp2_auto.py", how="instance"),
+    _i("torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup."
+       "post_forward_mesh_info", "whether a parameter group reshards after forward (None: it "
+       "does not, so the backward does not gather it again)", "none, as above",
+       "ccfx/integrations/_fsdp2_auto.py", how="instance"),
     _i("torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker", "per-rank peak memory "
        "of an FSDP2 training step by category (bench/fsdp2.py's memory part)", "none: "
        "torch.cuda.max_memory_allocated is CUDA-only; on CPU the max RSS is the only other "
@@ -380,6 +393,17 @@ def fsdp_state(module):
     """The FSDP state of an ``FSDPModule`` (shared by the modules one ``fully_shard`` call
     sharded together)."""
     return module._get_fsdp_state()
+
+
+def fsdp_gathers_per_step(module, root: bool) -> int:
+    """How many times a training step all-gathers FSDP module ``module``'s parameters: once
+    for the root left at FSDP2's default (it keeps them for backward) or a module that does
+    not reshard after forward, twice otherwise (forward, and again in backward)."""
+    state = module._get_fsdp_state()
+    if root and state._auto_reshard_after_forward:
+        return 1
+    groups = state._fsdp_param_groups
+    return 2 if any(g.post_forward_mesh_info is not None for g in groups) else 1
 
 
 def ddp_comm_hooks(ddp) -> list:

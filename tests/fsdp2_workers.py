@@ -246,9 +246,16 @@ def auto(rank: int, world: int, link_gbps: float) -> dict:
     losses = _steps(model, opt, rank, 2)
     priced = {f"{m}.{k}": c.numel for m, k, c in
               _fsdp2_auto.calls(fsdp2_comms.fsdp_modules(model), world, None)}
+    calls = {e.edge: e.calls for e in state.ledger.entries()}
+    counted = {f"{m}.{k}": n for (m, k), n in
+               _fsdp2_auto.per_step(fsdp2_comms.fsdp_modules(model)).items()
+               if (m, k) in state.channels}
     return {"codecs": {f"{c.module}.{c.kind}": c.codec for c in state.channels.values()},
             "priced": priced, "losses": losses, "explain": ccfx.explain(model),
-            "ran": {f"{c.module}.{c.kind}": c.call.numel for c in state.channels.values()}}
+            "ran": {f"{c.module}.{c.kind}": c.call.numel for c in state.channels.values()},
+            "counted": counted, "plan": str(ccfx.plan_of(model)),
+            "calls": {f"{c.module}.{c.kind}": calls[c.index] // 2
+                      for c in state.channels.values()}}
 
 
 # -- failures ------------------------------------------------------------------------------

@@ -29,6 +29,16 @@ def test_time_table_ratios_against_plain_fsdp2_and_failures_as_notes():
     assert by["ccfx-shard"][1] == "fails (1)"
 
 
+def test_auto_has_no_formula_ahead_and_its_prediction_note_sets_step_beside_step():
+    auto = {**_ok("fsdp2-auto", 4.0, 2**20), "comm_s": 3.0,
+            "predicted": {"chosen_s": 2.5, "uncompressed_s": 12.0}}
+    assert fsdp2.time_table([auto], "tiny", 2)[0][4] == "-"
+    note = fsdp2.prediction_note(auto)
+    # compute measured (4.0 - 3.0 s), collectives predicted (2.5 s): 3.5 s against 4.0 s
+    assert "predicted step 3.500 s against 4.000 s measured: -12.5%" in note, note
+    assert fsdp2.prediction_note(_ok("fsdp2-ccfx", 4.0)) == ""
+
+
 def test_time_table_without_a_baseline_shows_a_dash():
     cells = fsdp2.time_table([_ok("fsdp2-ccfx", 4.0)], "tiny", 2)
     assert cells == [["fsdp2-ccfx", "4.000", "-", "-", cells[0][4], "4.5000"]]

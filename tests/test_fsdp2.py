@@ -178,6 +178,12 @@ def test_auto_prices_each_modules_buffers_and_every_rank_takes_rank_0s_choice(tw
     text = slow[0]["explain"]
     assert "collective 2 (blocks.0 all_gather" in text and "FSDP module blocks.0" in text, text
     assert "predicted step" in text
+    # the prediction counts each call as often as a step ran it: the root (FSDP2's default)
+    # gathers once, a block twice (forward, and again in backward)
+    assert slow[0]["counted"] == slow[0]["calls"], (slow[0]["counted"], slow[0]["calls"])
+    assert slow[0]["counted"]["root.all_gather"] == 1
+    assert slow[0]["counted"]["blocks.0.all_gather"] == 2
+    assert "measured:" in slow[0]["plan"] and "auto predicted" in slow[0]["plan"]
 
 
 # -- 4 ranks: HSDP, 2 replicas x 2 shards ---------------------------------------------------

@@ -125,13 +125,13 @@ def _auto(module, specs: dict[str, str], options: dict | None, group):
 
     if "auto" not in specs.values():
         if set(options or {}) - {"collective_timeout_s"}:
-            raise ConfigError("register_codec: options= prices 'auto' codecs, and no kind "
-                              "asks for 'auto': leave options out, or give 'auto'")
+            raise ConfigError("register_codec: options= prices 'auto' codecs (and may set "
+                              "collective_timeout_s), and no kind asks for 'auto': leave "
+                              "the pricing options out, or give 'auto'")
         return None
     modules = fsdp_modules(module)
     try:
-        priced = {k: v for k, v in (options or {}).items() if k != "collective_timeout_s"}
-        chosen, decisions, prediction = _fsdp2_auto.decide(modules, priced,
+        chosen, decisions, prediction = _fsdp2_auto.decide(modules, dict(options or {}),
                                                            _shard_group(modules), group)
     except ConfigError as e:
         raise ConfigError(f"register_codec(model, 'auto'): {e} (FSDP2: give them as "

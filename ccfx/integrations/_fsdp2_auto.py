@@ -12,6 +12,12 @@ activations (no error feedback: the same weights are gathered twice a step), a g
 reduction's as gradient buckets. Nothing is hidden behind compute (ccfx's compressed FSDP2
 calls are synchronous), so a codec pays where its saved link time exceeds its codec time.
 
+The predicted step counts each call as often as a step runs it: a module that reshards after
+forward is gathered twice (forward, and again in backward), a root left at FSDP2's default once;
+every module reduce-scatters (and under HSDP all-reduces) once. FSDP2's compute is in no graph
+ccfx sees, so the prediction is of the collectives' seconds; after training steps the plan
+sets it beside the seconds measured inside ccfx's comms (``FSDP2Codecs.seconds``).
+
 Rank 0 decides and every rank takes its answer (:func:`ccfx.wire.agree.from_rank0`): codec
 timings differ between ranks, and the codecs of one collective must not.
 """
@@ -23,11 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _torch_compat as tc
 from ..config import Config
 from ..errors import ConfigError
 from ..plan import Decision, Prediction
 from ..planner.candidates import candidates
-from ..planner.collective_model import CollectiveTraffic, choose_collective_codecs, prediction
+from ..planner.collective_model import CollectiveTraffic, choose_collective_codecs
 from ..planner.plan_collectives import link_for
 from ..planner.plan_edges import describe_link
 from ..runtime.fsdp2_codecs import KINDS, check_spec
@@ -51,6 +58,31 @@ def _own_parameters(modules) -> dict[str, list[torch.Tensor]]:
 
 def _inside(module: torch.nn.Module, outer: torch.nn.Module) -> bool:
     return any(sub is module for sub in outer.modules())
+
+
+def per_step(modules) -> dict[tuple[str, str], int]:
+    """``(module, kind)`` → calls per training step (see the module docstring)."""
+    out = {}
+    for name, m in modules:
+        root = not any(other is not m and _inside(m, other) for _, other in modules)
+        out[(name, "all_gather")] = tc.fsdp_gathers_per_step(m, root)
+        out[(name, "reduce_scatter")] = out[(name, "all_reduce")] = 1
+    return out
+
+
+def _step_prediction(choice, rows, counts, link_text: str) -> Prediction:
+    """The step's collective seconds, uncompressed and as chosen, each call counted as often
+    as a step runs it."""
+    raw = chosen = 0.0
+    for i, ((name, kind, _), d) in enumerate(zip(rows, choice.decisions)):
+        costs, n = dict(d.candidates), counts[(name, kind)]
+        raw += n * costs["none"]
+        chosen += n * costs[choice.codecs[i]]
+    gathers = sum(counts[(n, k)] for n, k, _ in rows if k == "all_gather")
+    reductions = sum(1 for _, k, _ in rows if k != "all_gather")
+    return Prediction(raw, chosen, link_text, "FSDP2 step", 1,
+                      "nothing (FSDP2's compute is in no graph ccfx sees): the collectives "
+                      f"alone, {gathers} gathers and {reductions} reductions a step")
 
 
 def _shard_numel(p: torch.Tensor, world: int) -> int:
@@ -108,9 +140,8 @@ def choose(modules, options: dict[str, Any], group, replicate) -> tuple[
                                       link, min_gain=config.auto_min_gain)
     specs = {(name, kind): choice.codecs[i] for i, (name, kind, _) in enumerate(rows)}
     decisions = [((name, kind), d) for (name, kind, _), d in zip(rows, choice.decisions)]
-    return specs, decisions, prediction(choice, describe_link(link),
-                                        "nothing (FSDP2's compute is in no graph ccfx sees: "
-                                        "the collectives alone)")
+    return specs, decisions, _step_prediction(choice, rows, per_step(modules),
+                                              describe_link(link))
 
 
 def decide(modules, options: dict[str, Any], group, replicate):

@@ -176,6 +176,9 @@ class FSDP2Codecs:
         #: how long a collective on CPU (gloo) waits for its peers before a CollectiveError
         #: names them (``options={"collective_timeout_s": ...}``; Config's default)
         self.timeout_s: float = Config.collective_timeout_s
+        #: wall seconds spent inside ccfx's FSDP2 comm calls (encode, wire, decode; a raw
+        #: collective FSDP waits on itself counts its issue only), over every step so far
+        self.seconds = 0.0
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -209,8 +212,10 @@ class FSDP2Codecs:
         except RuntimeError as e:
             raise self.failed(ch, group, e) from e
 
-    def count(self, ch: Channel) -> None:
-        """One call of ``ch`` in the ledger (a gradient reduction also counts a step)."""
+    def count(self, ch: Channel, seconds: float = 0.0) -> None:
+        """One call of ``ch`` that took ``seconds``, in the ledger (a gradient reduction also
+        counts a step)."""
+        self.seconds += seconds
         self.ledger.record_collective(0, ch.index, ch.raw_bytes, ch.wire_bytes)
         if ch.kind != "all_gather":
             self.ledger.count_call(("fsdp2", ch.module, ch.kind))

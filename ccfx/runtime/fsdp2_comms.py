@@ -43,6 +43,7 @@ A raw collective FSDP asks for with ``async_op`` returns torch's ``Work``, which
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -111,6 +112,7 @@ class CodecAllGather(tc.FsdpAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False):
+        start = time.perf_counter()
         ch = self.channel.bind(input_tensor, group)
         timeout_s = _timeout(self.owner, input_tensor)
         if ch.algorithm is None:
@@ -123,7 +125,7 @@ class CodecAllGather(tc.FsdpAllGather):
             output_tensor.copy_(self.owner.run(ch, input_tensor, _comm(group, timeout_s),
                                                group))
             work = None
-        self.owner.count(ch)
+        self.owner.count(ch, time.perf_counter() - start)
         return work
 
 
@@ -139,6 +141,7 @@ class CodecReduceScatter(tc.FsdpReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False):
+        start = time.perf_counter()
         reduce_op, factor = _reduce_op(op)
         ch = self.channel.bind(input_tensor, group, reduce_op)
         timeout_s = _timeout(self.owner, input_tensor)
@@ -153,7 +156,7 @@ class CodecReduceScatter(tc.FsdpReduceScatter):
             output_tensor.copy_(self.owner.run(ch, x, _comm(group, timeout_s), group)
                                  .view_as(output_tensor))
             work = None
-        self.owner.count(ch)
+        self.owner.count(ch, time.perf_counter() - start)
         return work
 
 
@@ -165,6 +168,7 @@ class CodecAllReduce:
         self.owner, self.channel = owner, channel
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        start = time.perf_counter()
         group = self.owner.replicate
         ch = self.channel.bind(reduce_output, group, "avg")
         timeout_s = _timeout(self.owner, reduce_output)
@@ -179,7 +183,7 @@ class CodecAllReduce:
             reduce_output.copy_(self.owner.run(ch, reduce_output.view(-1),
                                                _comm(group, timeout_s), group)
                                 .view_as(reduce_output))
-        self.owner.count(ch)
+        self.owner.count(ch, time.perf_counter() - start)
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -29,13 +29,14 @@ def plan_of_fsdp2(state: FSDP2Codecs):
     note += "; below, the 'graph' column names the FSDP module"
     if not rows:
         note += "; no collective ran yet (run one forward and backward)"
+    notes = [note] + _measured(state)
     gathers = [ch.call for ch in state.channels.values()
                if ch.kind == "all_gather" and ch.call is not None]
     whole = Stage(graph=0, index=0, nodes=[], cost=0.0, cost_expr="0", flops=0,
                   param_bytes=sum(c.numel * c.world * c.dtype.itemsize for c in gathers),
                   params=list(state.modules))
     graph = GraphPlan(index=0, requested_stages=1, num_stages=1, balance="fsdp2",
-                      stages=[whole], edges=[], shared=[], notes=[note], collectives=rows,
+                      stages=[whole], edges=[], shared=[], notes=notes, collectives=rows,
                       decisions=list(state.decisions), prediction=state.prediction)
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
@@ -49,3 +50,14 @@ def plan_of_fsdp2(state: FSDP2Codecs):
                                                note="torch's FSDP2 with ccfx's comms; the "
                                                "gradient codec is its reduce-scatters' (HSDP: "
                                                "the replicas' all-reduce's)"))
+
+
+def _measured(state: FSDP2Codecs) -> list[str]:
+    """The seconds a step spent inside ccfx's comms so far, beside ``auto``'s prediction."""
+    if not state.steps:
+        return []
+    text = (f"measured: {state.seconds / state.steps:.4g} s per step inside ccfx's FSDP2 "
+            f"comms (mean of {state.steps} steps, the first included)")
+    if state.prediction is not None:
+        text += f"; auto predicted {state.prediction.chosen_s:.4g} s"
+    return [text]
