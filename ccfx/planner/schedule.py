@@ -29,6 +29,7 @@ exposed; most steady-state sends hide), computed for the actual schedule.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -105,11 +106,20 @@ def simulate(schedule: str, stages: Sequence[StageCost], microbatches: int,
         raise ValueError(f"schedule {schedule!r}: the planner simulates {', '.join(SCHEDULES)}")
     n = len(stages)
     links = hop_links(link, n)
-    programs = [PROGRAMS[schedule](s, n, microbatches, stages[s]) for s in range(n)]
+    programs = [_program(schedule, s, n, microbatches, stages[s]) for s in range(n)]
     return _run(programs, nbytes, links)
 
 
-def _run(programs: list[list[Instruction]], nbytes: Callable[[Message], int],
+@functools.lru_cache(maxsize=4096)
+def _program(schedule: str, stage: int, num_stages: int, microbatches: int,
+             cost: StageCost) -> tuple[Instruction, ...]:
+    """A rank's program, made once per (schedule, place, microbatches, cost): a search that
+    changes one hop's codec changes the costs of the two stages beside it, and the other
+    stages' programs are the ones simulated before (the simulation only reads them)."""
+    return tuple(PROGRAMS[schedule](stage, num_stages, microbatches, cost))
+
+
+def _run(programs: Sequence[Sequence[Instruction]], nbytes: Callable[[Message], int],
          links: Sequence[Link]) -> Timeline:
     """Run every rank's program: each step advances the runnable rank with the earliest
     clock that can move; where all wait, the earliest ready message goes on its link.
@@ -143,7 +153,7 @@ class _Simulation:
     the messages posted, ready but not yet on a link (``pending``), and timed; when each link
     is free again."""
 
-    def __init__(self, programs: list[list[Instruction]], nbytes: Callable[[Message], int],
+    def __init__(self, programs: Sequence[Sequence[Instruction]], nbytes: Callable[[Message], int],
                  links: Sequence[Link]):
         n = len(programs)
         self.programs, self.nbytes, self.links = programs, nbytes, links
