@@ -313,7 +313,7 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
     ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=300, help="training steps per run (300)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -330,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"target: none's smoothed loss at this fraction of the run ({TARGET_AT})")
     ap.add_argument("--target", type=float, default=None,
                     help="one loss target for every seed instead of --target-at")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     common.quiet()
     torch.set_num_threads(a.threads)
     args = sys.argv[1:] if argv is None else argv

@@ -217,8 +217,8 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None,
     import torch
 
     import ccfx
-    from bench.local_steps import _data, _evaluate
-    from ccfx.models import GPTConfig, TinyGPT
+    import ccfx.models  # imported before phases["imported"]: the phases time the imports
+    from bench.local_steps import _data
 
     phases = {"started": started, "imported": time.time()}
     if cfg.get("keep_failed_group"):  # the behaviour before the abort, to measure it
@@ -232,15 +232,7 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None,
     model, opt = warm or _build(cfg, index, vocab)
     phases["model"] = time.time()
     if gate is not None:  # meet once torchft's manager heartbeats, just before the join
-        from ccfx.runtime.elastic import Elastic
-
-        keep = Elastic._keep_state_per_element
-
-        def keep_then_meet(self):
-            keep(self)
-            _start(gate, cfg["timeout_s"])
-
-        Elastic._keep_state_per_element = keep_then_meet
+        _meet_before_join(gate, cfg["timeout_s"])
     places = ({"trainers": cfg["replicas"], "slot": None if spare else index}
               if cfg.get("restart") == "spare" else {})
     outer = ccfx.local_steps(
@@ -266,14 +258,37 @@ def _replica(name, index, cfg, stop_at, out, started, warm=None, gate=None,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+    summary = _replica_summary(outer, index, held_out, vocab, gpt)
+    outer.close()
+    out.put(("done", name, summary))
+
+
+def _meet_before_join(gate, timeout_s: float) -> None:
+    """Have this process's ``Elastic`` meet the first replicas at ``gate`` (:func:`_start`)
+    once torchft's manager heartbeats, just before the join."""
+    from ccfx.runtime.elastic import Elastic
+
+    keep = Elastic._keep_state_per_element
+
+    def keep_then_meet(self):
+        keep(self)
+        _start(gate, timeout_s)
+
+    Elastic._keep_state_per_element = keep_then_meet
+
+
+def _replica_summary(outer, index: int, held_out, vocab: int, gpt: dict) -> dict:
+    """A replica's bytes and steps; r0's also the held-out loss of the global parameters."""
+    from bench.local_steps import _evaluate
+    from ccfx.models import GPTConfig, TinyGPT
+
     summary = {"wire": outer.wire_bytes, "raw": outer.raw_bytes, "steps": outer.step}
     if index == 0:
         probe = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
         probe.load_state_dict({n: g for n, g in outer.global_parameters().items()},
                               strict=False)
         summary["held_out"] = _evaluate(probe, held_out)
-    outer.close()
-    out.put(("done", name, summary))
+    return summary
 
 
 def sent_bytes(cfg: dict) -> int:

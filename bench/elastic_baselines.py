@@ -36,29 +36,59 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float,
                gate=None) -> None:
     """One replica on torchft's DiLoCo (see the module docstring); messages as
     bench.elastic.replica's."""
+    # imported before phases["imported"] is stamped: the phases time the imports
     import torch
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo
+    import torch.distributed
+    import torchft.local_sgd  # noqa: F401 (torchft: its Manager, process groups and DiLoCo)
 
+    import ccfx.models  # noqa: F401
     from bench.local_steps import _data, _evaluate
-    from ccfx.models import GPTConfig, TinyGPT
 
     phases = {"started": started, "imported": time.time()}
     gpt = cfg.get("gpt", GPT)
     torch.set_num_threads(1)
     train, held_out, vocab = _data(gpt["block_size"], 0, index, BATCH)
     phases["data"] = time.time()
+    model, opt, outer_opt = _tf_model(cfg, index, vocab)
+    phases["model"] = time.time()
+    _start(gate, cfg["timeout_s"])
+    healed = [False]
+    manager, _store = _tf_manager(name, cfg, model, opt, healed)  # _store: held while it runs
+    phases["manager"] = time.time()
+    out.put(("phases", name, phases))
+    step = _tf_train(name, index, cfg, stop_at, out, started, manager,
+                     (model, opt, outer_opt), train, healed)
+    numel = sum(p.numel() for p in model.parameters())
+    summary = {"wire": None, "raw": None, "steps": step, "numel": numel}
+    if index == 0:  # after a sync the model holds the global parameters (fragment_update_alpha 0)
+        summary["held_out"] = _evaluate(model, held_out)
+    manager.shutdown(wait=False)
+    out.put(("done", name, summary))
+
+
+def _tf_model(cfg: dict, index: int, vocab: int):
+    """The replica's model (seeded as ccfx's replicas, bench.elastic._build), its AdamW and
+    the outer SGD: ccfx's (lr 1, no momentum) or with ``--tf-outer nesterov`` DiLoCo's."""
+    import torch
+
+    from ccfx.models import GPTConfig, TinyGPT
+
     torch.manual_seed(index if cfg.get("init_sync") else 0)  # as ccfx's replicas (_build)
-    model = TinyGPT(GPTConfig(vocab_size=vocab, **gpt))
+    model = TinyGPT(GPTConfig(vocab_size=vocab, **cfg.get("gpt", GPT)))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     if cfg.get("tf_outer") == "nesterov":
         outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     else:
         outer_opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0)
-    phases["model"] = time.time()
-    _start(gate, cfg["timeout_s"])
-    healed = [False]
+    return model, opt, outer_opt
+
+
+def _tf_manager(name: str, cfg: dict, model, opt, healed: list[bool]):
+    """torchft's Manager for this replica and the store it serves (the caller holds it while
+    the manager lives): a gloo process group, the model and the inner optimizer's state as
+    what a healing replica loads (``healed[0]`` set when it does)."""
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
 
     def load(state):
         model.load_state_dict(state["model"])
@@ -73,15 +103,23 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float,
     timeout = timedelta(seconds=cfg.get("tf_timeout_s", 60))
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # its machine's address (--link star)
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
+    return Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=save,
         min_replica_size=2, use_async_quorum=False, timeout=timeout,
         quorum_timeout=timedelta(seconds=300), connect_timeout=timedelta(seconds=30),
         rank=0, world_size=1, store_addr=host, store_port=store.port,
         lighthouse_addr=cfg["lighthouse"], replica_id=name, hostname=host,
-        max_retries=20, init_sync=bool(cfg.get("init_sync")))
-    phases["manager"] = time.time()
-    out.put(("phases", name, phases))
+        max_retries=20, init_sync=bool(cfg.get("init_sync"))), store
+
+
+def _tf_train(name, index, cfg, stop_at, out, started, manager, optimised, train,
+              healed) -> int:
+    """Inner steps under torchft's DiLoCo until :func:`bench.elastic.finished`, a row per
+    ``perform_sync`` (its fragment's, wrapped); returns the inner steps taken."""
+    import torch
+    from torchft.local_sgd import DiLoCo
+
+    model, opt, outer_opt = optimised
     h = cfg["h"]
     step = 0
     with DiLoCo(manager, [model], opt, outer_opt, sync_every=h, pin_memory=False) as diloco:
@@ -110,12 +148,7 @@ def tf_replica(name: str, index: int, cfg: dict, stop_at, out, started: float,
             step += 1
             if diloco._local_step == 0 and finished(index, manager.current_step(), stop_at):
                 break
-    numel = sum(p.numel() for p in model.parameters())
-    summary = {"wire": None, "raw": None, "steps": step, "numel": numel}
-    if index == 0:  # after a sync the model holds the global parameters (fragment_update_alpha 0)
-        summary["held_out"] = _evaluate(model, held_out)
-    manager.shutdown(wait=False)
-    out.put(("done", name, summary))
+    return step
 
 
 def ckpt_replica(name: str, index: int, cfg: dict, port: int, resume: int | None, out,
@@ -200,78 +233,109 @@ def _ckpt_entry(name, index, cfg, port, resume, out):
     ckpt_replica(name, index, cfg, port, resume, out, time.time())
 
 
-def inside_ckpt(cfg: dict) -> dict:
-    """The checkpoint-restart run, in the namespace (see the module docstring)."""
-    from bench.elastic import _phase_delay, sent_bytes
+class _CkptFleet:
+    """The checkpoint-restart run's replicas, started together and killed together, and what
+    they report: r0's rows, r0's readiness per start, each replica's summary."""
 
-    ctx = mp.get_context("spawn")
-    names = [f"r{i}" for i in range(cfg["replicas"])]
-    cfg = {**cfg, "ckpt_dir": tempfile.mkdtemp(prefix="ccfx-ckpt-")}
-    procs, queues = {}, {}
-    rows: dict[str, list[dict]] = {}
-    ready: list[dict] = []
-    done: dict[str, dict] = {}
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.ctx = mp.get_context("spawn")
+        self.names = [f"r{i}" for i in range(cfg["replicas"])]
+        self.procs, self.queues = {}, {}
+        self.rows: dict[str, list[dict]] = {}
+        self.ready: list[dict] = []
+        self.done: dict[str, dict] = {}
 
-    def start_all(resume):
+    def start_all(self, resume: int | None) -> None:
         port = _free_port()
-        for i, n in enumerate(names):
-            queues[n] = ctx.Queue()
-            procs[n] = ctx.Process(target=_ckpt_entry,
-                                   args=(n, i, cfg, port, resume, queues[n]), daemon=True)
-            procs[n].start()
+        for i, n in enumerate(self.names):
+            self.queues[n] = self.ctx.Queue()
+            self.procs[n] = self.ctx.Process(
+                target=_ckpt_entry, args=(n, i, self.cfg, port, resume, self.queues[n]),
+                daemon=True)
+            self.procs[n].start()
 
-    def take(kind, who, data):
+    def take(self, kind, who, data) -> None:
         if kind == "row":
-            rows.setdefault(who, []).append(data)
+            self.rows.setdefault(who, []).append(data)
         elif kind == "ready":
             if who == "r0":
-                ready.append(data)
+                self.ready.append(data)
         elif kind != "saved":
-            done[who] = data
+            self.done[who] = data
 
-    def pump():
-        drain(queues, take)
+    def pump(self) -> None:
+        drain(self.queues, self.take)
 
+    def restart_all(self, syncs: int) -> dict:
+        """SIGKILL every replica and start them all again from the newest sync every one of
+        them saved; the kill's record."""
+        killed_at = time.time()
+        for p in self.procs.values():
+            os.kill(p.pid, signal.SIGKILL)
+        for p in self.procs.values():
+            p.join(10)
+        # the newest sync every replica saved (os.replace: a file is whole or absent)
+        resume = max((k for k in range(syncs + 1) if all(os.path.exists(os.path.join(
+            self.cfg["ckpt_dir"], f"{n}_{k}.pt")) for n in self.names)), default=None)
+        kill = {"at_sync": syncs, "resume": resume, "time": killed_at,
+                "rows_before": len(self.rows.get("r0", []))}
+        self.queues.clear()
+        self.start_all(resume)
+        return kill
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+
+
+def inside_ckpt(cfg: dict) -> dict:
+    """The checkpoint-restart run, in the namespace (see the module docstring)."""
+    from bench.elastic import sent_bytes
+
+    cfg = {**cfg, "ckpt_dir": tempfile.mkdtemp(prefix="ccfx-ckpt-")}
+    fleet = _CkptFleet(cfg)
     tx0 = sent_bytes(cfg)
     t0 = time.time()
-    start_all(None)
+    fleet.start_all(None)
+    try:
+        kills = _ckpt_run(cfg, fleet)
+    finally:
+        fleet.stop()
+    return _ckpt_result(cfg, fleet, kills, sent_bytes(cfg) - tx0, t0)
+
+
+def _ckpt_run(cfg: dict, fleet: _CkptFleet) -> list[dict]:
+    """Until every replica is done: every ``kill_every`` inner steps (once r0 has reached the
+    sync, ``kill_phase`` into its interval) every replica is killed and restarted."""
+    from bench.elastic import _phase_delay
+
     kills = []
     every = cfg["kill_every"] // cfg["h"]
     next_kill, kill_at = every, None
     deadline = time.monotonic() + cfg["timeout_s"]
-    try:
-        while not all(n in done for n in names):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run did not finish in {cfg['timeout_s']} s; done {done}")
-            pump()
-            r0 = rows.get("r0", [])
-            syncs = r0[-1]["syncs"] if r0 else 0
-            if (every and syncs >= next_kill and syncs < cfg["syncs"] - 1
-                    and kill_at is None):
-                kill_at = time.time() + _phase_delay(r0, cfg)
-            if kill_at and time.time() >= kill_at:
-                kill_at = None
-                killed_at = time.time()
-                for p in procs.values():
-                    os.kill(p.pid, signal.SIGKILL)
-                for p in procs.values():
-                    p.join(10)
-                # the newest sync every replica saved (os.replace: a file is whole or absent)
-                resume = max((k for k in range(syncs + 1) if all(os.path.exists(os.path.join(
-                    cfg["ckpt_dir"], f"{n}_{k}.pt")) for n in names)), default=None)
-                kills.append({"at_sync": syncs, "resume": resume, "time": killed_at,
-                              "rows_before": len(rows.get("r0", []))})
-                queues.clear()
-                start_all(resume)
-                next_kill = max(next_kill, resume or 0) + every
-            time.sleep(0.05)
-        pump()
-    finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-    tx = sent_bytes(cfg) - tx0
-    r0 = rows["r0"]
+    while not all(n in fleet.done for n in fleet.names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run did not finish in {cfg['timeout_s']} s; done {fleet.done}")
+        fleet.pump()
+        r0 = fleet.rows.get("r0", [])
+        syncs = r0[-1]["syncs"] if r0 else 0
+        if (every and syncs >= next_kill and syncs < cfg["syncs"] - 1
+                and kill_at is None):
+            kill_at = time.time() + _phase_delay(r0, cfg)
+        if kill_at and time.time() >= kill_at:
+            kill_at = None
+            kills.append(fleet.restart_all(syncs))
+            next_kill = max(next_kill, kills[-1]["resume"] or 0) + every
+        time.sleep(0.05)
+    fleet.pump()
+    return kills
+
+
+def _ckpt_result(cfg: dict, fleet: _CkptFleet, kills: list[dict], tx: int, t0: float) -> dict:
+    """The run's row, as bench.elastic.inside's: goodput over r0's rows, restarts, lost steps."""
+    r0, done = fleet.rows["r0"], fleet.done
     wall = r0[-1]["time"] - r0[0]["time"]
     per_sync = cfg["h"] * cfg["replicas"]
     # the syncs after r0's first row: the wall starts at that row, so the steps before it do
@@ -289,7 +353,7 @@ def inside_ckpt(cfg: dict) -> dict:
             "syncs": r0[-1]["syncs"], "torchft_steps": [], "uncommitted": 0,
             "wall_s": wall, "useful_steps": useful, "goodput": useful / wall,
             "kills": len(kills), "first_commit_s": restart, "lost_steps": lost,
-            "ready_s": [r["ready"] - r["started"] for r in ready[1:]],
+            "ready_s": [r["ready"] - r["started"] for r in fleet.ready[1:]],
             "sent_bytes": tx, "sent_bytes_per_sync": tx / max(len(r0), 1),
             "wire": done["r0"]["wire"], "raw": done["r0"]["raw"],
             "held_out": done["r0"].get("held_out"), "total_s": time.time() - t0}

@@ -176,30 +176,11 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
     from torch.distributed.pipelining import Schedule1F1B
 
     import ccfx
-    from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, batches, load_corpus
 
     mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    torch.manual_seed(seed)
-    model = TinyGPT(GPTConfig(vocab_size=tok.vocab_size, **MODEL))
-    stream = batches(tok.encode(text), batch // dp, MODEL["block_size"], 1000 * seed + dp_rank)
-    fwd_codec, bwd_codec, grads = split_codec(codec, argparse.Namespace(
-        gradient_codec=gradient_codec))
-    options = {"stages": pp, "activation_codec": fwd_codec, "activation_grad_codec": bwd_codec,
-               "gradient_codec": grads if dp > 1 else "none",
-               "lowering": "eager"}
-    if codec == "auto":
-        options.update(cluster=cluster, microbatches=microbatches, pipeline_schedule="1F1B")
-    if split_points and pp > 1:  # the stages the planner priced (its memory is per stage)
-        options["split_points"] = tuple(split_points)
-    compiled = torch.compile(model, backend="ccfx", fullgraph=True, options=options)
-    x, _ = next(stream)
-    compiled(x.chunk(microbatches)[0])
-    stages = ccfx.build_stages(compiled, pp_rank, "cpu", mesh.get_group("pp"),
-                               dp_group=mesh.get_group("dp") if dp > 1 else None)
-    del compiled, model
+    options = _options(codec, pp, dp, microbatches, cluster, gradient_codec, split_points)
+    # _first: the batch the stages were compiled on, live (the tensor figures count it)
+    stages, stream, _first = _build_rank(mesh, options, batch, microbatches, seed)
     # the baseline of the memory figure: this rank's resident bytes now, the other stages'
     # weights and the compile's transients freed and handed back to the OS, less its own
     # stage's parameters (they are part of what the planner predicts)
@@ -242,6 +223,46 @@ def train_rank(rank: int, world: int, *, pp: int, dp: int, codec: str, batch: in
             "params": sum(p.numel() for p in params),
             "param_grad_opt_bytes": 2 * sum(p.numel() * p.element_size() for p in params)
             + state}
+
+
+def _options(codec: str, pp: int, dp: int, microbatches: int, cluster: dict,
+             gradient_codec: str | None, split_points: list[str] | None) -> dict:
+    """A row's compile options: its codecs (``split_codec``; ``auto`` planned on ``cluster``),
+    and the stages the planner priced when it gave them (its memory is per stage)."""
+    fwd_codec, bwd_codec, grads = split_codec(codec, argparse.Namespace(
+        gradient_codec=gradient_codec))
+    options = {"stages": pp, "activation_codec": fwd_codec, "activation_grad_codec": bwd_codec,
+               "gradient_codec": grads if dp > 1 else "none",
+               "lowering": "eager"}
+    if codec == "auto":
+        options.update(cluster=cluster, microbatches=microbatches, pipeline_schedule="1F1B")
+    if split_points and pp > 1:  # the stages the planner priced (its memory is per stage)
+        options["split_points"] = tuple(split_points)
+    return options
+
+
+def _build_rank(mesh, options: dict, batch: int, microbatches: int, seed: int):
+    """This rank's stages on the (dp, pp) ``mesh``, the whole model compiled with ``options``
+    at the microbatch shape and then dropped; its replica's batches, and the first of them
+    (the compile's)."""
+    import torch
+
+    import ccfx
+    from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, batches, load_corpus
+
+    dp = mesh.size(0)
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    text = load_corpus()
+    tok = CharTokenizer(text)
+    torch.manual_seed(seed)
+    model = TinyGPT(GPTConfig(vocab_size=tok.vocab_size, **MODEL))
+    stream = batches(tok.encode(text), batch // dp, MODEL["block_size"], 1000 * seed + dp_rank)
+    compiled = torch.compile(model, backend="ccfx", fullgraph=True, options=options)
+    first = next(stream)
+    compiled(first[0].chunk(microbatches)[0])
+    stages = ccfx.build_stages(compiled, pp_rank, "cpu", mesh.get_group("pp"),
+                               dp_group=mesh.get_group("dp") if dp > 1 else None)
+    return stages, stream, first
 
 
 def _malloc_trim() -> None:

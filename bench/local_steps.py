@@ -851,20 +851,7 @@ def main(argv: list[str] | None = None) -> int:
                  "collective": a.collective, "variants": [asdict(v) for v in variants]}
     t_start = time.perf_counter()
     if a.part in ("loss", "both"):
-        t0 = time.perf_counter()
-        rows = run_loss(variants, a)
-        out["loss"] = {"steps": a.steps, "rows": rows, "wall_s": time.perf_counter() - t0}
-        params = next((r["params"] for r in rows if _ok(r)), None)
-        print(f"\nloss part: {MODELS[a.model]['gpt']} GPT"
-              + (f", {params / 1e6:.2f} M parameters" if params else "")
-              + f", {a.world} ranks, {a.steps} steps of {a.batch} x {gpt['block_size']} tokens "
-              f"per rank, AdamW lr {a.lr:g}, seed {a.seed}; unshaped; eval = held-out loss of "
-              "the global parameters after finish(); train = mean over ranks of the last "
-              f"{LAST} steps; bytes = payload a rank contributes per step")
-        cells, notes = loss_table(rows)
-        print(common.table(cells, LOSS_HEADER))
-        print("\n".join(notes + loss_goals(rows)))
-        print(f"loss part: {out['loss']['wall_s']:.0f} s", flush=True)
+        out["loss"] = _loss_part(variants, a)
     if a.part in ("time", "both"):
         t0 = time.perf_counter()
         try:
@@ -887,6 +874,26 @@ def main(argv: list[str] | None = None) -> int:
     out["wall_s"] = time.perf_counter() - t_start
     common.write_json(a.json, "local_steps", out)
     return 0
+
+
+def _loss_part(variants: list, a) -> dict:
+    """The loss part (every variant unshaped) and its table; its entry of the JSON."""
+    gpt = MODELS[a.model]["gpt"]
+    t0 = time.perf_counter()
+    rows = run_loss(variants, a)
+    part = {"steps": a.steps, "rows": rows, "wall_s": time.perf_counter() - t0}
+    params = next((r["params"] for r in rows if _ok(r)), None)
+    print(f"\nloss part: {MODELS[a.model]['gpt']} GPT"
+          + (f", {params / 1e6:.2f} M parameters" if params else "")
+          + f", {a.world} ranks, {a.steps} steps of {a.batch} x {gpt['block_size']} tokens "
+          f"per rank, AdamW lr {a.lr:g}, seed {a.seed}; unshaped; eval = held-out loss of "
+          "the global parameters after finish(); train = mean over ranks of the last "
+          f"{LAST} steps; bytes = payload a rank contributes per step")
+    cells, notes = loss_table(rows)
+    print(common.table(cells, LOSS_HEADER))
+    print("\n".join(notes + loss_goals(rows)))
+    print(f"loss part: {part['wall_s']:.0f} s", flush=True)
+    return part
 
 
 if __name__ == "__main__":

@@ -122,14 +122,7 @@ def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: i
 
     spec = MODELS[model]
     m = make_model(model)
-    pp_world, pp_group, dp_group, dp_rank = world_size, None, None, 0
-    if dp > 1:  # PP x DP: a (dp, pp) mesh; each replica trains on its own data
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "pp"))
-        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        pp_world, rank, dp_rank = world_size // dp, mesh.get_local_rank("pp"), \
-            mesh.get_local_rank("dp")
+    pp_world, rank, dp_rank, pp_group, dp_group = _mesh(rank, world_size, dp)
     batches = data(model, warmup + steps, seed=1 + dp_rank)
     micro = spec["micro"]
     example = batches[0][0].chunk(micro)[0]
@@ -140,18 +133,9 @@ def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: i
         stage, params = _torch_stage(model, m, rank, world_size)
         params = params.parameters()
     else:
-        fwd, bwd = CODECS[variant]
-        options = {"stages": pp_world, "activation_codec": fwd, "activation_grad_codec": bwd,
-                   "gradient_codec": gradient_codec, "lowering": lowering}
-        if variant == "ccfx-auto":
-            options.update(auto_options(micro, link_gbps))
-        compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options)
-        compiled(example)  # compiles and plans at the microbatch shape
-        chosen = [(d.what, d.chosen) for d in ccfx.plan_of(compiled).graphs[0].decisions]
-        stage = ccfx.build_stages(compiled, rank, "cpu", pp_group, dp_group=dp_group)[0]
-        ledger = ccfx.ledger_of(compiled)
+        options = _ccfx_options(variant, pp_world, gradient_codec, lowering, micro, link_gbps)
+        stage, ledger, chosen = _ccfx_stage(m, options, example, rank, pp_group, dp_group)
         params = stage.submod.parameters()
-        del compiled
     world_size = pp_world
     opt = (torch.optim.AdamW(params, lr=3e-3) if model == "gpt"
            else torch.optim.SGD(params, lr=0.01))
@@ -182,6 +166,44 @@ def train_rank(rank: int, world_size: int, *, model: str, variant: str, steps: i
         raw = wire = _raw_bytes(stage) * micro * steps
     return {"times": times, "losses": losses, "raw_bytes": raw / steps, "wire_bytes": wire / steps,
             "chosen": chosen}
+
+
+def _mesh(rank: int, world_size: int, dp: int):
+    """This rank in the pipeline: (pipeline ranks, stage, replica, pp group, dp group); with
+    ``dp > 1`` (PP x DP) a (dp, pp) mesh, each replica training on its own data."""
+    if dp <= 1:
+        return world_size, rank, 0, None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "pp"))
+    return (world_size // dp, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"),
+            mesh.get_group("pp"), mesh.get_group("dp"))
+
+
+def _ccfx_options(variant: str, stages: int, gradient_codec: str, lowering: str,
+                  microbatches: int, link_gbps: float | None) -> dict:
+    """The compile options of a ccfx variant: its activation codecs forward and backward
+    (``ccfx-auto``: the planner's, told the link)."""
+    fwd, bwd = CODECS[variant]
+    options = {"stages": stages, "activation_codec": fwd, "activation_grad_codec": bwd,
+               "gradient_codec": gradient_codec, "lowering": lowering}
+    if variant == "ccfx-auto":
+        options.update(auto_options(microbatches, link_gbps))
+    return options
+
+
+def _ccfx_stage(m, options: dict, example, rank: int, pp_group, dp_group):
+    """This rank's stage of ``m`` compiled with ``options`` and planned at the microbatch
+    shape of ``example``; the ledger that counts its bytes and the codecs the plan chose."""
+    import torch
+
+    import ccfx
+
+    compiled = torch.compile(m, backend="ccfx", fullgraph=True, options=options)
+    compiled(example)  # compiles and plans at the microbatch shape
+    chosen = [(d.what, d.chosen) for d in ccfx.plan_of(compiled).graphs[0].decisions]
+    stage = ccfx.build_stages(compiled, rank, "cpu", pp_group, dp_group=dp_group)[0]
+    return stage, ccfx.ledger_of(compiled), chosen
 
 
 def auto_options(microbatches: int, link_gbps: float | None) -> dict:

@@ -148,7 +148,7 @@ def describe(choice: dict[int, tuple[str, str]], pm) -> str:
                      for e in pm.edges if e.dtype.is_floating_point)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
     ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=None, help="steps per loss run (300)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="(0 1 2)")
@@ -173,7 +173,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", metavar="JSON", help="take the loss runs a previous --json of "
                     "the same settings holds (same variant, seed and codecs) instead of "
                     "training them again: more seeds for the cost of the new ones")
-    a = ap.parse_args(argv)
+    return ap
+
+
+class LossRuns:
+    """The loss runs and each variant's steps to the target over the seeds: every variant of
+    a seed trained from that seed's initialisation (``initials``) and batches."""
+
+    def __init__(self, data: torch.Tensor, steps: int, seeds: list[int], a):
+        self.data, self.steps, self.seeds, self.a = data, steps, seeds, a
+        self.runs: list[dict] = []
+        self.initials: dict[int, TinyGPT] = {}
+        self.summary: dict[str, dict] = {}
+
+    def train_fixed(self, names: list[str], config: GPTConfig) -> None:
+        """The fixed variants, seed by seed (each seed's model built just before its runs)."""
+        for seed in self.seeds:
+            torch.manual_seed(seed)
+            self.initials[seed] = TinyGPT(config)
+            for name in names:
+                self.runs.append(self._run(name, seed, options(*FIXED[name])))
+        self._summarise(names)
+
+    def train(self, name: str, opts: dict) -> None:
+        """One more variant (compile options ``opts``) over every seed."""
+        for seed in self.seeds:
+            self.runs.append(self._run(name, seed, opts))
+        self._summarise([name])
+
+    def _run(self, name: str, seed: int, opts: dict) -> dict:
+        return _run(name, self.initials[seed], self.data, seed, self.steps, self.a, opts)
+
+    def _summarise(self, names: list[str]) -> None:
+        convergence.add_steps_to_target(self.runs, at=self.a.target_at, window=self.a.smooth)
+        for n in names:
+            self.summary[n] = convergence.steps_summary(
+                [r for r in self.runs if r["variant"] == n])
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     a.reused = _reusable(a.reuse)
     steps = a.steps or (200 if a.quick else 300)
     seeds = a.seeds or ([0, 1] if a.quick else [0, 1, 2])
@@ -189,78 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     config = GPTConfig(vocab_size=vocab, **MODELS[a.model])
     torch.manual_seed(0)
     base = timing_model(TinyGPT(config), data, a)
+    loss = LossRuns(data, steps, seeds, a)
+    loss.train_fixed(fixed_names, config)
 
-    runs: list[dict] = []
-    initials = {}
-    for seed in seeds:
-        torch.manual_seed(seed)
-        initials[seed] = TinyGPT(config)
-        for name in fixed_names:
-            runs.append(_run(name, initials[seed], data, seed, steps, a, options(*FIXED[name])))
-    convergence.add_steps_to_target(runs, at=a.target_at, window=a.smooth)
-    summary = {n: convergence.steps_summary([r for r in runs if r["variant"] == n])
-               for n in fixed_names}
+    from ccfx.planner.steps_model import role_table
 
-    from ccfx.planner.steps_model import StepsModel, role_table
-    from ccfx.steps_table import StepsTable
-
-    table = role_table({n: (*FIXED[n], summary[n]["multiplier"])
+    table = role_table({n: (*FIXED[n], loss.summary[n]["multiplier"])
                         for n in fixed_names if n != "none"})
-    # per link: the timing model, auto's choices; a new auto choice is trained over the seeds
-    trained = {_key(base, uniform(base, *FIXED[n])): n for n in fixed_names}
-    links, choices = {}, {}
-    for gbps in [a.gbps, *a.extra_gbps]:
-        pm = with_link(base, gbps, a.latency_ms)
-        links[gbps] = pm
-        for row, objective in (("auto", "time_to_loss"), ("auto-step", "step")):
-            choices[gbps, row] = plan_auto(pm, table, objective, a.min_gain)
-        key = _key(pm, choices[gbps, "auto"])
-        if key not in trained:
-            name = "auto" if gbps == a.gbps else f"auto@{gbps * 1000:g}Mbit/s"
-            overrides = {f"edge {e}": f"{f}/{b}" for e, (f, b) in choices[gbps, "auto"].items()}
-            for seed in seeds:
-                runs.append(_run(name, initials[seed], data, seed, steps, a,
-                                 options("none", "none", overrides)))
-            convergence.add_steps_to_target(runs, at=a.target_at, window=a.smooth)
-            summary[name] = convergence.steps_summary([r for r in runs if r["variant"] == name])
-            trained[key] = name
+    trained, links, choices = price_links(base, table, fixed_names, loss, a)
     wall = time.perf_counter() - t0
-
-    model = StepsModel(StepsTable.from_dict(table), base.edges)
-    tables = {}
-    for gbps, pm in links.items():
-        rows = []
-        for name in [*fixed_names, *AUTO_ROWS]:
-            choice = uniform(pm, *FIXED[name]) if name in FIXED else choices[gbps, name]
-            twin = trained.get(_key(pm, choice))
-            if twin is not None:
-                steps_row = summary[twin]
-                source = "measured" if twin == name else f"measured (= {twin})"
-            else:
-                m = model(choice)
-                steps_row = {"steps_mean": m * summary["none"]["steps_mean"], "steps_std": None,
-                             "unreached": 0, "multiplier": m, "multiplier_std": None}
-                source = "predicted (steps model)"
-            step = pm.predict(choice).step_s
-            rows.append({"variant": name, "codecs": describe(choice, pm), "step_s": step,
-                         "source": source, **steps_row, "T_s": steps_row["steps_mean"] * step})
-        for r in rows:
-            r["speedup"] = rows[0]["T_s"] / r["T_s"]
-        tables[gbps] = rows
-
-    print(f"\ntiny GPT {initials[seeds[0]].num_parameters() / 1e6:.2f} M parameters "
-          f"({config.n_layer} blocks, width {config.n_embd}), {STAGES} stages of one block, "
-          f"{steps} AdamW steps of {a.batch_size} x {config.block_size} tokens, seeds "
-          f"{' '.join(map(str, seeds))};\ntarget: none's smoothed loss (mean of the last "
-          f"{a.smooth} steps) at step {max(a.smooth, round(a.target_at * steps))}, per seed; "
-          f"timing: {a.schedule}, {a.microbatches} microbatches, every boundary at "
-          f"{a.latency_ms:g} ms latency (simulated)")
-    for gbps, rows in tables.items():
-        print(f"\nevery boundary {gbps * 1000:g} Mbit/s:")
-        print(common.table(table_rows(rows), HEADER))
-        print("\n".join(goals(rows)))
-    print(f"\nsteps multipliers per role (written with --table): {table}")
-    print(f"wall time {wall:.0f} s ({len(runs)} loss runs)")
+    tables = {gbps: link_rows(pm, fixed_names, {row: c for (g, row), c in choices.items()
+                                                if g == gbps}, trained, loss.summary, table)
+              for gbps, pm in links.items()}
+    _report(a, config, loss, table, tables, wall)
     if a.table:
         import json
 
@@ -275,8 +255,78 @@ def main(argv: list[str] | None = None) -> int:
         "table": table, "wall_s": wall,
         "choices": {f"{g * 1000:g}Mbit/s {row}": {str(e): list(v) for e, v in c.items()}
                     for (g, row), c in choices.items()},
-        "tables": {f"{g * 1000:g}Mbit/s": rows for g, rows in tables.items()}, "runs": runs})
+        "tables": {f"{g * 1000:g}Mbit/s": rows for g, rows in tables.items()},
+        "runs": loss.runs})
     return 0
+
+
+def price_links(base, table: dict, fixed_names: list[str], loss: LossRuns, a):
+    """Per link (``--gbps``, then ``--extra-gbps``): the timing model and auto's choices under
+    both objectives; an auto choice no run holds yet is trained over the seeds. Returns the
+    trained choices (key → variant), the timing model per link and the choices per (link,
+    row)."""
+    trained = {_key(base, uniform(base, *FIXED[n])): n for n in fixed_names}
+    links, choices = {}, {}
+    for gbps in [a.gbps, *a.extra_gbps]:
+        pm = with_link(base, gbps, a.latency_ms)
+        links[gbps] = pm
+        for row, objective in (("auto", "time_to_loss"), ("auto-step", "step")):
+            choices[gbps, row] = plan_auto(pm, table, objective, a.min_gain)
+        key = _key(pm, choices[gbps, "auto"])
+        if key not in trained:
+            name = "auto" if gbps == a.gbps else f"auto@{gbps * 1000:g}Mbit/s"
+            overrides = {f"edge {e}": f"{f}/{b}" for e, (f, b) in choices[gbps, "auto"].items()}
+            loss.train(name, options("none", "none", overrides))
+            trained[key] = name
+    return trained, links, choices
+
+
+def link_rows(pm, fixed_names: list[str], autos: dict, trained: dict, summary: dict,
+              table: dict) -> list[dict]:
+    """One link's table: per variant (the fixed ones, then ``autos``' rows) its steps to the
+    target (a trained run's, measured, else the steps model's prediction), predicted step and
+    T, and T against none's."""
+    from ccfx.planner.steps_model import StepsModel
+    from ccfx.steps_table import StepsTable
+
+    model = StepsModel(StepsTable.from_dict(table), pm.edges)
+    rows = []
+    for name in [*fixed_names, *AUTO_ROWS]:
+        choice = uniform(pm, *FIXED[name]) if name in FIXED else autos[name]
+        twin = trained.get(_key(pm, choice))
+        if twin is not None:
+            steps_row = summary[twin]
+            source = "measured" if twin == name else f"measured (= {twin})"
+        else:
+            m = model(choice)
+            steps_row = {"steps_mean": m * summary["none"]["steps_mean"], "steps_std": None,
+                         "unreached": 0, "multiplier": m, "multiplier_std": None}
+            source = "predicted (steps model)"
+        step = pm.predict(choice).step_s
+        rows.append({"variant": name, "codecs": describe(choice, pm), "step_s": step,
+                     "source": source, **steps_row, "T_s": steps_row["steps_mean"] * step})
+    for r in rows:
+        r["speedup"] = rows[0]["T_s"] / r["T_s"]
+    return rows
+
+
+def _report(a, config: GPTConfig, loss: LossRuns, table: dict, tables: dict,
+            wall: float) -> None:
+    """The run's settings, one table per link with the goals under it, the role table."""
+    seeds, steps = loss.seeds, loss.steps
+    print(f"\ntiny GPT {loss.initials[seeds[0]].num_parameters() / 1e6:.2f} M parameters "
+          f"({config.n_layer} blocks, width {config.n_embd}), {STAGES} stages of one block, "
+          f"{steps} AdamW steps of {a.batch_size} x {config.block_size} tokens, seeds "
+          f"{' '.join(map(str, seeds))};\ntarget: none's smoothed loss (mean of the last "
+          f"{a.smooth} steps) at step {max(a.smooth, round(a.target_at * steps))}, per seed; "
+          f"timing: {a.schedule}, {a.microbatches} microbatches, every boundary at "
+          f"{a.latency_ms:g} ms latency (simulated)")
+    for gbps, rows in tables.items():
+        print(f"\nevery boundary {gbps * 1000:g} Mbit/s:")
+        print(common.table(table_rows(rows), HEADER))
+        print("\n".join(goals(rows)))
+    print(f"\nsteps multipliers per role (written with --table): {table}")
+    print(f"wall time {wall:.0f} s ({len(loss.runs)} loss runs)")
 
 
 def with_link(pm, gbps: float, latency_ms: float):

@@ -228,7 +228,7 @@ def crossing(pm, point: Point, fixed: dict, summary: dict, ratio: float) -> floa
     return math.exp(lo)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
     ap = common.parser(__doc__)
     ap.add_argument("--reuse", metavar="JSON", nargs="+", required=True,
                     help="the loss runs: --json files of bench.time_to_loss (or of this "
@@ -247,7 +247,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per stage")
     ap.add_argument("--train", action="store_true",
                     help="train every auto choice no run holds, over the runs' seeds")
-    a = ap.parse_args(argv)
+    return ap
+
+
+@dataclass
+class Prices:
+    """What every cell of the grid is priced with: the per-role table auto searches
+    (``table``), the fixed variants the runs hold, the choices a run trained (choice key →
+    variant), the steps per variant over the seeds (``summarise``), the steps model for the
+    choices no run trained, and auto's ``min_gain``."""
+
+    table: dict
+    fixed: list[str]
+    trained: dict
+    summary: dict
+    model: object
+    min_gain: float
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     common.quiet()
     torch.set_num_threads(1)
     args = sys.argv[1:] if argv is None else argv
@@ -272,13 +291,54 @@ def main(argv: list[str] | None = None) -> int:
                         for n in fixed if n != "none"})
     data, vocab = convergence.corpus()
     config = GPTConfig(vocab_size=vocab, **old["model"])
-    block = config.block_size
+    shapes = timing_shapes(old["batch_size"], config.block_size, a)
+    profiles = timed_profiles(shapes, old, config, data, a)
+    any_pm = next(iter(profiles.values()))
+    trained = {}
+    for r in runs:
+        trained.setdefault(choice_of_options(r.get("options") or {}, any_pm), r["variant"])
+    prices = Prices(table, fixed, trained, summary,
+                    StepsModel(StepsTable.from_dict(table), any_pm.edges), a.min_gain)
 
-    # one timed profile per shape and microbatch count
-    shapes = [("loss-run batch", old["batch_size"], m) for m in a.microbatches]
+    if a.json:  # the timed profiles first: the grid below can take long
+        common.write_json(a.json, "time_to_loss_sweep", {
+            **{k: old[k] for k in ("model", "steps", "batch_size", "lr")}, "runs": runs,
+            "profiles": {f"{s}|{m}": profile_to_json(p) for (s, m), p in profiles.items()}})
+    points = grid_points(shapes, profiles, a)
+    rows = grid(points, a.gbps, prices)
+    if a.train and train_autos(rows, any_pm, runs, trained, old, config, data):
+        prices.summary = summarise(runs, smooth, target_at)
+        rows = grid(points, a.gbps, prices)
+    wall = time.perf_counter() - t0
+
+    print(f"\nloss runs: {' '.join(a.reuse)} ({old['steps']} steps of {old['batch_size']} x "
+          f"{config.block_size} tokens, seeds {' '.join(map(str, seeds))}; target: none's "
+          f"smoothed loss at {target_at:g} of the run, smoothing {smooth})")
+    print(common.table(multiplier_rows(prices.summary), MULT_HEADER))
+    print(f"per-role table auto searches: {table}")
+    print_grid(rows, points, prices)
+    print(f"\nwall time {wall:.0f} s")
+    common.write_json(a.json, "time_to_loss_sweep", {
+        **{k: old[k] for k in ("model", "steps", "batch_size", "lr")}, "command": args,
+        "smooth": smooth, "target_at": target_at, "seeds": seeds, "table": table,
+        "summary": prices.summary, "grid": rows, "runs": runs, "wall_s": wall,
+        "profiles": {f"{shape}|{mb}": profile_to_json(pm) for (shape, mb), pm in profiles.items()}})
+    return 0
+
+
+def timing_shapes(batch_size: int, block: int, a) -> list[tuple[str, int, int]]:
+    """(shape, batch, microbatches) per timed profile: the loss runs' batch in each
+    ``--microbatches``, and with ``--speedrun`` the speedrun's tokens per step and microbatch."""
+    shapes = [("loss-run batch", batch_size, m) for m in a.microbatches]
     if a.speedrun:
         shapes.append(("speedrun tokens", SPEEDRUN_TOKENS // block,
                        SPEEDRUN_TOKENS // SPEEDRUN_MICROBATCH_TOKENS))
+    return shapes
+
+
+def timed_profiles(shapes, old: dict, config: GPTConfig, data, a) -> dict:
+    """One timing model per shape and microbatch count: a profile a --reuse file holds (unless
+    ``--profile-again``), else the stages timed on this machine."""
     profiles = {}
     for shape, batch, mb in shapes:
         stored = old["profiles"].get(f"{shape}|{mb}")
@@ -290,18 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         ns = SimpleNamespace(batch_size=batch, microbatches=mb, repeats=a.repeats,
                              lr=old["lr"], gbps=0.2, latency_ms=50.0, schedule="GPipe")
         profiles[shape, mb] = ttl.timing_model(TinyGPT(config), data, ns)
-        print(f"  profiled {shape}: {batch // mb} x {block} tokens per microbatch",
+        print(f"  profiled {shape}: {batch // mb} x {config.block_size} tokens per microbatch",
               file=sys.stderr, flush=True)
-    any_pm = next(iter(profiles.values()))
-    trained = {}
-    for r in runs:
-        trained.setdefault(choice_of_options(r.get("options") or {}, any_pm), r["variant"])
-    model = StepsModel(StepsTable.from_dict(table), any_pm.edges)
+    return profiles
 
-    if a.json:  # the timed profiles first: the grid below can take long
-        common.write_json(a.json, "time_to_loss_sweep", {
-            **{k: old[k] for k in ("model", "steps", "batch_size", "lr")}, "runs": runs,
-            "profiles": {f"{s}|{m}": profile_to_json(p) for (s, m), p in profiles.items()}})
+
+def grid_points(shapes, profiles: dict, a) -> list[tuple[Point, object]]:
+    """Every grid line with its timing model: the loss-run batch per microbatch count,
+    latency and schedule, then the speedrun shape per latency and compute scale."""
     # 1F1B needs at least as many microbatches as stages (torch's Schedule1F1B refuses fewer)
     points = [(Point(shape, lat, sched, mb), profiles[shape, mb])
               for shape, _, mb in shapes if shape == "loss-run batch"
@@ -311,72 +367,70 @@ def main(argv: list[str] | None = None) -> int:
         pm = profiles["speedrun tokens", SPEEDRUN_TOKENS // SPEEDRUN_MICROBATCH_TOKENS]
         points += [(Point("speedrun tokens", lat, SPEEDRUN_SCHEDULE, pm.microbatches, s), pm)
                    for lat in a.latency_ms for s in a.compute_scale]
+    return points
 
-    def grid() -> list[dict]:
-        rows = []
-        for point, pm in points:
-            for gbps in a.gbps:
-                p = priced(pm, gbps, point.latency_ms, point.schedule, point.scale)
-                choice = ttl.plan_auto(p, table, "time_to_loss", a.min_gain)
-                rows.append(price(point, p, gbps, choice))
-        return rows
 
-    def price(point, p, gbps, auto_choice) -> dict:
-        cells = {}
-        for name in [*fixed, "auto"]:
-            choice = ttl.uniform(p, *ttl.FIXED[name]) if name != "auto" else auto_choice
-            steps, source = steps_row(choice, p, trained, summary, model)
-            step = p.predict(choice).step_s
-            cells[name] = {"codecs": ttl.describe(choice, p), "step_s": step,
-                           "multiplier": steps["multiplier"], "source": source,
-                           "T_s": steps["steps_mean"] * step,
-                           "choice": {str(e): list(v) for e, v in choice.items()}}
-        for c in cells.values():
-            c["speedup"] = cells["none"]["T_s"] / c["T_s"]
-        return {"point": point.__dict__, "label": point.label(), "gbps": gbps, "cells": cells}
+def grid(points, rates: list[float], prices: Prices) -> list[dict]:
+    """A row per grid line and link rate: auto's choice there and every cell priced."""
+    rows = []
+    for point, pm in points:
+        for gbps in rates:
+            p = priced(pm, gbps, point.latency_ms, point.schedule, point.scale)
+            choice = ttl.plan_auto(p, prices.table, "time_to_loss", prices.min_gain)
+            rows.append(price(point, p, gbps, choice, prices))
+    return rows
 
-    rows = grid()
-    if a.train:
-        new = {}
-        for r in rows:
-            c = r["cells"]["auto"]
-            if c["source"] == "predicted":
-                new.setdefault(ttl._key(any_pm, {int(e): tuple(v)
-                                                 for e, v in c["choice"].items()}), c)
-        for key, c in new.items():
-            name = f"auto[{c['codecs']}]"
-            overrides = {f"edge {e}": f"{f}/{b}" for e, (f, b) in c["choice"].items()}
-            ns = SimpleNamespace(reused={}, reuse=None, batch_size=old["batch_size"],
-                                 lr=old["lr"])
-            for seed in seeds:
-                torch.manual_seed(seed)
-                runs.append(ttl._run(name, TinyGPT(config), data, seed, old["steps"], ns,
-                                     ttl.options("none", "none", overrides)))
-            trained[key] = name
-        if new:
-            summary = summarise(runs, smooth, target_at)
-            rows = grid()
-    wall = time.perf_counter() - t0
 
-    print(f"\nloss runs: {' '.join(a.reuse)} ({old['steps']} steps of {old['batch_size']} x {block} "
-          f"tokens, seeds {' '.join(map(str, seeds))}; target: none's smoothed loss at "
-          f"{target_at:g} of the run, smoothing {smooth})")
-    print(common.table(multiplier_rows(summary), MULT_HEADER))
-    print(f"per-role table auto searches: {table}")
-    names = [*fixed, "auto"]
+def price(point: Point, p, gbps: float, auto_choice, prices: Prices) -> dict:
+    """One row: per fixed variant and auto, its codecs, predicted step, multiplier and T, and
+    T against none's."""
+    cells = {}
+    for name in [*prices.fixed, "auto"]:
+        choice = ttl.uniform(p, *ttl.FIXED[name]) if name != "auto" else auto_choice
+        steps, source = steps_row(choice, p, prices.trained, prices.summary, prices.model)
+        step = p.predict(choice).step_s
+        cells[name] = {"codecs": ttl.describe(choice, p), "step_s": step,
+                       "multiplier": steps["multiplier"], "source": source,
+                       "T_s": steps["steps_mean"] * step,
+                       "choice": {str(e): list(v) for e, v in choice.items()}}
+    for c in cells.values():
+        c["speedup"] = cells["none"]["T_s"] / c["T_s"]
+    return {"point": point.__dict__, "label": point.label(), "gbps": gbps, "cells": cells}
+
+
+def train_autos(rows, any_pm, runs: list[dict], trained: dict, old: dict, config: GPTConfig,
+                data) -> bool:
+    """``--train``: every auto choice of the grid that no run holds, trained over the runs'
+    seeds (appended to ``runs``, recorded in ``trained``); whether there was any."""
+    seeds = sorted({r["seed"] for r in runs})
+    new = {}
+    for r in rows:
+        c = r["cells"]["auto"]
+        if c["source"] == "predicted":
+            new.setdefault(ttl._key(any_pm, {int(e): tuple(v)
+                                             for e, v in c["choice"].items()}), c)
+    for key, c in new.items():
+        name = f"auto[{c['codecs']}]"
+        overrides = {f"edge {e}": f"{f}/{b}" for e, (f, b) in c["choice"].items()}
+        ns = SimpleNamespace(reused={}, reuse=None, batch_size=old["batch_size"],
+                             lr=old["lr"])
+        for seed in seeds:
+            torch.manual_seed(seed)
+            runs.append(ttl._run(name, TinyGPT(config), data, seed, old["steps"], ns,
+                                 ttl.options("none", "none", overrides)))
+        trained[key] = name
+    return bool(new)
+
+
+def print_grid(rows: list[dict], points, prices: Prices) -> None:
+    """A table per grid line, and under it where the best fixed codec crosses 1x and 1.62x."""
+    names = [*prices.fixed, "auto"]
     for label in dict.fromkeys(r["label"] for r in rows):
         mine = [r for r in rows if r["label"] == label]
         print(f"\n{label}:")
         print(common.table(grid_rows(mine, names), grid_header(names)))
         point, pm = next((pt, pm) for pt, pm in points if pt.label() == label)
-        print(crossing_line(pm, point, fixed, summary))
-    print(f"\nwall time {wall:.0f} s")
-    common.write_json(a.json, "time_to_loss_sweep", {
-        **{k: old[k] for k in ("model", "steps", "batch_size", "lr")}, "command": args,
-        "smooth": smooth, "target_at": target_at, "seeds": seeds, "table": table,
-        "summary": summary, "grid": rows, "runs": runs, "wall_s": wall,
-        "profiles": {f"{shape}|{mb}": profile_to_json(pm) for (shape, mb), pm in profiles.items()}})
-    return 0
+        print(crossing_line(pm, point, prices.fixed, prices.summary))
 
 
 MULT_HEADER = ["variant", "seeds", "steps x (mean ± std)", "std err", "unreached",

@@ -15,23 +15,16 @@ import ccfx
 from ccfx.backends.plan_parallel import model_facts
 from ccfx.cli import main as cli_main
 from ccfx.errors import ConfigError
-from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
 from ccfx.planner.codec_cost import CodecTimer
 from ccfx.planner.layout import Layout, predict_layout
 from ccfx.planner.layout_search import balance, search
 from ccfx.planner.memory_model import bucket_memory
 
+from .toy_models import tiny_gpt as gpt
+
 ROOT = Path(__file__).resolve().parents[1]
 #: codec work priced at a fixed rate: the same answer on any machine at any load
 TIMER = CodecTimer(throughput=1e10)
-
-
-def gpt(n_embd: int = 256, batch: int = 16, n_layer: int = 4):
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=96, block_size=64, n_layer=n_layer, n_head=4,
-                              n_embd=n_embd))
-    idx = torch.randint(0, 96, (batch, 64))
-    return model, (idx, idx)
 
 
 def two_nodes(memory="16GiB", inter_gbps=0.1):

@@ -10,13 +10,11 @@ import random
 from dataclasses import replace
 
 import pytest
-import torch
 
 import ccfx
 from ccfx.backends.plan_parallel import model_facts
 from ccfx.cluster_spec import Link
 from ccfx.errors import ConfigError
-from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
 from ccfx.planner import schedule
 from ccfx.planner.codec_cost import CodecTimer
 from ccfx.planner.layout import Layout, predict_layout, step_lower_bound
@@ -24,15 +22,14 @@ from ccfx.planner.layout_search import make_layout, search
 from ccfx.planner.memory_model import recompute_bytes
 from ccfx.wire.schedules import PROGRAMS, StageCost
 
+from .toy_models import tiny_gpt
+
 TIMER = CodecTimer(throughput=1e10)
 
 
 def gpt(n_embd: int = 128, batch: int = 32, n_layer: int = 6):
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=96, block_size=64, n_layer=n_layer, n_head=4,
-                              n_embd=n_embd))
-    idx = torch.randint(0, 96, (batch, 64))
-    return model_facts(model, (idx, idx))
+    """The facts of toy_models' GPT, larger by default than test_layout_planner's."""
+    return model_facts(*tiny_gpt(n_embd, batch, n_layer))
 
 
 def nodes(n: int, per: int, inter_gbps: float, memory="16GiB"):

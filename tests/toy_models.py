@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
+
 
 class MLP(nn.Module):
     def __init__(self, width=32, depth=8):
@@ -140,3 +142,13 @@ def two_layer_mlp(width=256, hidden=1024):
 def relu_stack(layers=8, width=256):
     """``layers`` times (Linear(width, width), ReLU), as one nn.Sequential."""
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+
+
+def tiny_gpt(n_embd=256, batch=16, n_layer=4):
+    """ccfx's TinyGPT (vocabulary 96, context 64, 4 heads) from seed 0, and a batch of
+    ``batch`` random token rows as its (input, target) pair."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=96, block_size=64, n_layer=n_layer, n_head=4,
+                              n_embd=n_embd))
+    idx = torch.randint(0, 96, (batch, 64))
+    return model, (idx, idx)
