@@ -94,6 +94,24 @@ def ledger_of(compiled):
     return backend_of(compiled).ledger
 
 
+def diagnose(model=None, **options):
+    """Which rank is slow (it arrives late at every exchange; its peers wait for it) and, with
+    ``links=True``, which link is slow, from the timings of ccfx's DDP comm hook: a
+    :class:`~ccfx.runtime.diagnose.Diagnosis` (``print`` it). Every rank calls it at the same
+    point. ``diagnose_every`` runs it each n steps. See :mod:`ccfx.runtime.diagnose`."""
+    from ccfx.runtime.diagnose import diagnose as _diagnose
+
+    return _diagnose(model, **options)
+
+
+def diagnose_every(model, steps: int, on_report=None, **options) -> None:
+    """:func:`diagnose` every ``steps`` steps, each report to ``on_report`` (default: the
+    ``ccfx`` logger); ``steps=0`` stops it."""
+    from ccfx.runtime.diagnose import diagnose_every as _every
+
+    _every(model, steps, on_report, **options)
+
+
 def codec_state(compiled):
     """An ``nn.Module`` (:class:`ccfx.codecs.state.CodecState`) whose buffers are the live state
     of the stateful codecs on cut edges and data-parallel gradient buckets (error-feedback
@@ -245,6 +263,8 @@ __all__ = [
     "codec_state",
     "codecs",
     "ddp_comm_hook",
+    "diagnose",
+    "diagnose_every",
     "draw",
     "explain",
     "ledger_of",

@@ -75,6 +75,7 @@ from ..wire.comm import ProcessGroupComm
 from ..wire.exchange import BucketLayout, Exchange, exchange_for
 from ..wire.link import resolve_collective
 from .ledger import Ledger
+from .timings import note_exchange, now
 
 Hook = Callable[["CommHookState", dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -281,10 +282,12 @@ def codec_hook(state: CommHookState,
     live = state.bucket_state(bucket)
     on_cpu = bucket.buffer().device.type == "cpu"  # a CUDA wait orders streams instead
     comm = ProcessGroupComm(state.process_group, state.collective_timeout_s if on_cpu else None)
+    entered = now()  # ccfx.diagnose: when this rank was ready to exchange the bucket
     try:
         averaged = live.exchange.run(bucket.gradients(), live.tensors, comm)
     except RuntimeError as e:
         raise _failed(state, bucket, live, e) from e
+    note_exchange(state, state.steps, entered, bucket.is_last())  # ccfx.diagnose's timings
     buffer = bucket.buffer()
     flat = torch.cat([t.reshape(-1) for t in averaged]).to(buffer.dtype).view(buffer.shape)
     state.ledger.record_bucket(0, bucket.index(), live.exchange.raw_bytes,
@@ -300,7 +303,7 @@ def codec_hook(state: CommHookState,
 
 
 def _failed(state: CommHookState, bucket: dist.GradBucket, live: _BucketState,
-            e: RuntimeError) -> CollectiveError:
+            e: RuntimeError, step: int | None = None) -> CollectiveError:
     """A failed exchange (a dead, frozen or diverged peer: gloo's error, after
     ``collective_timeout_s`` at most on CPU) as a :class:`~ccfx.CollectiveError` naming this
     rank, the bucket, what was awaited and the peer rank gloo's address points at (:func:`ccfx.wire.agree.blame`).
@@ -308,7 +311,7 @@ def _failed(state: CommHookState, bucket: dist.GradBucket, live: _BucketState,
     from ..wire import agree
 
     what = (f"the DDP comm hook's exchange of bucket {bucket.index()} ({state.spec} via "
-            f"{live.exchange.collective}, step {state.steps})")
+            f"{live.exchange.collective}, step {state.steps if step is None else step})")
     first, who = agree.failed(what, e, agree.world_ranks(state.process_group))
     rank, world = dist.get_rank(), dist.get_world_size(state.process_group)
     return CollectiveError(
@@ -341,7 +344,7 @@ def hook_state_of(model) -> CommHookState | None:
     if isinstance(model, CommHookState):
         return model
     for hook, state in tc.ddp_comm_hooks(model):
-        if hook is codec_hook and isinstance(state, CommHookState):
+        if isinstance(state, CommHookState):  # codec_hook, or ccfx.delayed_comm_hook's
             return state
     return None
 
