@@ -38,6 +38,7 @@ the trace says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Mapping
@@ -53,6 +54,8 @@ from ccfx.planner.cluster import Cluster
 from ccfx.planner.layout_result import ParallelPlan
 from ccfx.planner.layout_search import search
 from ccfx.planner.model_facts import LayerFacts, ModelFacts
+
+from .tp_derive import LinearFlow
 
 
 class _OpCounter(tc.TorchDispatchMode):
@@ -185,7 +188,8 @@ def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
         buffers = {n: _fake(b) for n, b in model.named_buffers()}
         fake_args, fake_kwargs = _fake(args), _fake(kwargs)
     trace = _BlockTrace({id(p) for p in params.values()})
-    trace.run(model, blocks, fake_mode, {**params, **buffers}, fake_args, fake_kwargs)
+    flow = LinearFlow(container, *blocks[0]) if blocks else None
+    trace.run(model, blocks, fake_mode, {**params, **buffers}, fake_args, fake_kwargs, flow)
     total = trace.counter.get_total_flops()
     saved, ops = trace.saved, trace.ops
 
@@ -202,7 +206,7 @@ def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
     layers = [_block_facts(trace, i, name, block, len(blocks), total, pre_params, post_params)
               for i, (name, block) in enumerate(blocks)]
     return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace",
-                      ops.main_matmul())
+                      ops.main_matmul(), derived_tp_plan=flow.plan())
 
 
 class _BlockTrace:
@@ -244,14 +248,16 @@ class _BlockTrace:
         return [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
 
     def run(self, model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]],
-            fake_mode, state: dict, fake_args, fake_kwargs) -> None:
-        """Run the model's forward on fake tensors with every block hooked; a ConfigError
-        where the forward cannot run on fake tensors (it reads data values)."""
-        handles = []
+            fake_mode, state: dict, fake_args, fake_kwargs, flow=None) -> None:
+        """Run the model's forward on fake tensors with every block hooked (and ``flow``, a
+        :class:`~ccfx.backends.tp_derive.LinearFlow`, recording); a ConfigError where the
+        forward cannot run on fake tensors (it reads data values)."""
+        handles = flow.hooks() if flow is not None else []
         for name, block in blocks:
             handles += self.hook(block, name)
         try:
             with fake_mode, self.counter, self.ops, \
+                    flow.mode if flow is not None else contextlib.nullcontext(), \
                     torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 torch.func.functional_call(model, state, fake_args, fake_kwargs)
         # what a fake tensor raises where the forward needs data (DataDependentOutputError is a

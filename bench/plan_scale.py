@@ -11,8 +11,13 @@ cluster of 80 GiB devices at 4e14 FLOP/s (an H100's dense bf16 rate as training 
 
 Per case: the search's seconds (the model's facts apart), the layouts searched, fit, refused
 and pruned, and the chosen layout with its predicted step and peak memory.
+``--tensor-parallel`` searches tensor parallelism too (``plan_parallel(...,
+tensor_parallel=True)``: the GPT declares no plan, so its Megatron plan is derived from its
+traced data flow); ``--megatron`` then also prices Megatron-LM's published layout for its
+76 B GPT on 1,024 A100s (TP 8, PP 4, DP 32) on the 65 B case's cluster, for a side by side.
 
     python -m bench.plan_scale                       # 7b-64 and 65b-1024
+    python -m bench.plan_scale --tensor-parallel --megatron
 """
 
 from __future__ import annotations
@@ -48,19 +53,42 @@ def case(name: str):
     return model, (idx, idx), cluster
 
 
-def plan_case(name: str) -> dict:
-    """Plan case ``name``: the search's seconds and the answer, as a table row's fields."""
+def plan_case(name: str, tensor_parallel: bool | None = None, megatron: bool = False) -> dict:
+    """Plan case ``name``: the search's seconds and the answer, as a table row's fields;
+    ``megatron``: also Megatron-LM's layout's rank and step among those priced."""
     from ccfx.backends.plan_parallel import plan_parallel
 
     model, inputs, cluster = case(name)
     t0 = time.perf_counter()
-    plan = plan_parallel(model, inputs, cluster)
+    plan = plan_parallel(model, inputs, cluster, tensor_parallel=tensor_parallel)
     best = plan.chosen
-    return {"case": name, "total_s": time.perf_counter() - t0, "search_s": plan.search_s,
-            "searched": len(plan.ranked) + len(plan.refused) + len(plan.pruned),
-            "fit": len(plan.ranked), "refused": len(plan.refused), "pruned": len(plan.pruned),
-            "chosen": best.layout.describe(), "step_s": best.step_s,
-            "peak_gib": best.peak_memory_bytes / 2 ** 30}
+    row = {"case": name + ("+tp" if tensor_parallel else ""),
+           "total_s": time.perf_counter() - t0, "search_s": plan.search_s,
+           "searched": len(plan.ranked) + len(plan.refused) + len(plan.pruned),
+           "fit": len(plan.ranked), "refused": len(plan.refused), "pruned": len(plan.pruned),
+           "chosen": best.layout.describe(), "step_s": best.step_s,
+           "peak_gib": best.peak_memory_bytes / 2 ** 30}
+    if megatron and cluster.world == MEGATRON["tp"] * MEGATRON["pp"] * MEGATRON["dp"]:
+        row["megatron"] = megatron_row(plan)
+    return row
+
+
+#: Megatron-LM's layout for its 76.1 B GPT on 1,024 A100s (Narayanan et al., SC'21, Table 1):
+#: tensor 8 inside a node, pipeline 4, data 32; 140 TFLOP/s per GPU, 45 % of the A100's peak.
+MEGATRON = {"tp": 8, "pp": 4, "dp": 32, "tflops_per_gpu": 140, "of_peak": 0.45}
+
+
+def megatron_row(plan) -> dict | None:
+    """Where the searched layouts put Megatron's degrees (the fastest of its placements and
+    microbatch counts): its step, its rank among the fitting layouts, its peak memory."""
+    ranked = list(plan.ranked)
+    mine = [p for p in ranked if (p.layout.tp, p.layout.pp, p.layout.dp) ==
+            (MEGATRON["tp"], MEGATRON["pp"], MEGATRON["dp"])]
+    if not mine:
+        return None
+    p = min(mine, key=lambda q: q.step_s)
+    return {"layout": p.layout.describe(), "step_s": p.step_s, "rank": ranked.index(p) + 1,
+            "of": len(ranked), "peak_gib": p.peak_memory_bytes / 2 ** 30}
 
 
 def rows(results: list[dict]) -> list[list[str]]:
@@ -76,12 +104,25 @@ HEADER = ["case", "search s", "total s", "searched / fit / refused / pruned", "c
 def main(argv=None) -> int:
     ap = common.parser(__doc__)
     ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["7b-64", "65b-1024"])
+    ap.add_argument("--tensor-parallel", action="store_true",
+                    help="search tensor parallelism too (the GPT's derived Megatron plan)")
+    ap.add_argument("--megatron", action="store_true",
+                    help="also price Megatron-LM's TP 8 x PP 4 x DP 32 among the layouts")
     a = ap.parse_args(argv)
     results = []
     for name in a.cases:
         print(f"[plan] {name} ...", flush=True)
-        results.append(plan_case(name))
+        results.append(plan_case(name, True if a.tensor_parallel else None, a.megatron))
     print(common.table(rows(results), HEADER))
+    for r in results:
+        if "megatron" in r and r["megatron"] is None:
+            print(f"{r['case']}: Megatron-LM's TP 8 x PP 4 x DP 32 was not simulated (pruned: "
+                  "its lower bound already lost to the fastest found)")
+        m = r.get("megatron")
+        if m:
+            print(f"{r['case']}: Megatron-LM's TP 8 x PP 4 x DP 32 priced {m['step_s']:.3g} s "
+                  f"({m['layout']}), {m['step_s'] / r['step_s'] - 1:+.1%} against the chosen, "
+                  f"rank {m['rank']} of {m['of']} fitting, peak {m['peak_gib']:.1f} GiB")
     common.write_json(a.json, "plan_scale", {"results": results})
     return 0
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -355,9 +355,33 @@ class ClusterSpec:
         if len(idx) < 2:
             raise ConfigError(f"cluster: slowest_link needs two devices or more, got "
                               f"{[self.names[i] for i in idx]}")
-        links = {self.link(i, j) for i in idx for j in idx if i != j}
+        links = {self.link(i, j) for i, j in self.pair_kinds(idx)}
         slowest = min(links, key=lambda link: (link.gbps, -link.latency_ms))
         return replace(slowest, latency_ms=max(link.latency_ms for link in links))
+
+    def pair_kinds(self, idx: Sequence[int]) -> list[tuple[int, int]]:
+        """Among the devices at the sorted positions ``idx``, one ordered pair per kind of link
+        between two of them, each the first of its kind in ``(i, j)`` order, sorted: inside a
+        node, between two nodes of a region, between regions (a pair's link depends on nothing
+        else). Every pair for a matrix. What 512 devices' 261,632 pairs reduce to."""
+        if self.matrix is not None:
+            return [(i, j) for i in idx for j in idx if i != j]
+        devices = self.devices
+        pairs = []
+        by_node: dict = {}
+        by_region: dict = {}
+        for i in idx:
+            by_node.setdefault(devices[i].node, []).append(i)
+            by_region.setdefault(devices[i].region, []).append(i)
+        pairs += [(m[0], m[1]) for m in by_node.values() if len(m) > 1]
+        for members in by_region.values():
+            node = devices[members[0]].node
+            j = next((j for j in members if devices[j].node != node), None)
+            pairs += [(members[0], j)] if j is not None else []
+        region = devices[idx[0]].region
+        j = next((j for j in idx if devices[j].region != region), None)
+        pairs += [(idx[0], j)] if j is not None else []
+        return sorted(pairs)
 
     def select(self, devices: Iterable) -> ClusterSpec:
         """The cluster of ``devices`` only, in that order (a placement: rank r runs on

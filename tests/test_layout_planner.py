@@ -468,3 +468,63 @@ def test_bench_rows_name_each_codec():
     assert split_codec("int8/int4:ef/none") == ("int8", "int4:ef", "none")
     assert split_codec("int8/int4:ef", argparse.Namespace(gradient_codec="bf16")) == (
         "int8", "int4:ef", "bf16")
+
+
+def test_the_slowest_link_within_groups_is_the_slowest_of_every_pair_in_them():
+    # a data-parallel group of 512 is priced by one pair per kind (inside a node, between
+    # nodes of a region, between regions), not by its 262,144 pairs: the same answer
+    import random
+
+    from ccfx.cluster_spec import Device, Link
+    from ccfx.planner.cluster import Cluster
+    from ccfx.planner.layout import Links
+
+    devices = tuple(Device(f"d{i}", 2**30, 1e12, node=f"n{i // 3}", region=f"r{i // 9}")
+                    for i in range(27))
+    cluster = Cluster(devices, intra_node=Link(gbps=800, latency_ms=0.01),
+                   inter_node=Link(gbps=100, latency_ms=0.05),
+                   inter_region=Link(gbps=10, latency_ms=2.0),
+                   node_links=(("n4", Link(gbps=50, latency_ms=0.02)),),
+                   region_links=(("r2", Link(gbps=25, latency_ms=0.5)),))
+    links, rng = Links(cluster), random.Random(0)
+    for _ in range(200):
+        groups = [rng.sample(cluster.names, rng.randint(2, 6)) for _ in range(rng.randint(1, 3))]
+        pairs = [(a, b) for g in groups for a in g for b in g]
+        assert links.slowest_within(groups) == links.slowest(pairs), groups
+
+
+def test_a_groups_priced_link_and_its_nodes_out_match_every_pair_of_it():
+    # group_links reads one pair per kind of link and counts the nodes a group leaves in one
+    # pass: the same as asking every pair
+    import random
+
+    from ccfx.cluster_spec import Device, Link
+    from ccfx.planner import links as L
+    from ccfx.planner.cluster import Cluster
+
+    devices = tuple(Device(f"d{i}", 2**30, 1e12, node=f"n{i // 3}", region=f"r{i // 9}")
+                    for i in range(27))
+    rng = random.Random(1)
+    for shared in (False, True):
+        cluster = Cluster(devices, intra_node=Link(gbps=800, latency_ms=0.01),
+                          inter_node=Link(gbps=100, latency_ms=0.05, shared=shared),
+                          inter_region=Link(gbps=100, latency_ms=0.05),
+                          region_links=(("r2", Link(gbps=25, latency_ms=0.5)),))
+        for _ in range(200):
+            idx = sorted(rng.sample(range(27), rng.randint(2, 12)))
+            every = [(i, j) for i in idx for j in idx if i != j]
+            slowest = {cluster.link(i, j) for i, j in every}
+            worst = min(slowest, key=lambda x: (x.gbps, -x.latency_ms))
+            assert cluster.slowest_link(idx).gbps == worst.gbps
+            assert cluster.slowest_link(idx).latency_ms == max(x.latency_ms for x in slowest)
+
+            def key(p):
+                return (cluster.link(*p).gbps, -cluster.link(*p).latency_ms)
+
+            a, b = min(every, key=key)
+            assert min(cluster.pair_kinds(idx), key=key) == (a, b)
+            level = L.level_of(cluster, a, b)
+            brute = {cluster.devices[i].node for i in idx
+                     if any(L._leaves_node(cluster, i, j) and L.level_of(cluster, i, j) == level
+                            for j in idx)}
+            assert L._leaving(cluster, idx, level) == brute, (idx, level)

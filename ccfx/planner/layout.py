@@ -281,9 +281,30 @@ class Links:
 
     def slowest(self, pairs) -> Link:
         """The slowest link among ``pairs`` (lowest bandwidth), with their highest latency."""
-        links = {self.link(a, b) for a, b in pairs if a != b}
-        worst = min(links, key=lambda x: (x.gbps, -x.latency_ms))
-        return replace(worst, latency_ms=max(x.latency_ms for x in links))
+        return _slowest({self.link(a, b) for a, b in pairs if a != b})
+
+    def slowest_within(self, groups) -> Link:
+        """:meth:`slowest` of every pair of distinct devices inside each group of ``groups``
+        (device names), from one pair per kind of link (:meth:`Cluster.pair_kinds`): a
+        data-parallel group of 512 is 512 devices, not 261,632 pairs."""
+        links = set()
+        for group in groups:
+            idx = sorted({self.index[n] for n in group})
+            links |= {self._by_index(i, j) for i, j in self.cluster.pair_kinds(idx)}
+        return _slowest(links)
+
+    def _by_index(self, i: int, j: int) -> Link:
+        hit = self._pair.get((i, j))
+        if hit is None:
+            hit = self._pair[(i, j)] = self.cluster.link(i, j)
+        return hit
+
+
+def _slowest(links: set[Link]) -> Link:
+    """The lowest bandwidth among ``links`` (of equals, the highest latency), with the highest
+    latency of any: a collective waits for its last message."""
+    worst = min(links, key=lambda x: (x.gbps, -x.latency_ms))
+    return replace(worst, latency_ms=max(x.latency_ms for x in links))
 
 
 @dataclass
@@ -517,8 +538,7 @@ def _stage_tensor_parallel(ctx: _Pricing, s: int, st: StageFacts) -> tuple[float
     tp, dp = ctx.layout.tp, ctx.layout.dp
     if tp == 1:
         return 0.0, None
-    link = ctx.links.slowest((ctx.dev(s, d, a), ctx.dev(s, d, b)) for d in range(dp)
-                             for a in range(tp) for b in range(tp))
+    link = ctx.links.slowest_within([ctx.dev(s, d, t) for t in range(tp)] for d in range(dp))
     per_layer = 0.0
     for i in range(st.lo, st.hi):
         nbytes = ctx.facts.layers[i].out_bytes * ctx.fraction
@@ -632,9 +652,8 @@ def _dp_links(ctx: _Pricing, priced_groups: list) -> list[Link | None]:
         elif s < len(priced_groups) and priced_groups[s] is not None:
             dp_links.append(priced_groups[s].link)
         else:
-            dp_links.append(ctx.links.slowest((ctx.dev(s, a, t), ctx.dev(s, b, t))
-                                              for t in range(tp)
-                                              for a in range(dp) for b in range(dp)))
+            dp_links.append(ctx.links.slowest_within([ctx.dev(s, a, t) for a in range(dp)]
+                                                     for t in range(tp)))
     return dp_links
 
 

@@ -3,8 +3,11 @@
 
 What is enumerated (small on purpose: a 64-device cluster is a few hundred layouts):
 
-* degrees ``pp × dp × tp = world``: ``pp`` up to the model's layers; ``tp`` only for a model
-  that declares a tensor-parallel plan (``ModelFacts.tp_plan``), 2, 4 or 8 and within a node;
+* degrees ``pp × dp × tp = world``: ``pp`` up to the model's layers; ``tp`` 2, 4 or 8 and
+  within a node, for a model that declares a tensor-parallel plan (``ModelFacts.tp_plan``), or
+  with ``tensor_parallel=True`` (a plain transformer's Megatron plan is derived from its
+  traced data flow, ``ModelFacts.derived_tp_plan``; the explanation says so, and says when
+  a derived plan was not searched);
 * microbatches ``pp``, ``2 pp``, ``4 pp``, ``8 pp`` (1 without a pipeline), those that split
   the batch evenly over the replicas;
 * replicated or sharded data parallel (``ccfx.shard``; without a pipeline);
@@ -195,7 +198,8 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
                           tensor_parallel, recompute, skipped, meter)
     priced, variants, pruned = _simulate(facts, cluster, quick, timer, links, local_steps,
                                          top if prune and not target_steps else None, meter)
-    notes = _admit_local_steps(priced, variants, local_steps)
+    notes = _tp_notes(facts, cluster, tensor_parallel) + \
+        _admit_local_steps(priced, variants, local_steps)
 
     # with a target, the score is the time to it: steps × multiplier × step
     def score(p: LayoutPrediction) -> float:
@@ -323,6 +327,27 @@ def _degrees(facts: ModelFacts, cluster: Cluster, tensor_parallel: bool | None,
                                f"of {facts.batch} over {dp} replicas")
                 continue
             yield pp, dp, tp, counts
+
+
+def _tp_notes(facts: ModelFacts, cluster: Cluster, tensor_parallel: bool | None) -> list[str]:
+    """What the search assumed of tensor parallelism, where a node could hold it."""
+    per_node = min(len(v) for v in cluster.by_node().values())
+    if per_node < 2 or tensor_parallel is False:
+        return []
+    derived = facts.derived_tp_plan
+    plan = ", ".join(f"{k} {v}" for k, v in derived or ())
+    if facts.tp_plan is not None:
+        return ["tensor parallel searched with the model's declared plan"]
+    if tensor_parallel:
+        return [f"tensor parallel searched with the Megatron plan derived from the first "
+                f"block's data flow: {plan}" if derived else
+                "tensor parallel priced as if every block split (no Megatron pairing of "
+                "column- and row-parallel linears was found in the first block)"]
+    if derived:
+        return [f"tensor parallel not searched: the model declares no plan; the Megatron plan "
+                f"derived from its first block ({plan}) would apply: pass "
+                "tensor_parallel=True to search it"]
+    return []
 
 
 def _admit_local_steps(priced: list[LayoutPrediction], variants: list[LayoutPrediction],

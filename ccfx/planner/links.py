@@ -74,6 +74,31 @@ def level_of(cluster: Cluster, a: int, b: int) -> str:
     return "inter_region"
 
 
+def _leaving(cluster: Cluster, idx: Sequence[int], level: str) -> set:
+    """The nodes of the devices ``idx`` with a flow to another of them that leaves the node
+    through a contending link of ``level``. Without a matrix, in one pass: a device has one
+    when its region holds another of the nodes (level: its region's) or another region holds
+    one of the devices (level ``inter_region``)."""
+    if cluster.matrix is not None:
+        return {cluster.devices[i].node for i in idx
+                if any(_leaves_node(cluster, i, j) and level_of(cluster, i, j) == level
+                       for j in idx)}
+    devices = cluster.devices
+    nodes_in: dict = {}
+    for i in idx:
+        nodes_in.setdefault(devices[i].region, set()).add(devices[i].node)
+    regions = dict(cluster.region_links)
+    out = set()
+    for region, nodes in nodes_in.items():
+        inside = regions.get(region, cluster.inter_node)
+        if len(nodes) > 1 and not inside.shared and level == (
+                f"region {region}" if region in regions else "inter_node"):
+            out |= nodes
+        if len(nodes_in) > 1 and not cluster.inter_region.shared and level == "inter_region":
+            out |= nodes
+    return out
+
+
 def _leaves_node(cluster: Cluster, a: int, b: int) -> bool:
     """A flow a → b goes out of a's node through a link that contends (see the docstring)."""
     na, nb = cluster.devices[a].node, cluster.devices[b].node
@@ -164,14 +189,10 @@ def group_links(cluster: Cluster, groups: Sequence[Sequence[int]]) -> list[Price
             slowest.append(None)
             continue
         link = cluster.slowest_link(idx)
-        a, b = min(((i, j) for i in idx for j in idx if i != j),
+        a, b = min(cluster.pair_kinds(idx),
                    key=lambda p: (cluster.link(*p).gbps, -cluster.link(*p).latency_ms))
         level = level_of(cluster, a, b)
-        outs = set()
-        if not link.shared:
-            outs = {cluster.devices[i].node for i in idx
-                    if any(_leaves_node(cluster, i, j) and level_of(cluster, i, j) == level
-                           for j in idx)}
+        outs = _leaving(cluster, idx, level) if not link.shared else set()
         for node in outs:
             leaving[(node, level)] = leaving.get((node, level), 0) + 1
         slowest.append((idx, link, level, outs))

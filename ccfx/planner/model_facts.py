@@ -60,6 +60,9 @@ class ModelFacts:
     matmul: tuple[int, int, int] | None = None
     #: the model itself timed on this machine (:class:`MeasuredCompute`), or None
     measured: MeasuredCompute | None = None
+    #: a Megatron plan derived from the first block's data flow where none is declared
+    #: (:mod:`ccfx.backends.tp_derive`): searched with ``tensor_parallel=True``
+    derived_tp_plan: tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self):
         if not self.layers:
