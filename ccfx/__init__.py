@@ -79,6 +79,18 @@ def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather",
                           collective_timeout_s=collective_timeout_s)
 
 
+def delayed_comm_hook(spec: str, process_group=None, *, correct_every: int | None = None,
+                      collective_timeout_s: float = 300.0):
+    """``(state, hook)`` for eager DDP whose bucket exchanges overlap the next step (each
+    gradient applied one step late), with CD-SGD's exact correction every ``correct_every``
+    steps: ``ddp_model.register_comm_hook(*ccfx.delayed_comm_hook("int8", correct_every=10))``.
+    See :mod:`ccfx.runtime.delayed`."""
+    from ccfx.runtime.delayed import delayed_comm_hook as _delayed_comm_hook
+
+    return _delayed_comm_hook(spec, process_group, correct_every=correct_every,
+                              collective_timeout_s=collective_timeout_s)
+
+
 def ledger_of(compiled):
     """The byte ledger of a model compiled with ccfx; of a DDP model with ccfx's comm hook
     (:func:`ddp_comm_hook`), the hook's: bytes per bucket per step (its state's ``ledger``).
@@ -263,6 +275,7 @@ __all__ = [
     "codec_state",
     "codecs",
     "ddp_comm_hook",
+    "delayed_comm_hook",
     "diagnose",
     "diagnose_every",
     "draw",

@@ -109,6 +109,17 @@ def test_plan_sh_chooses_a_layout_for_the_1b_gpt(tmp_path):
 
 
 @pytest.mark.slow
+def test_delayed_dp_overlaps_the_exchange_and_keeps_ranks_equal(tmp_path):
+    line = _summary(_torchrun("delayed_dp.py", tmp_path, "--steps", STEPS), "delayed_dp")
+    assert "2 ranks, 6 steps" in line and "ranks equal: True" in line, line
+    assert "in flight after saving 0" in line, line
+    # int8 (a quarter) at 5 steps of 6, the exact fp32 correction at the 5th
+    assert 0.35 < _number(line, "gradient wire/raw") < 0.4, line
+    first, last = _loss(line)
+    assert last < first, line
+
+
+@pytest.mark.slow
 def test_data_parallel_compresses_gradient_buckets_and_keeps_ranks_equal(tmp_path):
     line = _summary(_torchrun("data_parallel.py", tmp_path, "--steps", STEPS), "data_parallel")
     assert "2 ranks" in line and "ranks equal: True" in line, line
