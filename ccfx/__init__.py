@@ -236,6 +236,18 @@ def local_steps(target, optimizer, group=None, **options):
                         compiled_ledger=ledger, **options)
 
 
+def gossip(model, optimizer=None, **options):
+    """Compressed gossip (CHOCO-SGD) for slow links without a coordinator: after each step of
+    ``optimizer`` every rank sends the compressed difference between its model and its public
+    copy to its neighbours on a ring or 2-D torus and moves towards theirs; no all-reduce.
+    ``options``: ``spec`` (the codec), ``gamma``, ``topology``, ``every``, ``shape``,
+    ``collective_timeout_s``, ``group``. Returns the :class:`~ccfx.runtime.gossip.Gossip`
+    (``consensus()``: how far the ranks' models are apart). See :mod:`ccfx.runtime.gossip`."""
+    from ccfx.runtime.gossip import gossip as _gossip
+
+    return _gossip(model, optimizer, **options)
+
+
 def stage_boundary() -> None:
     """Mark a pipeline stage boundary in a model's ``forward``: ccfx cuts each graph exactly at
     its markers (one stage more than markers; no ``stages`` option needed). It is
@@ -280,6 +292,7 @@ __all__ = [
     "diagnose_every",
     "draw",
     "explain",
+    "gossip",
     "ledger_of",
     "local_steps",
     "plan_of",

@@ -208,6 +208,14 @@ def test_local_steps_sync_compressed_and_leave_equal_global_parameters(tmp_path)
     assert _number(line, "sync wire/raw") < 0.3, line  # int8 (biases raw)
 
 
+@pytest.mark.slow
+def test_gossip_sends_a_tenth_to_its_neighbour_and_keeps_ranks_close(tmp_path):
+    line = _summary(_torchrun("gossip.py", tmp_path, "--steps", STEPS), "gossip")
+    assert "2 ranks on a ring, 6 steps, neighbours [1]" in line, line
+    assert _number(line, "sent/raw per neighbour") == 0.2, line  # topk 10 %: values + indices
+    assert 0 < _number(line, "consensus") < 0.01, line
+
+
 # -- other launchers ----------------------------------------------------------------------------
 
 
