@@ -72,11 +72,13 @@ def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather",
     ``ddp_model.register_comm_hook(*ccfx.ddp_comm_hook("powersgd:rank=4,ef"))``;
     ``collective="ring"`` averages non-summable payloads on ccfx's re-encoding ring;
     ``collective_timeout_s``: how long a CPU rank waits for its peers before naming them. See
-    :mod:`ccfx.runtime.comm_hook`."""
+    :mod:`ccfx.runtime.comm_hook`; ``"adaptive:light=int8,heavy=topk:ratio=0.01,ef"`` switches
+    each bucket between two codecs over training (:mod:`ccfx.runtime.adaptive`)."""
+    from ccfx.runtime.adaptive import adaptive_comm_hook, is_adaptive
     from ccfx.runtime.comm_hook import ddp_comm_hook as _ddp_comm_hook
 
-    return _ddp_comm_hook(spec, process_group, collective,
-                          collective_timeout_s=collective_timeout_s)
+    make = adaptive_comm_hook if is_adaptive(spec) else _ddp_comm_hook
+    return make(spec, process_group, collective, collective_timeout_s=collective_timeout_s)
 
 
 def delayed_comm_hook(spec: str, process_group=None, *, correct_every: int | None = None,

@@ -142,10 +142,7 @@ class CommHookState:
         from ..wire import agree
 
         agree.publish_process()  # once per process: a peer's error can then name this rank
-        # "auto" by bytes (no link given): the same answer on every rank
-        collective = resolve_collective(self.collective, self.spec, layout.numel, layout.dtype,
-                                        dist.get_world_size(self.process_group))
-        exchange = exchange_for(layout, self.spec, collective)
+        exchange = self._exchange_for(index, layout)
         tensors = exchange.init_state(device)
         saved = self._pending.get(index)
         if saved is not None and _saved_layout(saved) == layout:
@@ -158,6 +155,24 @@ class CommHookState:
         elif saved is not None:
             self._warn_mismatch(index)
         return _BucketState(layout, exchange, tensors)
+
+    def _exchange_for(self, index: int, layout: BucketLayout) -> Exchange:
+        """Bucket ``index``'s exchange (a mode switching codecs per bucket gives its own)."""
+        # "auto" by bytes (no link given): the same answer on every rank
+        collective = resolve_collective(self.collective, self.spec, layout.numel, layout.dtype,
+                                        dist.get_world_size(self.process_group))
+        return exchange_for(layout, self.spec, collective)
+
+    def _same_codec(self, saved: str) -> bool:
+        """Whether a checkpoint's spec is this hook's (one no codec reads is not)."""
+        try:
+            return codecs.canonical(saved) == self.spec
+        except ConfigError:  # e.g. an adaptive hook's: the caller names both specs
+            return False
+
+    def plan_spec(self) -> str:
+        """The codec a plan's config names (the buckets' rows name each one's own)."""
+        return self.spec
 
     def _warn_mismatch(self, index: int) -> None:
         if self._warned_mismatch:
@@ -205,7 +220,7 @@ class CommHookState:
         the world size and rank loads without that check. Damaged state (NaN or ±inf,
         unreadable entries) is a :class:`~ccfx.ConfigError` naming the bucket's channel."""
         _check_readable(state)
-        if codecs.canonical(state["spec"]) != self.spec:
+        if not self._same_codec(state["spec"]):
             raise ConfigError(f"this hook state is for codec {self.spec!r}, the checkpoint's is "
                               f"for {state['spec']!r}: build the hook with the checkpoint's spec")
         check_place({k: state[k] for k in ("world_size", "rank") if k in state}, self._place(),
@@ -370,7 +385,7 @@ def plan_of_hook(state: CommHookState, model=None):
             continue
         params = [names.get(i, f"param{k}") for k, i in enumerate(ids)]
         buckets.append(Bucket(graph=0, index=index, params=params, numel=live.layout.numel,
-                              dtype=str(live.layout.dtype), codec=state.spec,
+                              dtype=str(live.layout.dtype), codec=live.exchange.spec,
                               collective=live.exchange.collective,
                               raw_bytes=live.exchange.raw_bytes,
                               wire_bytes=live.exchange.wire_bytes()))
@@ -386,7 +401,7 @@ def plan_of_hook(state: CommHookState, model=None):
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(state.process_group) if initialized else 1
     backend = str(dist.get_backend(state.process_group)) if initialized else "none"
-    config = Config(gradient_codec=state.spec, gradient_collective=state.collective)
+    config = Config(gradient_codec=state.plan_spec(), gradient_collective=state.collective)
     return Plan(config.to_dict(), [graph], option_sources={"gradient_codec": "ddp_comm_hook"},
                 data_parallel=DataParallelInfo(world, backend, state.spec,
                                                note="DDP comm hook (ccfx.ddp_comm_hook)"))

@@ -11,6 +11,9 @@ collective would send, wire bytes what this rank sent). A *step* is one call of 
 (with graph breaks, each graph runs once per step, so ``steps`` is the largest call count among
 the graphs), or on a pipeline's ranks one schedule step (each stage's first microbatch).
 ``per_step()`` divides by it.
+
+Beside the bytes, ``switches``: each time a mode that picks a bucket's codec over training
+(:mod:`ccfx.runtime.adaptive`) changed it, the bucket, the first step of the new codec and why.
 """
 
 from __future__ import annotations
@@ -30,10 +33,28 @@ class EdgeCount:
     wire_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class Switch:
+    """A bucket's codec changed: ``new`` from ``step`` on (``old`` until the step before)."""
+
+    graph: int
+    bucket: int
+    step: int
+    old: str
+    new: str
+    why: str
+
+
 class Ledger:
     def __init__(self):
         self._counts: dict[tuple[int, int, tuple[int, int], str], EdgeCount] = {}
         self._graph_calls: dict = defaultdict(int)  # a graph, or (graph, "stage", index)
+        #: each codec switch of a bucket, in the order they happened
+        self.switches: list[Switch] = []
+
+    def record_switch(self, graph: int, bucket: int, step: int, old: str, new: str,
+                      why: str) -> None:
+        self.switches.append(Switch(graph, bucket, step, old, new, why))
 
     def record(self, graph: int, edge: int, hop: tuple[int, int], direction: str, raw: int,
                wire: int) -> None:
@@ -62,6 +83,7 @@ class Ledger:
     def reset(self) -> None:
         self._counts.clear()
         self._graph_calls.clear()
+        self.switches.clear()
 
     @property
     def steps(self) -> int:
@@ -91,7 +113,7 @@ class Ledger:
         return wire / raw if raw else 1.0
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "steps": self.steps,
             "entries": [
                 {"graph": c.graph, "edge": c.edge, "hop": list(c.hop), "direction": c.direction,
@@ -99,6 +121,9 @@ class Ledger:
                 for c in self.entries()
             ],
         }
+        if self.switches:
+            out["switches"] = [dict(vars(s)) for s in self.switches]
+        return out
 
     def __str__(self) -> str:
         from ..plan import human_bytes
@@ -123,4 +148,8 @@ class Ledger:
                         "collective": "collectives"}.get(d, d)
                 lines.append(f"  {name} per step: {human_bytes(raw)} raw -> {human_bytes(wire)} "
                              f"wire ({wire / raw:.3f})")
+        if self.switches:
+            lines.append("  codec switches (graph, bucket: from step, old -> new, why):")
+        lines += [f"    {s.graph}, bucket {s.bucket}: step {s.step}, {s.old} -> {s.new}, {s.why}"
+                  for s in self.switches]
         return "\n".join(lines)
