@@ -57,6 +57,7 @@ from ccfx.passes.compress_collectives import (
     find_collectives,
 )
 from ccfx.passes.graph_utils import copy_graph, device_of
+from ccfx.passes.shard_buckets import bucket_shard_collectives
 from ccfx.plan import Collective, GraphPlan
 from ccfx.runtime.ledger import Ledger
 from ccfx.wire.world import dist as _dist
@@ -136,6 +137,7 @@ class Collectives:
         found = find_collectives(gm, self.world_of)
         if not found:
             return compile_fn(gm)
+        gm, found = self._bucket(plan, part, gm, found, decompositions)
         base = len(plan.collectives)
         with tc.unset_fake_temporarily():  # compiled inside AOT's fake mode: real timings
             auto = self._plan_auto(plan, desc, part, gm, found, base)
@@ -168,6 +170,27 @@ class Collectives:
                           else (c.index, c.raw_bytes, c.wire_bytes) for c in rows],
                          f"the {part} of graph {plan.index}" if described else "", described,
                          counters, agreed)
+
+    def _bucket(self, plan: GraphPlan, part: str, gm: torch.fx.GraphModule,
+                found: Sequence[FoundCollective], decompositions):
+        """``ccfx.shard``'s parameter collectives merged per block as ``shard_bucket`` says
+        (:mod:`ccfx.passes.shard_buckets`) on a copy of ``gm``, and the copy's collectives;
+        ``gm`` and ``found`` themselves where nothing merges. The plan notes the buckets."""
+        if self.config.shard_bucket == "none" or sum(
+                f.kind in ("all_gather", "reduce_scatter") for f in found) < 2:
+            return gm, found
+        bucketed = bucket_shard_collectives(copy_graph(gm), self.config.shard_bucket,
+                                            decompositions)
+        buckets = bucketed.meta["ccfx"]["shard_buckets"]
+        if not buckets:
+            return gm, found
+        merged = sum(len(b.members) for b in buckets)
+        plan.notes.append(
+            f"shard_bucket={self.config.shard_bucket!r}: the {part} of graph {plan.index} "
+            f"merges {merged} parameter collectives into {len(buckets)} (one per block: "
+            + ", ".join(f"{b.kind} {b.block or '(outside blocks)'} x{len(b.members)}"
+                        for b in buckets) + ")")
+        return bucketed, find_collectives(bucketed, self.world_of)
 
     def _comm(self, group_name: str, world: int, device):
         """The comm the compressed phases issue through: on a gloo group of CPU tensors their

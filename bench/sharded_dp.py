@@ -18,7 +18,9 @@ Variants (all compiled unless the name says eager):
 * ``ccfx-eager``: ``ccfx.shard(model)``, not compiled (uncompressed);
 * ``ccfx-none``: ``ccfx.shard(model)`` + ``backend="ccfx"``, ``collective_codec="none"``;
 * ``ccfx-int8``: ``collective_overrides`` all_gather and reduce_scatter int8;
-* ``ccfx-zero++``: all_gather int8, reduce_scatter ``int4:ef`` (ZeRO++'s qwZ / qgZ shape).
+* ``ccfx-zero++``: all_gather int8, reduce_scatter ``int4:ef`` (ZeRO++'s qwZ / qgZ shape);
+* ``ccfx-none-unbucketed``, ``ccfx-int8-unbucketed``: as those, one collective per parameter
+  (``shard_bucket="none"``); the others merge each block's (``"block"``, the default).
 
 Three parts:
 
@@ -26,6 +28,10 @@ Three parts:
   with tc tbf (bench/shaped.py; root), 2 warm-up steps then N timed steps; the step time is the
   slowest rank's mean; "x fsdp2" and "x ccfx-none" are those rows' step times over the
   variant's, measured in the same table.
+* ``--part buckets``: as the time part, for ``ccfx.shard``'s bucketing (``shard_bucket``):
+  ``ccfx-none`` and ``ccfx-int8`` with one all-gather / reduce-scatter per parameter
+  (``-unbucketed``) and per block (the default), the collectives each rank issues per step
+  (ccfx's ledger) and the ratios of both.
 * ``--part memory``: per rank, one training step (after a first one: AdamW allocates its state
   there) against the unsharded model on one rank: this rank's bytes of parameters, gradients
   (after backward) and AdamW state (after the step), counted, and ccfx's codec state
@@ -36,6 +42,7 @@ Three parts:
   (each rank its own batches), the held-out loss per seed, and mean and spread per variant.
 
     python -m bench.sharded_dp                              # time part, 100 and 1000 Mbit/s
+    python -m bench.sharded_dp --part buckets --rates 100       # per parameter vs per block
     python -m bench.sharded_dp --part memory
     python -m bench.sharded_dp --part loss --variants ccfx-none --seeds 0 1 2 --steps 40
 """
@@ -69,10 +76,15 @@ OVERRIDES = {
     "ccfx-int8": {"all_gather": "int8", "reduce_scatter": "int8"},
     "ccfx-zero++": {"all_gather": "int8", "reduce_scatter": "int4:ef"},
 }
+#: The same variants with one collective per parameter (``shard_bucket="none"``); the others
+#: merge each block's (the default, ``"block"``).
+UNBUCKETED = {f"{v}-unbucketed": v for v in ("ccfx-none", "ccfx-int8")}
+#: ``--part buckets``: each variant per parameter, then bucketed per block.
+BUCKET_VARIANTS = ("ccfx-none-unbucketed", "ccfx-none", "ccfx-int8-unbucketed", "ccfx-int8")
 #: ``collective_codec="auto"`` planned for the shaped link (the time part's rate; 100 Mbit/s
 #: unshaped): the planner picks per collective within the loss budget.
 AUTO = "ccfx-auto"
-VARIANTS = ("fsdp2", "fsdp2-eager", "ccfx-eager", *OVERRIDES, AUTO)
+VARIANTS = ("fsdp2", "fsdp2-eager", "ccfx-eager", *OVERRIDES, *UNBUCKETED, AUTO)
 DEFAULT_VARIANTS = ("fsdp2", *OVERRIDES)
 
 
@@ -110,8 +122,10 @@ def _compile(model: torch.nn.Module, variant: str, rate: float | None = None):
         return torch.compile(model, backend="ccfx", options={
             "collective_codec": "auto", "link_gbps": (rate or 100.0) / 1000,
             "link_shared": True})
+    bucket = "none" if variant in UNBUCKETED else "block"
     return torch.compile(model, backend="ccfx", options={
-        "collective_codec": "none", "collective_overrides": OVERRIDES[variant]})
+        "collective_codec": "none", "shard_bucket": bucket,
+        "collective_overrides": OVERRIDES[UNBUCKETED.get(variant, variant)]})
 
 
 def _graphs() -> dict:
@@ -121,6 +135,18 @@ def _graphs() -> dict:
 
     return {"graphs": counters["stats"]["unique_graphs"],
             "breaks": sum(counters["graph_break"].values())}
+
+
+def _messages(compiled) -> int | None:
+    """Collectives this rank issued so far, per ccfx's ledger (every compiled collective,
+    compressed or not, counts one per call); None when not ccfx."""
+    import ccfx
+    from ccfx.errors import ConfigError
+
+    try:
+        return sum(e.calls for e in ccfx.ledger_of(compiled).entries("collective"))
+    except ConfigError:
+        return None
 
 
 def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 2,
@@ -134,10 +160,16 @@ def time_rank(rank: int, world: int, *, variant: str, steps: int, warmup: int = 
     def graphs() -> dict:
         out = _graphs()
         _log(rank, f"Dynamo: {out}")
-        return {"graphs": out}
+        return {"graphs": out, "messages_before": _messages(compiled)}
 
-    return common.timed_steps(rank, step, steps=steps, warmup=warmup, compiled=compiled,
-                              after_warmup=graphs)
+    out = common.timed_steps(rank, step, steps=steps, warmup=warmup, compiled=compiled,
+                             after_warmup=graphs)
+    if "skipped" in out:
+        return out
+    # the collectives the compiled graphs issue per timed step, beside their count
+    before, after = out.pop("messages_before"), _messages(compiled)
+    out["graphs"]["messages"] = None if before is None else (after - before) / steps
+    return out
 
 
 def loss_rank(rank: int, world: int, *, variant: str, steps: int, seed: int) -> dict:
@@ -307,91 +339,134 @@ def memory_table(ranks: list[dict], world: int) -> tuple[list[list[str]], list[s
     return rows, header
 
 
-def main(argv: list[str] | None = None) -> int:
+def bucket_table(rows: list[dict]) -> tuple[list[list[str]], list[str]]:
+    """``--part buckets``: per variant its collectives per step and step time, and for a
+    bucketed one both ratios against its per-parameter twin (``<variant>-unbucketed``) of
+    the same table."""
+    ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
+    out, notes = [], []
+    for r in rows:
+        if r["status"] != "ok":
+            out.append(common.failed_row(r, notes, 6))
+            continue
+        msgs = r.get("graphs", {}).get("messages")
+        base = ok.get(f"{r['variant']}-unbucketed")
+        base_msgs = base.get("graphs", {}).get("messages") if base else None
+        out.append([r["variant"], "-" if msgs is None else f"{msgs:.0f}", f"{r['step_s']:.3f}",
+                    f"{base_msgs / msgs:.1f}" if base_msgs and msgs else "-",
+                    f"{base['step_s'] / r['step_s']:.2f}" if base else "-",
+                    f"{r['loss']:.4f}"])
+    return out, notes
+
+
+BUCKET_HEADER = ["variant", "collectives/step/rank", "s/step", "x fewer collectives",
+                 "x faster", "loss"]
+TIME_HEADER = ["variant", "s/step", "x fsdp2", "x ccfx-none", "wire MiB/step/rank", "loss"]
+
+
+def _time_part(a, variants: list[str], table, header: list[str]) -> list[dict]:
+    """Every variant at every ``--rates`` rate, one table per rate (``table(rows)``)."""
+    rates = [None if r.lower() in ("none", "unshaped") else float(r) for r in a.rates]
+    steps = a.steps or 3
+    tables = []
+    for rate in rates:
+        rows = []
+        label = "unshaped" if rate is None else f"{rate:g} Mbit/s"
+        for v in variants:
+            _progress(f"[{label}] {v} ...")
+            row = run_time(v, a.world, rate, steps, a.threads)
+            _progress(f"    {row['status']}" + (
+                f" {row['step_s']:.3f} s/step, {row['graphs']}" if row["status"] == "ok"
+                else f": {row['reason']}"))
+            rows.append(row)
+        print(f"\n{label}, {a.world} ranks, {steps} timed steps after 2 warm-up")
+        cells, notes = table(rows)
+        print(common.table(cells, header))
+        print("\n".join(notes), flush=True)
+        tables.append({"rate_mbit": rate, "rows": rows})
+    return tables
+
+
+def _memory_part(a) -> list[dict]:
+    variants = a.variants or ["fsdp2-eager", "ccfx-eager", "fsdp2", "ccfx-none", "ccfx-zero++"]
+    ranks = run_ranks("bench.sharded_dp", "memory_rank", a.world, {"variants": variants},
+                      netns=None, timeout_s=1200, threads_per_rank=a.threads,
+                      env=common.CACHE_OFF, stall_s=300)
+    print(f"\nper-rank memory of a training step over the unsharded model on one rank "
+          f"(1/W = {1 / a.world:.3f}; the largest rank). params+grads+AdamW: this rank's "
+          "tensors, counted (gradients after backward, AdamW after its step)")
+    print(common.table(*memory_table(ranks, a.world)))
+    for variant in ranks[0]:
+        peak = ranks[0][variant].get("peak")
+        if peak:
+            print(f"  {variant} MemTracker peak by category (MiB, rank 0): " + ", ".join(
+                f"{k} {v / 2**20:.1f}" for k, v in peak.items() if v))
+    return ranks
+
+
+def _loss_part(a) -> dict:
+    variants = a.variants or list(DEFAULT_VARIANTS)
+    steps = a.steps or 40
+    rows, out = [], {}
+    for v in variants:
+        vals, secs = [], []
+        for seed in a.seeds:
+            _progress(f"[loss] {v} seed {seed} ...")
+            t0 = time.perf_counter()
+            ranks = run_ranks("bench.sharded_dp", "loss_rank", a.world,
+                              {"variant": v, "steps": steps, "seed": seed}, netns=None,
+                              timeout_s=1800, threads_per_rank=a.threads,
+                              env=common.CACHE_OFF, stall_s=300)
+            secs.append(time.perf_counter() - t0)
+            vals.append(ranks[0]["held_out"])
+            _progress(f"    held-out {vals[-1]:.4f} ({secs[-1]:.0f} s)")
+        sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
+        rows.append([v, " ".join(f"{x:.4f}" for x in vals),
+                     f"{statistics.mean(vals):.4f} ± {sd:.4f}", f"{max(secs):.0f}"])
+        out[v] = vals
+    print(f"\nheld-out loss after {steps} steps ({len(a.seeds)} seeds), {a.world} ranks")
+    print(common.table(rows, ["variant", "per seed", "mean ± std", "s per seed (max)"]))
+    return out
+
+
+def _arguments(argv: list[str] | None):
     ap = common.parser(__doc__)
-    ap.add_argument("--part", choices=("time", "memory", "loss"), default="time")
+    ap.add_argument("--part", choices=("time", "buckets", "memory", "loss"), default="time")
     ap.add_argument("--rates", nargs="+", default=["100", "1000"],
-                    help="link rates in Mbit/s ('none': unshaped); time part")
+                    help="link rates in Mbit/s ('none': unshaped); time and buckets parts")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps (time part, default 3) or training steps (loss, 40)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="loss part")
     ap.add_argument("--variants", nargs="+", default=None, choices=VARIANTS)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _arguments(argv)
     exit_cleanly_on_sigterm()
     params = num_parameters()
     print(f"TPGPT: {LAYERS} layers, width {WIDTH}, {params / 1e6:.1f} M parameters "
           f"({params * 4 / 2**20:.1f} MiB fp32); {a.world} sharded data-parallel ranks, "
           f"batch {BATCH} x {BLOCK} tokens per rank (each its own)")
     results: dict = {"params": params, "world": a.world, "part": a.part}
-    if a.part == "time":
-        variants = a.variants or list(DEFAULT_VARIANTS)
-        rates = [None if r.lower() in ("none", "unshaped") else float(r) for r in a.rates]
-        steps = a.steps or 3
-        results["tables"] = []
-        try:
-            for rate in rates:
-                rows = []
-                label = "unshaped" if rate is None else f"{rate:g} Mbit/s"
-                for v in variants:
-                    _progress(f"[{label}] {v} ...")
-                    row = run_time(v, a.world, rate, steps, a.threads)
-                    _progress(f"    {row['status']}" + (f" {row['step_s']:.3f} s/step, "
-                                                       f"{row['graphs']}"
-                                                       if row["status"] == "ok" else
-                                                       f": {row['reason']}"))
-                    rows.append(row)
-                print(f"\n{label}, {a.world} ranks, {steps} timed steps after 2 warm-up")
-                cells, notes = time_table(rows)
-                print(common.table(cells, ["variant", "s/step", "x fsdp2", "x ccfx-none",
-                                           "wire MiB/step/rank", "loss"]))
-                print("\n".join(notes), flush=True)
-                results["tables"].append({"rate_mbit": rate, "rows": rows})
-        except ShapingUnavailable as e:
-            print(f"cannot shape the network: {e}", file=sys.stderr)
-            return 2
-    elif a.part == "memory":
-        variants = a.variants or ["fsdp2-eager", "ccfx-eager", "fsdp2", "ccfx-none",
-                                  "ccfx-zero++"]
-        ranks = run_ranks("bench.sharded_dp", "memory_rank", a.world, {"variants": variants},
-                          netns=None, timeout_s=1200, threads_per_rank=a.threads,
-                          env=common.CACHE_OFF, stall_s=300)
-        print(f"\nper-rank memory of a training step over the unsharded model on one rank "
-              f"(1/W = {1 / a.world:.3f}; the largest rank). params+grads+AdamW: this rank's "
-              "tensors, counted (gradients after backward, AdamW after its step)")
-        print(common.table(*memory_table(ranks, a.world)))
-        for variant in ranks[0]:
-            peak = ranks[0][variant].get("peak")
-            if peak:
-                print(f"  {variant} MemTracker peak by category (MiB, rank 0): " + ", ".join(
-                    f"{k} {v / 2**20:.1f}" for k, v in peak.items() if v))
-        results["memory"] = ranks
-    else:
-        variants = a.variants or list(DEFAULT_VARIANTS)
-        steps = a.steps or 40
-        rows = []
-        for v in variants:
-            vals, secs = [], []
-            for seed in a.seeds:
-                _progress(f"[loss] {v} seed {seed} ...")
-                t0 = time.perf_counter()
-                ranks = run_ranks("bench.sharded_dp", "loss_rank", a.world,
-                                  {"variant": v, "steps": steps, "seed": seed}, netns=None,
-                                  timeout_s=1800, threads_per_rank=a.threads,
-                                  env=common.CACHE_OFF, stall_s=300)
-                secs.append(time.perf_counter() - t0)
-                vals.append(ranks[0]["held_out"])
-                _progress(f"    held-out {vals[-1]:.4f} ({secs[-1]:.0f} s)")
-            sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
-            rows.append([v, " ".join(f"{x:.4f}" for x in vals),
-                         f"{statistics.mean(vals):.4f} ± {sd:.4f}", f"{max(secs):.0f}"])
-            results.setdefault("loss", {})[v] = vals
-        print(f"\nheld-out loss after {steps} steps ({len(a.seeds)} seeds), {a.world} ranks")
-        print(common.table(rows, ["variant", "per seed", "mean ± std", "s per seed (max)"]))
+    try:
+        if a.part == "time":
+            results["tables"] = _time_part(a, a.variants or list(DEFAULT_VARIANTS),
+                                           time_table, TIME_HEADER)
+        elif a.part == "buckets":
+            results["tables"] = _time_part(a, a.variants or list(BUCKET_VARIANTS),
+                                           bucket_table, BUCKET_HEADER)
+        elif a.part == "memory":
+            results["memory"] = _memory_part(a)
+        else:
+            results["loss"] = _loss_part(a)
+    except ShapingUnavailable as e:
+        print(f"cannot shape the network: {e}", file=sys.stderr)
+        return 2
     common.write_json(a.json, "sharded_dp", results)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

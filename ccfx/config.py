@@ -19,6 +19,9 @@ SCHEDULES = ("1F1B", "GPipe")
 #: What ``auto`` minimises on pipeline edges (``objective``).
 OBJECTIVES = ("step", "time_to_loss")
 LOWERING = ("inductor", "eager")
+#: ``shard_bucket``: one all-gather / reduce-scatter per block of ccfx.shard's parameters, or
+#: one per parameter
+SHARD_BUCKET = ("block", "none")
 #: How non-summable payloads are averaged (``gradient_collective``, ``outer_collective``).
 COLLECTIVES = ("all_gather", "ring", AUTO)
 #: The collectives ``collective_overrides`` names by kind (``ccfx.wire.collectives.KINDS``).
@@ -145,6 +148,12 @@ class Config:
         kind or by the plan's index (``"collective N"``, in every graph); an index beats a
         kind. A key that matches no collective of the model's graphs is a ConfigError listing
         them (at the second call of a training graph, when its backward has compiled).
+    shard_bucket: how ``ccfx.shard``'s parameter collectives are grouped ("block" (default): the
+        all-gathers of one block's parameters (``blocks.3``, a module path up to its first
+        index) become one all-gather, their gradients' reduce-scatters one reduce-scatter,
+        so each block pays one latency and, compressed, one encode; "none": one per
+        parameter). Results are the same bits with codec ``none``. Collective indices
+        (``"collective N"``) count the buckets.
 
     Local steps (DiLoCo for slow links; ``ccfx.local_steps(model, optimizer)`` runs it):
 
@@ -208,6 +217,7 @@ class Config:
     fragment_alpha: float = 0.0
     collective_codec: str = "none"
     collective_overrides: tuple[tuple[str, str], ...] | None = None
+    shard_bucket: str = "block"
     cluster: str | None = None
     placement: tuple[int, ...] | None = None
 
@@ -285,6 +295,10 @@ class Config:
 
         object.__setattr__(self, "collective_codec",
                            spec(self.collective_codec, "collective_codec"))
+        if self.shard_bucket not in SHARD_BUCKET:
+            raise ConfigError(f"shard_bucket={self.shard_bucket!r} is not valid; choose one of "
+                              f"{', '.join(map(repr, SHARD_BUCKET))} (one collective per block "
+                              "of ccfx.shard's parameters, or one per parameter)")
         given = self.collective_overrides
         if given is None:
             return

@@ -407,3 +407,78 @@ def tensor_parallel(rank, world, backend: str | None, steps: int = 3) -> dict:
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     return {"steps": rows, "local": local, "notes": notes,
             "digest": digest([full(p, outer.get(n)) for n, p in model.named_parameters()])}
+
+
+# -- bucketing (tests/test_shard_buckets.py) --------------------------------------------------------
+
+
+def _bucketed_run(rank, name: str, options: dict, steps: int = 3):
+    """``name`` sharded and compiled by ccfx with ``options``, ``steps`` SGD steps on this
+    rank's batches: the model, the compiled module and the losses."""
+    torch._dynamo.reset()
+    model = ccfx.shard(build(name))
+    run = torch.compile(model, backend="ccfx", options=options)
+    opt = optimizer("sgd", model.parameters())
+    losses = []
+    for step in range(steps):
+        loss = loss_of(name, run, batch(name, rank, step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, run, losses
+
+
+def _buckets(gms) -> list[tuple[str, str, int]]:
+    """(kind, block, members) of every bucket of the lowered graphs ``gms``, in order."""
+    return [(b.kind, b.block, len(b.members)) for gm in gms
+            for b in gm.meta.get("ccfx", {}).get("shard_buckets", ())]
+
+
+def bucketing(rank, world, lowering: str, name: str = "gpt") -> dict:
+    """``name`` compiled with codec none, ``shard_bucket`` "none" and "block": per policy,
+    the losses of 3 SGD steps, the digest of the parameters after them, the lowered forward's
+    and backward's collectives and buckets."""
+    from ccfx.backends.compiler import backend_of
+
+    out: dict = {}
+    for policy in ("none", "block"):
+        model, run, losses = _bucketed_run(rank, name, {"lowering": lowering,
+                                                        "shard_bucket": policy})
+        lowered = backend_of(run).graphs[0].lowered
+        out[policy] = {"losses": losses, "digest": digest([full(p) for p in model.parameters()]),
+                       "forward": _collectives(lowered.forward),
+                       "backward": _collectives(lowered.backward),
+                       "buckets": {"forward": _buckets(lowered.forward),
+                                   "backward": _buckets(lowered.backward)}}
+        out["params"] = len(list(model.parameters()))
+    return out
+
+
+def bucketed_ledger(rank, world, steps: int = 2) -> dict:
+    """The tiny GPT bucketed, every all-gather and reduce-scatter in int8: the plan's rows by
+    index, the ledger's (calls, wire bytes) by index, and (index, elements per rank) of each
+    bucket's collective (its plan row: the same part and kind, shape ``(n,)`` for a gather,
+    ``(W n,)`` for a reduce-scatter)."""
+    from ccfx.backends.compiler import backend_of
+
+    _, run, _ = _bucketed_run(rank, "gpt", {
+        "lowering": "eager", "collective_overrides": {"all_gather": "int8",
+                                                      "reduce_scatter": "int8"}}, steps)
+    lowered = backend_of(run).graphs[0].lowered
+    rows = ccfx.plan_of(run).collectives
+    free = list(rows)
+    buckets = []
+    for part, gms in (("forward", lowered.forward), ("backward", lowered.backward)):
+        for gm in gms:
+            for b in gm.meta["ccfx"]["shard_buckets"]:
+                n = sum(b.numels)
+                shape = [n] if b.kind == "all_gather" else [world * n]
+                row = next(c for c in free if c.part == part and c.kind == b.kind
+                           and list(c.shape) == shape)
+                free.remove(row)
+                buckets.append((row.index, n))
+    book = ccfx.ledger_of(run)
+    return {"rows": {c.index: {"codec": c.codec, "wire": c.wire_bytes} for c in rows},
+            "ledger": {e.edge: (e.calls, e.wire_bytes) for e in book.entries("collective")},
+            "buckets": buckets, "calls": steps}

@@ -74,3 +74,18 @@ def test_link_seconds_grow_with_the_ranks_on_one_shared_loopback(world):
     bits = 3 * (world - 1) * sharded_dp.num_parameters() * 4 * 8
     assert sharded_dp._link_s(world, 100) == pytest.approx(bits / 100e6)
     assert sharded_dp._link_s(world, None) == 0.0
+
+
+def test_bucket_table_ratios_against_the_per_parameter_twin():
+    def row(variant, step_s, messages):
+        return {**_ok(variant, step_s), "graphs": {"graphs": 1, "breaks": 0,
+                                                   "messages": messages}}
+
+    rows = [row("ccfx-none-unbucketed", 16.0, 131.0), row("ccfx-none", 15.0, 18.0),
+            row("ccfx-int8-unbucketed", 5.0, 131.0), row("ccfx-int8", 4.0, 18.0)]
+    cells, notes = sharded_dp.bucket_table(rows)
+    by = {c[0]: c for c in cells}
+    # columns: variant, collectives/step, s/step, x fewer collectives, x faster, loss
+    assert by["ccfx-int8"][1:5] == ["18", "4.000", "7.3", "1.25"]
+    assert by["ccfx-none-unbucketed"][3:5] == ["-", "-"]
+    assert len(sharded_dp.BUCKET_HEADER) == len(cells[0]) == 6 and notes == []

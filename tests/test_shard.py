@@ -38,11 +38,15 @@ ZERO_PP = {"lowering": "eager",
            "collective_overrides": {"all_gather": "int8", "reduce_scatter": "int4:ef"}}
 
 
+#: One collective per parameter (the bucketed form: tests/test_shard_buckets.py)
+PER_PARAMETER = {"lowering": "eager", "shard_bucket": "none"}
+
+
 def _two(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("shard_ckpt")
     return [
         scenario("mlp_eager", w.train_vs_reference, "mlp", None, "adamw"),
-        scenario("mlp_ccfx", w.train_vs_reference, "mlp", "ccfx"),
+        scenario("mlp_ccfx", w.train_vs_reference, "mlp", "ccfx", "sgd", 3, PER_PARAMETER),
         scenario("mlp_inductor", w.train_vs_reference, "mlp", "inductor"),
         scenario("odd_eager", w.train_vs_reference, "odd", None),
         scenario("odd_ccfx", w.train_vs_reference, "odd", "ccfx"),
@@ -124,9 +128,9 @@ def test_uneven_empty_and_scalar_parameters(two, case):
 
 @pytest.mark.slow
 def test_collectives_are_graph_nodes_under_ccfx(two):
-    """The forward gathers every parameter; the backward reduce-scatters (averaging) every
-    gradient and gathers again the weights it needs, so no whole weight is handed from the
-    forward to the backward."""
+    """Per parameter (``shard_bucket="none"``): the forward gathers every parameter; the
+    backward reduce-scatters (averaging) every gradient and gathers again the weights it
+    needs, so no whole weight is handed from the forward to the backward."""
     got = two["mlp_ccfx"][0]["graphs"]
     params = got["params"]
     assert got["forward"].get("all_gather_into_tensor") == params

@@ -40,7 +40,8 @@ one node on the same level; with tensor parallelism, the slowest pair without co
   (:func:`ccfx.wire.link.pair_gather_wait_s`, measured; :func:`exchange_wire_s`);
 * **sharded data parallel** (``ccfx.shard``, no pipeline): the weights all-gathered in the
   forward and again in the backward, the gradients reduce-scattered, each hidden behind the
-  compute of its pass where it fits;
+  compute of its pass where it fits; a latency per message, one per block
+  (``shard_bucket="block"``) or one per parameter (:func:`shard_messages`);
 * **local steps** (``sync_every`` H): the data-parallel exchange replaced by an outer sync
   every H steps, priced by :func:`ccfx.planner.local_model.predict_local_steps` on the group's
   link; its effect on the loss per step is not priced;
@@ -63,7 +64,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .. import codecs
-from ..config import Config
+from ..config import SHARD_BUCKET, Config
 from ..errors import ConfigError
 from ..wire.link import Link, pair_gather_wait_s
 from .cluster import Cluster
@@ -116,12 +117,18 @@ class Layout:
     #: activation recomputation: "none", or "block" (each block checkpointed: its backward
     #: runs its forward again, and only its input is kept between the passes)
     recompute: str = "none"
+    #: sharded data parallel: ``ccfx.shard``'s collectives one per block ("block", the
+    #: ``shard_bucket`` default) or one per parameter ("none"): a latency each
+    shard_bucket: str = "block"
 
     def __post_init__(self):
         for name in ("pp", "dp", "tp", "microbatches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"layout: {name} is {v!r}: a whole number ≥ 1")
+        if self.shard_bucket not in SHARD_BUCKET:
+            raise ConfigError(f"layout: shard_bucket {self.shard_bucket!r}: use one of "
+                              f"{SHARD_BUCKET}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"layout: schedule {self.schedule!r}: use one of {SCHEDULES}")
         if sorted(self.order) != sorted(AXES):
@@ -670,16 +677,32 @@ def _local_steps_s(ctx: _Pricing, pipe: float, dp_links: list[Link | None]) -> f
     return worst
 
 
-def _sharded_exposed_s(ctx: _Pricing, st: StageFacts, link: Link, n_buckets: int,
-                       fwd: float, bwd: float) -> float:
+def shard_messages(st: StageFacts, bucket: str) -> tuple[int, int, int]:
+    """The collectives ``ccfx.shard`` issues for stage ``st`` per pass: (forward all-gathers,
+    backward all-gathers, reduce-scatters). ``bucket`` "block" (``shard_bucket``): one each
+    per block, and one for what comes before the first block and after the last (embeddings,
+    final norm); "none": one per parameter, the backward gathering again its matrices only
+    (a bias's or norm's gradient does not need the weight)."""
+    if bucket == "block":
+        n = st.hi - st.lo + 2
+        return n, n, n
+    params = max(1, len(st.param_shapes))
+    matrices = max(1, sum(len(shape) >= 2 for shape in st.param_shapes))
+    return params, matrices, params
+
+
+def _sharded_exposed_s(ctx: _Pricing, st: StageFacts, link: Link, fwd: float,
+                       bwd: float) -> float:
     """Sharded data parallel: the weights' all-gather in the forward and again in the
-    backward with the gradients' reduce-scatter, each beyond the compute it hides behind."""
+    backward with the gradients' reduce-scatter (a latency per message,
+    :func:`shard_messages`), each beyond the compute it hides behind."""
     dp, tp, m = ctx.layout.dp, ctx.layout.tp, ctx.layout.microbatches
     share = dp if link.shared else 1
-    gather = link.seconds(0) * n_buckets + (dp - 1) / dp * st.param_bytes / tp \
-        * share * 8 / (link.gbps * 1e9)
-    scatter = gather
-    return max(0.0, gather - m * fwd) + max(0.0, gather + scatter - m * bwd)
+    wire = (dp - 1) / dp * st.param_bytes / tp * share * 8 / (link.gbps * 1e9)
+    gathers, regathers, scatters = shard_messages(st, ctx.layout.shard_bucket)
+    forward = link.seconds(0) * gathers + wire
+    backward = link.seconds(0) * (regathers + scatters) + 2 * wire
+    return max(0.0, forward - m * fwd) + max(0.0, backward - m * bwd)
 
 
 def _bucket_sync_s(spec: str, c, n_buckets: int, link: Link, flows: int, dp: int,
@@ -715,7 +738,7 @@ def _price_buckets(ctx: _Pricing, times: _StageTimes, dp_links: list, priced_gro
         kept, exchange_mem[s] = bucket_memory(st, spec, dp, tp=tp, sharded=layout.sharded)
         codec_mem[s] += kept
         if layout.sharded:
-            buckets += _sharded_exposed_s(ctx, st, link, n_buckets, times.fwd[s], times.bwd[s])
+            buckets += _sharded_exposed_s(ctx, st, link, times.fwd[s], times.bwd[s])
             continue
         flows = priced_groups[s].flows if s < len(priced_groups) and \
             priced_groups[s] is not None else 1
