@@ -15,7 +15,8 @@ Variants:
 * ``fsdp2-ccfx-compiled``: ``fsdp2-ccfx`` with every block compiled by inductor
   (``block.compile()`` before ``fully_shard``, as torchtitan compiles per block): the FSDP2
   row whose compute is compiled like ``ccfx-shard``'s;
-* ``fsdp2-auto``: ``register_codec(model, "auto", options={"link_gbps": <the shaped rate>})``:
+* ``fsdp2-auto``: ``register_codec(model, "auto", options={"link_gbps": <the shaped rate>,
+  "link_shared": True})`` (every rank crosses the one shaped loopback):
   ccfx picks each module's codecs from the link and prices the step's collectives; the table's
   notes set that prediction beside the seconds measured inside ccfx's comms, and the predicted
   step (the measured step less the measured comms, plus the predicted ones) beside the step;
@@ -159,7 +160,8 @@ def build(variant: str, model_name: str, seed: int, world: int, link_gbps: float
     elif variant == "fsdp2-auto":
         import ccfx.integrations
 
-        ccfx.integrations.register_codec(model, "auto", options={"link_gbps": link_gbps})
+        ccfx.integrations.register_codec(model, "auto", options={"link_gbps": link_gbps,
+                                                                 "link_shared": True})
     return model, model
 
 
