@@ -518,7 +518,7 @@ def test_a_groups_priced_link_and_its_nodes_out_match_every_pair_of_it():
             assert cluster.slowest_link(idx).gbps == worst.gbps
             assert cluster.slowest_link(idx).latency_ms == max(x.latency_ms for x in slowest)
 
-            def key(p):
+            def key(p, cluster=cluster):
                 return (cluster.link(*p).gbps, -cluster.link(*p).latency_ms)
 
             a, b = min(every, key=key)

@@ -338,15 +338,17 @@ def _tp_notes(facts: ModelFacts, cluster: Cluster, tensor_parallel: bool | None)
     plan = ", ".join(f"{k} {v}" for k, v in derived or ())
     if facts.tp_plan is not None:
         return ["tensor parallel searched with the model's declared plan"]
+    if tensor_parallel and derived:
+        return [(f"tensor parallel searched with the Megatron plan derived from the first "
+                f"block's data flow: {plan}")]
     if tensor_parallel:
-        return [f"tensor parallel searched with the Megatron plan derived from the first "
-                f"block's data flow: {plan}" if derived else
-                "tensor parallel priced as if every block split (no Megatron pairing of "
-                "column- and row-parallel linears was found in the first block)"]
+        return [("tensor parallel priced as if every block split (no Megatron pairing of "
+                "column- and row-parallel linears was found in the first block)")]
     if derived:
-        return [f"tensor parallel not searched: the model declares no plan; the Megatron plan "
+        note = (f"tensor parallel not searched: the model declares no plan; the Megatron plan "
                 f"derived from its first block ({plan}) would apply: pass "
-                "tensor_parallel=True to search it"]
+                "tensor_parallel=True to search it")
+        return [note]
     return []
 
 
