@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -314,6 +315,17 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def print_header(module: str, argv: list[str] | None) -> list[str]:
+    """The run's first two lines, the command that reproduces it and the machine; returns
+    the command's arguments (for the JSON)."""
+    import shlex
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    print(f"command: python -m {module} " + shlex.join(args))
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine().items()))
+    return args
 
 
 def table(rows: list[list], header: list[str]) -> str:

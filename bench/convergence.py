@@ -48,7 +48,6 @@ OMP_WAIT_POLICY=passive cures it too). Speed is not measured here, only losses.
 from __future__ import annotations
 
 import copy
-import shlex
 import statistics
 import sys
 import time
@@ -337,9 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     common.quiet()
     torch.set_num_threads(a.threads)
-    args = sys.argv[1:] if argv is None else argv
-    print("command: python -m bench.convergence " + shlex.join(args))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in common.machine().items()))
+    args = common.print_header("bench.convergence", argv)
 
     data, vocab = corpus()
     config = GPTConfig(vocab_size=vocab, **MODELS[a.model])

@@ -67,7 +67,6 @@ import copy
 import math
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -844,8 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     gpt = MODELS[a.model]["gpt"]
-    print("command: python -m bench.local_steps " + shlex.join(args))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in common.machine().items()))
+    common.print_header("bench.local_steps", args)
     out: dict = {"command": args, "model": a.model, "gpt": gpt, "world": a.world,
                  "batch_per_rank": a.batch, "lr": a.lr, "seed": a.seed,
                  "collective": a.collective, "variants": [asdict(v) for v in variants]}

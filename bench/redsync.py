@@ -30,7 +30,6 @@ and on a busy 2-core machine a second thread mostly adds noise.
 from __future__ import annotations
 
 import copy
-import shlex
 import statistics
 import sys
 
@@ -157,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     common.quiet()
     torch.set_num_threads(a.threads)
-    args = sys.argv[1:] if argv is None else argv
-    print("command: python -m bench.redsync " + shlex.join(args))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in common.machine().items()))
+    args = common.print_header("bench.redsync", argv)
     timing = time_encodes(a.mb, a.density, a.reps)
     print(f"\nencode, {a.mb} MB fp32 ({timing['numel']} entries), density {a.density:g}, "
           f"median of {a.reps}:")

@@ -219,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     fixed_names = ["none", *(n for n in a.variants if n != "none")]
     common.quiet()
     torch.set_num_threads(1)
-    args = sys.argv[1:] if argv is None else argv
-    print("command: python -m bench.time_to_loss " + shlex.join(args))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in common.machine().items()))
+    args = common.print_header("bench.time_to_loss", argv)
     t0 = time.perf_counter()
 
     data, vocab = convergence.corpus()

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 import statistics
 import sys
 import time
@@ -269,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     common.quiet()
     torch.set_num_threads(1)
-    args = sys.argv[1:] if argv is None else argv
-    print("command: python -m bench.time_to_loss_sweep " + shlex.join(args))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in common.machine().items()))
+    args = common.print_header("bench.time_to_loss_sweep", argv)
     t0 = time.perf_counter()
 
     old = load_runs(a.reuse)
