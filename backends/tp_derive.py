@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ccfx import _torch_compat as tc
+
 
 class _Provenance(TorchFunctionMode):
     """Which linears of the block each tensor derives from (by tensor id; the block's tensors
@@ -36,12 +38,16 @@ class _Provenance(TorchFunctionMode):
 
     def sources(self, value) -> frozenset[str]:
         out: frozenset[str] = frozenset()
-        for t in _tensors(value):
+        for t in tc.tree_leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
             out |= self.of.get(id(t), frozenset())
         return out
 
     def mark(self, value, sources: frozenset[str]) -> None:
-        for t in _tensors(value):
+        for t in tc.tree_leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
             self.of[id(t)] = sources
             self.keep.append(t)
 
@@ -49,17 +55,6 @@ class _Provenance(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         self.mark(out, self.sources((args, kwargs)))
         return out
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
 
 
 class LinearFlow:
@@ -87,7 +82,7 @@ class LinearFlow:
 
     def plan(self) -> tuple[tuple[str, str], ...] | None:
         """The derived plan (``(pattern, style)`` pairs, every block alike), or None."""
-        width = _width(self.block)
+        width = self.calls[0][1].in_features if self.calls else None  # the residual's
         styles = None if width is None else pair_linears(self.calls, width)
         if styles is None:
             return None
@@ -117,9 +112,3 @@ def pair_linears(calls, width: int) -> dict[str, str] | None:
     if open_cols or "rowwise" not in styles.values():
         return None
     return styles
-
-
-def _width(block: torch.nn.Module) -> int | None:
-    """The block's width: the in_features of its first linear (what the residual carries)."""
-    first = next((m for m in block.modules() if isinstance(m, torch.nn.Linear)), None)
-    return None if first is None else first.in_features

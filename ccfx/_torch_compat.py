@@ -169,7 +169,7 @@ INTERNALS: tuple[Internal, ...] = (
     _i("torch._check", "tell Dynamo a sequence fits the block", "documented (torch._check in "
        "the torch.compile docs) despite its name", "ccfx/models/tiny_gpt.py", "torch_check"),
     _i("torch.utils._pytree.tree_leaves", "the tensors of any model output", "none in torch "
-       "2.13 (no torch.utils.pytree)", "viz/cli.py", "tree_leaves"),
+       "2.13 (no torch.utils.pytree)", "viz/cli.py backends/tp_derive.py", "tree_leaves"),
     # -- logging ----------------------------------------------------------------------------
     _i("torch._logging._internal.log_registry", "whether TORCH_LOGS knows 'ccfx'", "none",
        "ccfx/observability.py"),

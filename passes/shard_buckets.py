@@ -243,7 +243,7 @@ def _splice(graph: torch.fx.Graph, run: list[_Member], index: int, decomposition
     issue_before, wait_before = issue_at, wait_at
     inputs = [m.node.args[0] for m in run]
     if gather:
-        issue_before = early if early is not None else issue_at
+        issue_before = early if early is not None and pos[early] < pos[issue_at] else issue_at
         _hoist(graph, inputs, issue_before)
     else:  # the gradients' single-input ops to the output, which read a result earlier
         if early is not None and pos[early] > pos[wait_at]:

@@ -101,6 +101,9 @@ def test_bad_input_is_named():
         ccfx.diagnose_every(state, 10, timeout_s=0)
     with pytest.raises(ccfx.ConfigError, match="links=True is for ccfx.diagnose"):
         ccfx.diagnose_every(state, 10, links=True)
+    delayed, _ = ccfx.delayed_comm_hook("int8")  # its waits come a step late: no lateness
+    with pytest.raises(ccfx.ConfigError, match="use ccfx.ddp_comm_hook|diagnose with ccfx.ddp"):
+        ccfx.diagnose(delayed)
 
 
 # -- on three ranks ------------------------------------------------------------------------------

@@ -225,11 +225,7 @@ class Links:
         self._simulated: dict[tuple, object] = {}
 
     def link(self, a: str, b: str) -> Link:
-        key = (self.index[a], self.index[b])
-        hit = self._pair.get(key)
-        if hit is None:
-            hit = self._pair[key] = self.cluster.link(*key)
-        return hit
+        return self._by_index(self.index[a], self.index[b])
 
     def priced(self, layout: Layout) -> tuple[list, list]:
         """Without tensor parallelism, the hops' and the data-parallel groups' links as

@@ -268,6 +268,13 @@ def _resolve(target) -> CommHookState | None:
     if target is None:
         return None
     state = hook_state_of(target)
+    from .delayed import DelayedHookState
+
+    if isinstance(state, DelayedHookState):
+        raise ConfigError(
+            "ccfx.diagnose: ccfx.delayed_comm_hook's exchanges are waited for a step later, "
+            "so their waits do not say which rank came late; diagnose with ccfx.ddp_comm_hook, "
+            "or pass None with links=True to probe the links only")
     if state is None:
         raise ConfigError(
             f"ccfx.diagnose({type(target).__name__}): it reads the timings of ccfx's DDP comm "
@@ -310,7 +317,7 @@ def diagnose(target=None, *, links: bool = False, probe_bytes: int = 1 << 20,
     if links and _dist() is not None and len(ranks) > 1:
         from .link_probe import probe_links
 
-        incoming = probe_links(group, probe_bytes, repeats)
+        incoming = probe_links(group, probe_bytes, repeats, timeout_s)
     got = _exchange(ranks, {"steps": line.summary(),
                             "links": {str(s): v for s, v in incoming.items()}}, timeout_s)
     timings = rank_timings({r: g["steps"] for r, g in got.items()}, min_late_s)
