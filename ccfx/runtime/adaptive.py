@@ -335,7 +335,8 @@ class AdaptiveExchange(Exchange):
 
     def _observe(self, averaged, state, step: int, mode: int) -> None:
         """Sum the averaged gradient; at an interval's end, decide the next interval's codec."""
-        state["acc"].add_(self.layout.flat(averaged).float())
+        for part, grad in zip(state["acc"].split(self.layout.numels), averaged):
+            part.add_(grad.reshape(-1))  # in place: no bucket-sized copy per step
         state["count"].add_(1)
         if (step + 1) % self.setting.every:
             return
