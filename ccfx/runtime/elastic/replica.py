@@ -40,6 +40,7 @@ class _Round:
     rows: list = field(default_factory=list)
     averaged: dict = field(default_factory=dict)
     later: list = field(default_factory=list)  # codec calls run eagerly, compiled after
+    reached: int = 0  # the inner step this replica had trained to (before taking the quorum's)
     own: int = 0
     total: int = 0
     error: str | None = None
@@ -165,7 +166,7 @@ class Elastic(StateMachine, Meet, Averaging, Healing, CatchUp, Spares, Failures)
         what a failed heal puts back (torchft's state)."""
         started = time.monotonic()
         interval = started - self._last_end if self._last_end is not None else None
-        r = _Round(due, started, interval)
+        r = _Round(due, started, interval, reached=self.outer.step)
         self.used = set()
         self._healed, self._refused, self._unhealed = False, None, False
         # a spare or a peer catching up that watches this replica joins now too
@@ -268,6 +269,7 @@ class Elastic(StateMachine, Meet, Averaging, Healing, CatchUp, Spares, Failures)
             "committed": r.committed, "healed": self._healed,
             "weight": r.total,  # the quorum's tokens (or inner steps) in this sync
             "own": r.own,  # this replica's part of it (0 for a replica that has just healed)
+            "reached": r.reached,  # its own inner step: below `step` where it took the quorum's
             "slot": self.slot,  # its training place after this sync (trainers=N; None: spare)
             "error": r.error,  # why the exchange failed (the first line), else None
             "fragments": [f.index for f in r.due if f.index in r.averaged],
