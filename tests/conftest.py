@@ -45,9 +45,12 @@ def _fresh_dynamo():
 #: single-process tests only, never beside a rank spawn.
 TIMED = {"test_elastic", "test_elastic_stateful", "test_heal_transport"}
 
-#: Modules that start ranks without tests/ranks.py (examples under torchrun, Lightning's own
-#: launcher, torchft replicas): each run keeps both cores busy as a spawn does.
-LAUNCHES = {"test_examples", "test_fsdp2_launchers"}
+#: Modules that start ranks without tests/ranks.py (Lightning's own launcher, Accelerate's):
+#: each run keeps both cores busy as a spawn does. (tests/test_examples.py launches its
+#: examples under torchrun too, but only reads what they print, within generous bounds: it
+#: runs on the other worker, beside the spawns, which would otherwise leave that worker idle
+#: for minutes.)
+LAUNCHES = {"test_fsdp2_launchers"}
 
 #: a module that uses the multi-rank harness, tests/ranks.py
 _USES_RANKS = re.compile(r"^from \. import (.*, )?ranks\b|^from \.ranks import ", re.MULTILINE)
@@ -67,8 +70,8 @@ def pytest_xdist_make_scheduler(config, log):
     takes the single-process modules one at a time (a module whole: its module-scoped fixtures
     are built once), and the first helps with what is left. Decided here, in the controller,
     from each test's file (xdist's ``xdist_group`` cannot: pytest 9.2 ignores the node id
-    xdist rewrites for it). A few single-process modules start a process of their own (the
-    demo's, the CLI's) and may run beside a spawn."""
+    xdist rewrites for it). A few single-process modules start processes of their own (the
+    demo's, the CLI's, the examples under torchrun) and may run beside a spawn."""
     from xdist.scheduler import LoadScopeScheduling
 
     root = config.rootpath

@@ -1,9 +1,9 @@
 """Tensor-parallel inference with compressed all-reduces (issue 18, part 5), 2 gloo ranks (the
 2-rank spawn the modules share, tests/ranks.py): a Hugging Face Llama from a config,
 parallelized with torch's ColwiseParallel / RowwiseParallel per its ``base_model_tp_plan``,
-compiled with ``backend="ccfx"`` and
-``collective_codec`` none / int8 / fp8, greedy-decoding 32 tokens with the KV cache from a
-held-out prompt (64 bytes of the corpus).
+compiled with ``backend="ccfx"`` and ``collective_codec`` none / int8 (fp8 takes the same path:
+tests/test_collectives_pass.py), greedy-decoding 32 tokens with the KV cache from a held-out
+prompt (64 bytes of the corpus).
 
 Shapes: the default ``dynamic=None`` suffices. The calls compile to three graphs: the prefill,
 the first decode step (static), and the decode step again once Dynamo's automatic dynamic
@@ -26,9 +26,9 @@ W = 2
 LAYERS = 2  # the workers' llama(): two row-wise all-reduces (o_proj, down_proj) per layer
 PROMPT = 64
 NEW = 32
-#: int8 / fp8's held-out perplexity within this fraction of uncompressed. Measured on this
-#: model: int8 0.02 %, fp8 0.04 % (the random-init model's perplexity is ~254, about the
-#: vocabulary size); the bound is > 10x the larger.
+#: int8's held-out perplexity within this fraction of uncompressed. Measured on this model:
+#: int8 0.02 %, fp8 0.04 % (the random-init model's perplexity is ~254, about the vocabulary
+#: size); the bound is > 10x the larger.
 PPL_REL = 5e-3
 
 
@@ -38,7 +38,6 @@ TWO = ranks.Shared(W, [
     scenario("tp eager", w.generate, "eager", NEW),
     scenario("none", w.generate, "none", NEW),
     scenario("int8", w.generate, "int8", NEW),
-    scenario("fp8", w.generate, "fp8", NEW),
 ], timeout_s=400)
 
 
@@ -72,7 +71,7 @@ def test_tp_eager_and_ccfx_none_generate_the_unsharded_tokens(two):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("codec", ["int8"])
 def test_compressed_generation_is_the_same_on_both_ranks_and_agrees_with_uncompressed(two, codec):
     want = two["unsharded"][0]
     r0, r1 = two[codec]
@@ -91,7 +90,7 @@ def test_compressed_generation_is_the_same_on_both_ranks_and_agrees_with_uncompr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("codec", ["int8"])
 def test_every_all_reduce_of_prefill_and_decode_is_compressed_and_counted(two, codec):
     r = two[codec][0]
     rows = r["collectives"]
@@ -120,7 +119,7 @@ def test_every_all_reduce_of_prefill_and_decode_is_compressed_and_counted(two, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("codec", ["int8"])
 def test_held_out_perplexity_stays_within_half_a_percent(two, codec):
     want = two["unsharded"][0]["ppl"]
     got = two[codec][0]["ppl"]
