@@ -467,7 +467,8 @@ class CcfxBackend:
         if collectives_active():  # functional collectives need a process group
             collect = functools.partial(_rewrite_collectives, weakref.ref(self), graph_plan, desc)
         compiled, lowered = lower(gm, example_inputs, cfg.lowering, kwargs.get("mode", self.mode),
-                                  rewrite_backward=rewrite, rewrite_collectives=collect)
+                                  rewrite_backward=rewrite, rewrite_collectives=collect,
+                                  fuse_codecs=cfg.fuse_codecs)
         state_inputs = {k: weakref.ref(example_inputs[k]) for k, n in enumerate(placeholders)
                         if kind_of(n) in ("param", "buffer")}
         self.graphs.append(CompiledGraph(index, captured, gm, graph_plan, lowered, state_inputs,

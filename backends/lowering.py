@@ -1,9 +1,11 @@
 """Lowering: aot_autograd splits the cut graph into forward and backward graphs, then inductor
 or eager runs them. The graphs each compiler receives are recorded for tests and drawings.
 
-The ``ccfx::cut`` ops survive both paths as opaque calls: inductor emits a fallback call to the
-op (its Python body runs the codec: Triton on CUDA, torch on CPU); eager calls the op's Python
-body directly, skipping the dispatcher (``direct_cut_calls``).
+Under eager, the ``ccfx::cut`` ops stay opaque calls, made to the op's Python body directly,
+skipping the dispatcher (``direct_cut_calls``). Under inductor, a cut whose codec is stateless
+and of fixed size is inlined as plain ops (``passes.inline_cuts``, option ``fuse_codecs``) that
+inductor fuses with the kernels around it, and the compiled call records its bytes
+(``counted_cuts``); the other cuts stay fallback calls to the op (Triton on CUDA, torch on CPU).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class LoweredGraphs:
     forward: list[torch.fx.GraphModule] = field(default_factory=list)
     backward: list[torch.fx.GraphModule] = field(default_factory=list)
     inference: list[torch.fx.GraphModule] = field(default_factory=list)
+    #: the cuts inductor received as plain ops, over every graph it compiled (see inline_cuts)
+    inlined_cuts: list = field(default_factory=list)
 
 
 def direct_cut_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -96,18 +100,61 @@ def _partition(joint, inputs, **kwargs):
     return chosen(joint, inputs, **kwargs)
 
 
+def _fusible_codec(uid: int, direction: str, value: torch.Tensor):
+    """The codec of a registered hop that inline_cuts may trace (stateless: no tensors to
+    thread through the graph; fixed size: its wire bytes known from the shape), else None."""
+    from ccfx.runtime.cut_op import find_hop
+
+    hop = find_hop(uid)
+    codec = hop.codec_for(direction, value.dtype) if hop is not None else None
+    if codec is None or codec.stateful or codec.variable:
+        return None
+    return codec
+
+
+def counted_cuts(compiled: Callable, cuts: Sequence) -> Callable:
+    """``compiled`` (boxed), recording each inlined cut's bytes in its hop's ledger after every
+    call, as the op would have while it ran."""
+    from ccfx.runtime.cut_op import find_hop
+
+    if not cuts:
+        return compiled
+
+    def run(args):
+        out = compiled(args)
+        for c in cuts:
+            hop = find_hop(c.uid)
+            if hop is not None:
+                hop.ledger.record(hop.graph, hop.edge, hop.hop, c.direction, c.raw_bytes,
+                                  c.wire_bytes)
+        return out
+
+    return tc.mark_boxed(run)
+
+
 def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite | None,
-              collectives: CollectivesRewrite | None = None):
+              collectives: CollectivesRewrite | None = None, fuse: bool = True):
+    from ccfx.passes.graph_utils import copy_graph
+    from ccfx.passes.inline_cuts import inline_cuts
+
     def inner(gm, example_inputs, **kwargs):
         kind = ("backward" if kwargs.get("is_backward") else
                 "inference" if kwargs.get("is_inference") else "forward")
+
+        def compile_fx(g: torch.fx.GraphModule, inputs):
+            if fuse and any(n.target is torch.ops.ccfx.cut.default for n in g.graph.nodes):
+                g = inline_cuts(copy_graph(g), _fusible_codec, tc.select_decomp_table())
+                cuts = g.meta["ccfx"]["inlined_cuts"]
+                graphs.inlined_cuts.extend(cuts)
+                return counted_cuts(tc.compile_fx_inner(g, inputs, **kwargs), cuts)
+            return tc.compile_fx_inner(g, inputs, **kwargs)
 
         def compile_rewritten(rewritten: torch.fx.GraphModule):
             inputs = [n.meta["val"] for n in rewritten.graph.nodes if n.op == "placeholder"]
             # Keep each collective where the pass put it: inductor's default memory
             # reordering moves waits early and collectives late.
             with tc.inductor_config.patch(reorder_for_peak_memory=False):
-                return tc.compile_fx_inner(rewritten, inputs, **kwargs)
+                return compile_fx(rewritten, inputs)
 
         def finish(g: torch.fx.GraphModule):
             if kind == "backward" and rewrite is not None:
@@ -115,7 +162,7 @@ def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite 
                                graphs.backward.append)
             getattr(graphs, kind).append(g)
             if g is gm:
-                return tc.compile_fx_inner(gm, example_inputs, **kwargs)
+                return compile_fx(gm, example_inputs)
             return compile_rewritten(g)
 
         if collectives is not None:
@@ -133,11 +180,12 @@ def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite 
 
 
 def _rewriting_backward():
-    """A hit in AOT autograd's cache skips the compilers, and with them the gradient buckets
-    and the compressed collectives: graphs ccfx rewrites are never served from (or stored in)
-    that cache. And the backward compiles with the forward (not lazily at the first
-    ``.backward()``), so buckets, collectives, their codec state and the plan exist after the
-    first call, and every rank checks the bucket and collective plans at the same point."""
+    """A hit in AOT autograd's cache skips the compilers, and with them the gradient buckets,
+    the compressed collectives and the byte counts of inlined cuts: graphs ccfx rewrites are
+    never served from (or stored in) that cache. And the backward compiles with the forward
+    (not lazily at the first ``.backward()``), so buckets, collectives, their codec state and
+    the plan exist after the first call, and every rank checks the bucket and collective plans
+    at the same point."""
     return tc.functorch_config.patch(enable_autograd_cache=False,
                                      force_non_lazy_backward_lowering=True)
 
@@ -145,14 +193,17 @@ def _rewriting_backward():
 def lower(gm: torch.fx.GraphModule, example_inputs: Sequence, lowering: str,
           mode: str | None = None,
           rewrite_backward: BackwardRewrite | None = None,
-          rewrite_collectives: CollectivesRewrite | None = None
+          rewrite_collectives: CollectivesRewrite | None = None, fuse_codecs: bool = True
           ) -> tuple[Callable, LoweredGraphs]:
     graphs = LoweredGraphs()
     if lowering == "eager":
         compiler = _eager(graphs, rewrite_backward, rewrite_collectives)
     else:
-        compiler = _inductor(graphs, mode, rewrite_backward, rewrite_collectives)
+        compiler = _inductor(graphs, mode, rewrite_backward, rewrite_collectives,
+                             fuse_codecs)
     rewriting = rewrite_backward is not None or rewrite_collectives is not None
-    guard = _rewriting_backward() if rewriting else contextlib.nullcontext()
+    inlining = lowering != "eager" and fuse_codecs and any(
+        n.target is torch.ops.ccfx.cut.default for n in gm.graph.nodes)
+    guard = _rewriting_backward() if rewriting or inlining else contextlib.nullcontext()
     with guard:
         return compiler(gm, list(example_inputs)), graphs

@@ -1,21 +1,26 @@
-"""Steady-state train step time: ccfx (identity codec, stages 4) over plain torch.compile.
+"""Steady-state train step time: ccfx (stages 4, a codec on every cut) over plain torch.compile.
 
 One step is forward + backward + AdamW step on the tiny GPT (batch 16, context 64). Each pair
 compares ccfx with the plain torch.compile backend that lowers the same way:
 
-    eager     ccfx lowering="eager"     vs  backend="aot_eager"
-    inductor  ccfx lowering="inductor"  vs  backend="inductor"
+    eager             ccfx lowering="eager"                        vs  backend="aot_eager"
+    inductor          ccfx lowering="inductor"                     vs  backend="inductor"
+    inductor-opaque   ccfx lowering="inductor", fuse_codecs=False  vs  backend="inductor"
+
+``inductor`` gives each cut's codec to inductor as plain ops it fuses with its neighbours
+(``fuse_codecs``, the default); ``inductor-opaque`` keeps every cut an opaque custom op: their
+difference is what fusion saves.
 
 Both models of a pair live in the same process (same initial weights); after warm-up their
 timed samples alternate (A B B A A B …) so that drift and noise hit both alike. Each sample
 is the mean of ``--inner`` steps; the table shows the medians, their ratio, and the median of
 the ratios of adjacent (back-to-back) samples, and the ratio of the fastest samples (the least
 disturbed by other load on a shared machine); goal ≤ 1.05.
-With the identity codec the only extra work is one copy of each crossing tensor per hop,
-forward and backward.
+With the identity codec (``--codec none``, the default) the only extra work is one copy of
+each crossing tensor per hop, forward and backward; ``--codec int8`` adds its round trip.
 
-    python -m bench.step_time [--pairs eager inductor] [--repeats 15] [--threads 1]
-                              [--json out.json]
+    python -m bench.step_time [--pairs eager inductor inductor-opaque] [--codec int8]
+                              [--repeats 15] [--threads 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ from torch._dynamo.utils import counters
 from . import common
 
 GOAL = 1.05
-PAIRS = {"eager": ("ccfx-eager", "aot_eager"), "inductor": ("ccfx-inductor", "inductor")}
+#: --model: the tiny GPT is the demo's shape; gpt2-small is GPT-2's 124 M (12 layers, width
+#: 768, its vocabulary), at context 256 and batch 2 to keep a CPU step near a second.
+MODELS = {"tiny": ({}, common.BATCH),
+          "gpt2-small": ({"vocab_size": 50257, "block_size": 256, "n_layer": 12, "n_head": 12,
+                          "n_embd": 768}, 2)}
+PAIRS = {"eager": ("ccfx-eager", "aot_eager"), "inductor": ("ccfx-inductor", "inductor"),
+         "inductor-opaque": ("ccfx-inductor", "inductor")}
 
 
 def make_step(model, compiled, idx, targets):
@@ -42,17 +53,20 @@ def make_step(model, compiled, idx, targets):
     return step
 
 
-def run_pair(pair: str, stages: int, repeats: int, warmup: int, inner: int) -> dict:
+def run_pair(pair: str, stages: int, repeats: int, warmup: int, inner: int,
+             codec: str = "none", model: str = "tiny") -> dict:
     import torch._dynamo
 
     torch._dynamo.reset()
     ccfx_kind, base_kind = PAIRS[pair]
-    base_model = common.tiny_gpt()
+    shape, batch = MODELS[model]
+    base_model = common.tiny_gpt(**shape)
     ccfx_model = copy.deepcopy(base_model)
-    idx, targets = common.gpt_batch()
+    idx, targets = common.gpt_batch(batch, **shape)
+    fuse = {"fuse_codecs": False} if pair == "inductor-opaque" else {}
+    compiled = common.compile_model(ccfx_model, ccfx_kind, stages=stages, codec=codec, **fuse)
     steps = {
-        ccfx_kind: make_step(ccfx_model, common.compile_model(ccfx_model, ccfx_kind, stages=stages),
-                             idx, targets),
+        ccfx_kind: make_step(ccfx_model, compiled, idx, targets),
         base_kind: make_step(base_model, common.compile_model(base_model, base_kind), idx, targets),
     }
     for fn in steps.values():  # compile (first call) outside the timed region
@@ -74,6 +88,8 @@ def main(argv=None):
     ap = common.parser(__doc__)
     ap.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--codec", default="none", help="the codec on every cut, both directions")
+    ap.add_argument("--model", default="tiny", choices=list(MODELS))
     ap.add_argument("--repeats", type=int, default=15, help="timed samples per model")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per model after compile")
     ap.add_argument("--inner", type=int, default=2, help="steps per sample")
@@ -85,16 +101,18 @@ def main(argv=None):
 
     results = []
     for pair in args.pairs:
-        r = run_pair(pair, args.stages, args.repeats, args.warmup, args.inner)
+        r = run_pair(pair, args.stages, args.repeats, args.warmup, args.inner, args.codec,
+                     args.model)
         results.append(r)
         print(f"  {pair}: {r['ccfx']} {r['ccfx_s'] * 1e3:.1f} ms, {r['baseline']} "
               f"{r['baseline_s'] * 1e3:.1f} ms", flush=True)
 
-    kw = common.GPT_KW
-    print(f"\nsteady-state train step (fwd+bwd+AdamW), tiny GPT ({kw['n_layer']} layers, "
-          f"width {kw['n_embd']}, context {kw['block_size']}), batch {common.BATCH}, "
-          f"ccfx stages {args.stages} codec none (median of {args.repeats} interleaved samples "
-          f"x {args.inner} steps, {torch.get_num_threads()} thread(s); goal <= {GOAL})")
+    shape, batch = MODELS[args.model]
+    kw = {**common.GPT_KW, **shape}
+    print(f"\nsteady-state train step (fwd+bwd+AdamW), {args.model} GPT ({kw['n_layer']} "
+          f"layers, width {kw['n_embd']}, context {kw['block_size']}), batch {batch}, ccfx "
+          f"stages {args.stages} codec {args.codec} (median of {args.repeats} interleaved "
+          f"samples x {args.inner} steps, {torch.get_num_threads()} thread(s); goal <= {GOAL})")
     rows = []
     for r in results:
         spread = [s for xs in r["samples"].values() for s in xs]
@@ -107,7 +125,7 @@ def main(argv=None):
                               "paired", "min/min",
                               "range ms", f"<= {GOAL}"]))
     common.write_json(args.json, "step_time", {
-        "goal": GOAL, "stages": args.stages, "model": common.GPT_KW, "batch": common.BATCH,
+        "goal": GOAL, "stages": args.stages, "codec": args.codec, "model": kw, "batch": batch,
         "repeats": args.repeats, "inner": args.inner, "threads": torch.get_num_threads(),
         "results": results})
     return results

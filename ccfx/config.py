@@ -52,6 +52,9 @@ class Config:
         "memory" (activation bytes).
     lowering: what runs the partitioned graphs after aot_autograd: "inductor" (default; fastest
         on CPU and CUDA) or "eager" (aten ops one by one: quick to compile, for tests).
+    fuse_codecs: under inductor, give each cut's codec to inductor as plain ops it fuses with
+        the kernels around it, where the codec is stateless and of fixed size (int8, fp8,
+        fp16, none, ...; the ledger counts the same bytes); False keeps every cut an opaque op.
 
     Data parallel (gradients averaged over the ranks of the default process group, from
     inside the compiled backward; no DDP wrapper):
@@ -183,6 +186,7 @@ class Config:
     split_points: tuple[str, ...] | None = None
     balance: str = "flops"
     lowering: str = "inductor"
+    fuse_codecs: bool = True
     data_parallel: bool = False
     gradient_codec: str = "none"
     bucket_mb: float = 25.0
@@ -407,7 +411,7 @@ class Config:
     def _check_data_parallel(self) -> None:
         from . import codecs
 
-        for name in ("data_parallel", "error_feedback", "broadcast_buffers"):
+        for name in ("data_parallel", "error_feedback", "broadcast_buffers", "fuse_codecs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} is True or False, got {getattr(self, name)!r}")
         positive = {"bucket_mb": "a bucket's size cap in MiB, e.g. 25",

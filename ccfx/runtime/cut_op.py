@@ -101,6 +101,11 @@ def hop_of(uid: int) -> Hop:
     return _HOPS[uid]
 
 
+def find_hop(uid: int) -> Hop | None:
+    """The hop ``uid`` names, None when it is not registered (or gone)."""
+    return _HOPS.get(uid)
+
+
 def forget_hops(uids) -> None:
     with _lock:
         for uid in uids:
