@@ -351,13 +351,18 @@ class ClusterSpec:
         them (lowest bandwidth; of equals, the highest latency), with the highest latency of
         any pair (a collective waits for its last message). One pair's Link unchanged when a
         single link joins them all."""
+        return self.slowest_pair(devices)[1]
+
+    def slowest_pair(self, devices: Iterable) -> tuple[tuple[int, int], Link]:
+        """The ordered pair (positions) of :meth:`slowest_link`'s link, and that link."""
         idx = sorted({self.index(d) for d in devices})
         if len(idx) < 2:
             raise ConfigError(f"cluster: slowest_link needs two devices or more, got "
                               f"{[self.names[i] for i in idx]}")
-        links = {self.link(i, j) for i, j in self.pair_kinds(idx)}
-        slowest = min(links, key=lambda link: (link.gbps, -link.latency_ms))
-        return replace(slowest, latency_ms=max(link.latency_ms for link in links))
+        links = {pair: self.link(*pair) for pair in self.pair_kinds(idx)}
+        pair = min(links, key=lambda p: (links[p].gbps, -links[p].latency_ms))
+        latency = max(link.latency_ms for link in links.values())
+        return pair, replace(links[pair], latency_ms=latency)
 
     def pair_kinds(self, idx: Sequence[int]) -> list[tuple[int, int]]:
         """Among the devices at the sorted positions ``idx``, one ordered pair per kind of link

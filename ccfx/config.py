@@ -426,6 +426,13 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an integer ≥ 0, got {value!r}")
+        if isinstance(self.gradient_codec, str) and \
+                self.gradient_codec.strip().lower().startswith("adaptive"):
+            raise ConfigError(
+                f"gradient_codec={self.gradient_codec!r}: adaptive compression switches codecs "
+                "between steps, which a compiled backward cannot; it runs on DDP's comm hook: "
+                "model.register_comm_hook(*ccfx.ddp_comm_hook('adaptive:light=...,heavy=...')) "
+                "on a DDP model (docs/guides/frameworks.md). Here, give a fixed codec")
         spec = _spec(self.gradient_codec)
         if self.error_feedback and spec != AUTO and not spec.endswith("ef"):
             spec = codecs.canonical(spec + (",ef" if ":" in spec else ":ef"))

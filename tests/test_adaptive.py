@@ -51,6 +51,17 @@ def test_a_bad_spec_is_a_config_error_naming_the_fix(spec, says):
     assert says in str(e.value), str(e.value)
 
 
+def test_an_adaptive_spec_where_only_fixed_codecs_go_names_the_comm_hook():
+    spec = "adaptive:light=int8,heavy=sign"
+    with pytest.raises(ccfx.ConfigError, match="compiled backward cannot; it runs on DDP's "
+                                               "comm hook"):
+        ccfx.Config(data_parallel=True, gradient_codec=spec)
+    from ccfx.runtime.comm_hook import CommHookState
+
+    with pytest.raises(ccfx.ConfigError, match=r"register_comm_hook\(\*ccfx.ddp_comm_hook"):
+        CommHookState(spec)  # what register_codec(ddp_model, spec) makes
+
+
 def test_a_light_codec_that_sends_less_than_the_heavy_one_runs_with_a_warning():
     with pytest.warns(ccfx.CcfxWarning, match="Swap light= and heavy="):
         state, _ = ccfx.ddp_comm_hook("adaptive:light=topk:ratio=0.05,ef,heavy=int8")

@@ -341,7 +341,7 @@ def _call(kind="all_reduce", shape=(8, 4), dtype=torch.float32, world=2, op="aut
     (_call("all_gather", shape=()), "int8", "0-d input"),
     (_call(shape=(0, 4)), "int8", "empty tensor"),
     (_call(), "powersgd", "PowerSGD"),
-    (_call(), "randomk:ratio=0.1", "decode state"),
+    (_call(), "randomk:ratio=0.1", "keeps state besides its step"),
     (_call(dtype=torch.complex64), "int8", "complex64"),
 ])
 def test_refuse_says_why(call, spec, words):

@@ -188,9 +188,7 @@ def group_links(cluster: Cluster, groups: Sequence[Sequence[int]]) -> list[Price
         if len(idx) < 2:
             slowest.append(None)
             continue
-        link = cluster.slowest_link(idx)
-        a, b = min(cluster.pair_kinds(idx),
-                   key=lambda p: (cluster.link(*p).gbps, -cluster.link(*p).latency_ms))
+        (a, b), link = cluster.slowest_pair(idx)
         level = level_of(cluster, a, b)
         outs = _leaving(cluster, idx, level) if not link.shared else set()
         for node in outs:

@@ -112,6 +112,11 @@ class CommHookState:
                               "positive number (e.g. 300)")
         #: how long a wait on CPU (gloo) lasts before the peers are named
         self.collective_timeout_s = float(collective_timeout_s)
+        if isinstance(spec, str) and spec.strip().lower().startswith("adaptive"):
+            raise ConfigError(
+                f"{spec!r} switches each bucket between two codecs, which needs its own hook: "
+                f"ddp_model.register_comm_hook(*ccfx.ddp_comm_hook({spec!r})); register_codec "
+                "and this state take one fixed codec")
         self.spec = codecs.canonical(spec)
         self.process_group = process_group
         self.collective = collective

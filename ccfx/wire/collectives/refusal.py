@@ -28,9 +28,10 @@ def _codec_reason(codec: Codec, dtype: torch.dtype) -> str | None:
                 "int4, bf16...)")
     extra = sorted(set(inner.state_layout((1,), torch.float32)) - {"step"})
     if extra:
-        return (f"codec {codec.spec!r} keeps decode state ({', '.join(extra)}), and a "
-                "collective decodes other ranks' payloads (use a codec whose decode is "
-                "stateless: int8, fp8, int4, bf16, topk...)")
+        return (f"codec {codec.spec!r} keeps state besides its step ({', '.join(extra)}), "
+                "which a collective's chunks cannot carry: each rank encodes chunks and "
+                "decodes other ranks' payloads (use a codec whose only state is its step or "
+                "an error-feedback residual: int8, fp8, int4, bf16, topk, with or without ef)")
     if not codec.applies_to(dtype):
         return f"codec {codec.spec!r} does not apply to {dtype} tensors"
     return None
