@@ -87,9 +87,10 @@ def fp8_encode_reference(x: torch.Tensor, block: int, fmt: torch.dtype):
 def fp8_decode_reference(codes, scales, block: int, fmt: torch.dtype, shape, dtype):
     # torch's float8 cast is fp8_values but for the bits of NaN codes (which the encode never
     # makes): give those fp8_values' canonical NaN, signed as the code. (copysign on the cast
-    # value, not a test of the uint8 code: inductor then keeps the loop vectorized, 2.6x.)
+    # value, not a test of the uint8 code, and NaN found as v.ne(v), not isnan(), which inductor
+    # compiles to a scalar loop: both keep the loop vectorized, 2.6x and 1.2x.)
     v = codes.view(fmt).float()
-    v = torch.where(v.isnan(), torch.copysign(torch.full_like(v, float("nan")), v), v)
+    v = torch.where(v.ne(v), torch.copysign(torch.full_like(v, float("nan")), v), v)
     return rescaled(v, scales, block, shape, dtype)
 
 

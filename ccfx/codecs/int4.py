@@ -30,8 +30,8 @@ def _int4_scales(out, x, block):
 def int4_encode_reference(x: torch.Tensor, block: int):
     """``x`` → ``(packed uint8 [ceil(n/2)], scales fp32 [ceil(n/block)])``."""
     scaled, absmax = absmax_blocks(x, block, 7.0)
-    codes = (torch.round(scaled).clamp_(-7, 7) + 8).to(torch.uint8).view(-1)[:x.numel()]
-    return _bits.pack(codes, 4), absmax
+    codes = (torch.round(scaled).clamp_(-7, 7) + 8).to(torch.uint8)
+    return _bits.pack_nibbles(codes, x.numel()), absmax
 
 
 @fast
