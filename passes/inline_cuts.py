@@ -23,7 +23,6 @@ from typing import ClassVar
 import torch
 import torch.fx
 
-from .facts import put
 from .graph_utils import splice_traced, trace_phase, val
 
 
@@ -84,8 +83,8 @@ def inline_cuts(gm: torch.fx.GraphModule, codec_of: CodecOf,
             continue
         traced = trace_phase(_roundtrip_fn(codec), [value], decompositions)
         (out,) = splice_traced(gm.graph, traced, [x], node, InlinedCutFacts(uid, direction))
-        out.meta = {**node.meta, "val": val(out), "ccfx": dict(out.meta.get("ccfx", {}))}
-        put(out, InlinedCutFacts(uid, direction))
+        if out is not x:  # the cut's stack and module meta, the traced value and facts
+            out.meta = {**node.meta, "val": val(out), "ccfx": out.meta["ccfx"]}
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         shape = tuple(value.shape)
