@@ -23,8 +23,14 @@ nothing about a link): each rank's NIC at ``--rate`` Mbit/s full duplex with ``-
 per message; a ring all-reduce takes 2(W-1) sequential hops of a chunk, a gossip step sends its
 payload to its d neighbours at once (one latency, d payloads through the NIC).
 
+With ``--two-nodes MBIT`` the ranks run for real on bench.shaped's two nodes (ranks 0 … W/2-1
+on one, the rest on the other, the link between them limited to MBIT Mbit/s, each node's
+loopback not; the ring crosses it twice), and the table adds each variant's measured step (the
+slowest rank's median, the first 3 steps dropped).
+
     python -m bench.gossip                       # 4 ranks, 150 steps, 3 seeds
     python -m bench.gossip --steps 20 --seeds 1 --world 2
+    python -m bench.gossip --two-nodes 100 --steps 40 --seeds 1
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import time
 
 VARIANTS = ("dp-fp32", "dp-int8", "gossip-topk", "no-comm")
 GPT = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 128}
@@ -115,8 +122,9 @@ def _train(rank: int, world: int, variant: str, seed: int, a: dict) -> dict:
     g = None
     if variant == "gossip-topk":
         g = ccfx.gossip(model, opt, spec=f"topk:ratio={a['ratio']}", gamma=a["gamma"])
-    losses = []
+    losses, times = [], []
     for _ in range(a["steps"]):
+        start = time.perf_counter()
         x, y = next(train)
         loss = model(x, y)[1]
         loss.backward()
@@ -126,9 +134,11 @@ def _train(rank: int, world: int, variant: str, seed: int, a: dict) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        times.append(time.perf_counter() - start)
     sent = {"dp-fp32": ring_wire_bytes(numel, "none", torch.float32, world),
             "dp-int8": ring_wire_bytes(numel, "int8", torch.float32, world)}.get(variant, 0)
     row = {"variant": variant, "seed": seed, "params": numel, "train_last": losses[-10:],
+           "step_s": statistics.median(times[3:] or times),
            "bytes_per_step": g.bytes_per_step if g is not None else sent,
            "consensus": g.consensus() if g is not None else _consensus(model)}
     with torch.no_grad():
@@ -171,6 +181,28 @@ def bench_rank(rank: int, world: int, a: dict) -> list[dict]:
     return rows
 
 
+def shaped_rank(rank: int, world: int, **a) -> list[dict]:
+    """:func:`bench_rank` under bench.shaped's ``run_ranks`` (keyword arguments, JSON out)."""
+    return bench_rank(rank, world, a)
+
+
+def _run(a, args: dict) -> list[dict]:
+    """Rank 0's rows, each with ``step_s`` the slowest rank's (with ``--two-nodes``: on the
+    shaped nodes; else spawned on 127.0.0.1)."""
+    from ccfx.runtime.launch import spawn
+
+    if a.two_nodes is None:
+        return spawn(bench_rank, a.world, (args,), timeout_s=a.timeout, pg_timeout_s=600)[0]
+    from bench.shaped import run_ranks, two_nodes
+
+    with two_nodes(a.two_nodes) as nodes:
+        ns, env = nodes.launch([r * 2 // a.world for r in range(a.world)])
+        ranks = run_ranks("bench.gossip", "shaped_rank", a.world, args, netns=ns,
+                          timeout_s=a.timeout, rank_env=env)
+    return [{**row, "step_s": max(r[i]["step_s"] for r in ranks)}
+            for i, row in enumerate(ranks[0])]
+
+
 def link_s(variant: str, numel: int, world: int, ratio: float, rate_mbit: float,
            latency_ms: float) -> float:
     """Modelled seconds on the link per step (see the module docstring)."""
@@ -205,6 +237,7 @@ def _summary(rows: list[dict], a) -> list[dict]:
             "train_last": statistics.fmean(statistics.fmean(r["train_last"]) for r in mine),
             "consensus": statistics.fmean(r["consensus"] for r in mine),
             "bytes_per_step": mine[0]["bytes_per_step"],
+            "step_s": statistics.fmean(r["step_s"] for r in mine),
             "link_ms": 1e3 * link_s(v, mine[0]["params"], a.world, a.ratio, a.rate,
                                     a.latency)})
     return out
@@ -218,6 +251,10 @@ def _table(summary: list[dict], a) -> str:
              f"{s['bytes_per_step'] / 1e3:.1f}", f"{s['link_ms']:.1f}"] for s in summary]
     header = ["variant", "held-out loss of x̄", "of rank 0", "train (last 10)",
               "consensus", "kB sent/rank/step", f"link ms/step @{a.rate:g} Mbit"]
+    if a.two_nodes is not None:
+        for row, s in zip(rows, summary):
+            row.append(f"{s['step_s'] * 1e3:.0f}")
+        header.append(f"measured ms/step, 2 nodes @{a.two_nodes:g} Mbit")
     return table(rows, header)
 
 
@@ -231,6 +268,8 @@ def _parser():
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--rate", type=float, default=100.0, help="modelled link, Mbit/s")
     p.add_argument("--latency", type=float, default=1.0, help="modelled latency, ms/message")
+    p.add_argument("--two-nodes", type=float, default=None, metavar="MBIT",
+                   help="run on bench.shaped's two nodes, the link between them at MBIT")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--json", default=None)
     return p
@@ -239,20 +278,20 @@ def _parser():
 def main(argv=None) -> int:
     from bench.common import write_json
     from ccfx.models import CharTokenizer, GPTConfig, TinyGPT, load_corpus
-    from ccfx.runtime.launch import spawn
 
     a = _parser().parse_args(argv)
     vocab = CharTokenizer(load_corpus()).vocab_size
     numel = TinyGPT(GPTConfig(vocab_size=vocab, **GPT)).num_parameters()
     a.ratio = equal_bytes_ratio(numel, a.world)
     args = {k: getattr(a, k) for k in ("steps", "seeds", "batch", "gamma", "variants", "ratio")}
-    rows = spawn(bench_rank, a.world, (args,), timeout_s=a.timeout, pg_timeout_s=600)[0]
+    rows = _run(a, args)
     summary = _summary(rows, a)
     print(f"compressed gossip vs data parallel: tiny GPT {rows[0]['params']} params, "
           f"{a.world} ranks (ring), {a.steps} steps, {a.seeds} seeds, topk ratio {a.ratio} "
           f"(bytes ≤ dp-int8's), gamma {a.gamma}")
     print(_table(summary, a))
-    write_json(a.json, "gossip", {"world": a.world, "steps": a.steps, "seeds": a.seeds,
+    write_json(a.json, "gossip", {"world": a.world, "two_nodes_mbit": a.two_nodes,
+                                  "steps": a.steps, "seeds": a.seeds,
                                   "gamma": a.gamma, "ratio": a.ratio, "summary": summary,
                                   "rows": rows})
     return 0

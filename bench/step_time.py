@@ -1,6 +1,7 @@
 """Steady-state train step time: ccfx (stages 4, a codec on every cut) over plain torch.compile.
 
-One step is forward + backward + AdamW step on the tiny GPT (batch 16, context 64). Each pair
+One step is forward + backward + AdamW step on the tiny GPT (batch 16, context 64; ``--model
+gpt2-small``: GPT-2's 124 M at batch 2, context 256). Each pair
 compares ccfx with the plain torch.compile backend that lowers the same way:
 
     eager             ccfx lowering="eager"                        vs  backend="aot_eager"
