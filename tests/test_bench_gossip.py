@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # starts
 def test_gossip_bench_rows_json_and_equal_bytes(tmp_path, capsys):
     out = tmp_path / "gossip.json"
     assert gossip.main(["--world", "2", "--steps", "4", "--seeds", "1", "--batch", "2",
-                        "--json", str(out)]) == 0
+                        "--timeout", "300", "--json", str(out)]) == 0
     table = capsys.readouterr().out.split("variant", 1)[1]
     for v in gossip.VARIANTS:
         assert v in table
@@ -38,7 +38,7 @@ def test_gossip_bench_on_two_shaped_nodes_reports_measured_steps(tmp_path, capsy
     out = tmp_path / "gossip.json"
     assert gossip.main(["--world", "2", "--steps", "6", "--seeds", "1", "--batch", "2",
                         "--variants", "dp-int8", "no-comm", "--two-nodes", "20",
-                        "--json", str(out)]) == 0
+                        "--timeout", "300", "--json", str(out)]) == 0
     assert "measured ms/step, 2 nodes @20 Mbit" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["two_nodes_mbit"] == 20
