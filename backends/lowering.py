@@ -181,8 +181,8 @@ def _inductor(graphs: LoweredGraphs, mode: str | None, rewrite: BackwardRewrite 
 
 def _rewriting_backward():
     """A hit in AOT autograd's cache skips the compilers, and with them the gradient buckets,
-    the compressed collectives and the byte counts of inlined cuts: graphs ccfx rewrites are
-    never served from (or stored in) that cache. And the backward compiles with the forward
+    the compressed collectives and the byte counts of inlined cuts (those graphs turn the
+    cache off alone): graphs ccfx rewrites are never served from (or stored in) that cache. And the backward compiles with the forward
     (not lazily at the first ``.backward()``), so buckets, collectives, their codec state and
     the plan exist after the first call, and every rank checks the bucket and collective plans
     at the same point."""
@@ -204,6 +204,8 @@ def lower(gm: torch.fx.GraphModule, example_inputs: Sequence, lowering: str,
     rewriting = rewrite_backward is not None or rewrite_collectives is not None
     inlining = lowering != "eager" and fuse_codecs and any(
         n.target is torch.ops.ccfx.cut.default for n in gm.graph.nodes)
-    guard = _rewriting_backward() if rewriting or inlining else contextlib.nullcontext()
+    guard = (_rewriting_backward() if rewriting else
+             tc.functorch_config.patch(enable_autograd_cache=False) if inlining else
+             contextlib.nullcontext())  # (inlined cuts count bytes in ccfx's compiled call)
     with guard:
         return compiler(gm, list(example_inputs)), graphs
