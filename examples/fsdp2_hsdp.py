@@ -89,7 +89,8 @@ def main() -> None:
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, collective wire/raw "
               f"{wire / raw:.3f}, replicas equal: {same}"
               + (f", resumed from {args.resume}" if args.resume else ""))
-    dist.destroy_process_group()
+    dist.barrier()                             # no rank tears its groups down while a peer
+    dist.destroy_process_group()               # still uses them (rank 0 prints above)
 
 
 if __name__ == "__main__":
