@@ -16,7 +16,7 @@ computed, and the user's module and its tensors (real or ``meta``) are untouched
 *CPU* tensors rather than ``meta`` ones because kernels are chosen by device: on ``meta``,
 ``scaled_dot_product_attention`` takes the math path and saves the T × T attention
 probabilities for backward (twice the activations of a 1 B GPT at sequence 2048), while CPU and
-CUDA run a fused flash kernel that saves its output and log-sum-exp only. Three PyTorch tools
+CUDA run a fused flash kernel that saves its output and log-sum-exp only. Four PyTorch tools
 read the trace:
 
 * ``torch.utils.flop_counter.FlopCounterMode``: forward FLOPs, read at each block's forward
@@ -27,7 +27,12 @@ read the trace:
 * ``torch.autograd.graph.saved_tensors_hooks``: the bytes autograd keeps for each block's
   backward (the activations a pipeline stage holds per microbatch in flight), each tensor
   counted once, parameters not counted;
-* forward hooks on the blocks: the tensor a cut after each block would send.
+* forward hooks on the blocks: the tensor a cut after each block would send;
+* a ``TorchDispatchMode`` (:class:`_Shares`) with forward hooks on the blocks' linears: which
+  saved bytes lie in Megatron's TP span (from a column-parallel linear's output to the
+  row-parallel one's input, by the declared or derived plan) and which belong to the
+  attention core, with its FLOPs: what sequence parallelism and selective recomputation are
+  priced by (``LayerFacts.tp_saved_bytes``, ``attn_core_saved_bytes``, ``attn_core_flops``).
 
 ``torch.distributed._tools.MemTracker`` serves where a real run exists: the tests check the
 memory model against its measured peak of a CPU step (tests/test_layout_planner.py). Models
@@ -39,7 +44,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
+import functools
 import json
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -84,6 +92,138 @@ class _OpCounter(tc.TorchDispatchMode):
     def main_matmul(self) -> tuple[int, int, int] | None:
         """The matmul shape that does the most FLOPs."""
         return max(self.matmuls, key=self.matmuls.get) if self.matmuls else None
+
+
+#: aten ops of the fused attention kernels (the attention core in one op), backwards apart
+_SDPA = "_scaled_dot_product_"
+#: batched matmuls: the attention core's two when they make or read the scores
+_BMM = {"bmm": 0, "baddbmm": 1}
+
+
+class _Shares(tc.TorchDispatchMode):
+    """What splits each block's saved bytes (:class:`~ccfx.planner.model_facts.LayerFacts`'
+    ``tp_saved_bytes`` and ``attn_core_saved_bytes``), recorded per tensor in one forward:
+
+    * the block linears each tensor derives from, through any op, a linear's output
+      starting afresh (:meth:`linear_hooks`): a tensor is in Megatron's TP span when it
+      derives from a column-parallel linear (the plan is known after the trace);
+    * the attention core: an SDPA kernel's outputs, and from a batched matmul whose output's
+      last two dims are both the sequence (the scores) every op keeping that shape (scale,
+      mask, softmax, dropout); with the FLOPs of the kernel, or of the two matmuls;
+    * who saves each tensor: autograd saves an op's inputs just before the op runs and its
+      outputs just after, so the first save of one of the last op's outputs is that op's,
+      any other the next op's. A core tensor also saved outside the core (the core's output
+      read by the output projection) is kept by selective recomputation.
+
+    The sequence is the first block's input's dim 1 (a batch-first ``(B, T, C)`` input)."""
+
+    def __init__(self, current: list):
+        super().__init__()
+        self.current = current
+        self.seq: int | None = None
+        self.linears: dict[int, frozenset[str]] = {}
+        self.core: set[int] = set()
+        self.core_flops: dict[str, float] = {}
+        self.outside: set[int] = set()  # saved by an op outside the core
+        self.keep: list[torch.Tensor] = []
+        self._last: tuple[set[int], bool] = (set(), False)  # its outputs, in the core
+        self._claimed: set[int] = set()  # the last op's outputs it saved
+        self._pending: list[int] = []  # saved by the next op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace != "aten":  # queries (prim::device) between an op and its saves
+            return out
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        sources = frozenset().union(*(self.linears.get(id(t), ()) for t in ins))
+        if sources:
+            self.linears.update((id(t), sources) for t in outs)
+        flops, made = self._core(func.overloadpacket.__name__, args, ins, outs)
+        if flops:
+            key = self.current[0]
+            self.core_flops[key] = self.core_flops.get(key, 0.0) + flops
+        self.core.update(id(t) for t in made)
+        in_core = bool(flops or made)
+        if not in_core:
+            self.outside.update(self._pending)
+        self._pending, self._claimed = [], set()
+        self._last = ({id(t) for t in outs}, in_core)
+        self.keep += outs
+        return out
+
+    def _core(self, name: str, args, ins, outs) -> tuple[float, list[torch.Tensor]]:
+        """The attention core's FLOPs in this op and the outputs it adds to the core."""
+        if name.startswith(_SDPA) and "backward" not in name:
+            q, k, v = args[:3]
+            flops = 2 * math.prod(q.shape[:-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+            return float(flops), outs
+        square = [t for t in outs if self._square(t)]
+        if name in _BMM:
+            inner = args[_BMM[name]].shape[-1]
+            if square or any(id(t) in self.core and self._square(t) for t in ins):
+                return 2.0 * sum(t.numel() for t in outs) * inner, square
+        if square and any(id(t) in self.core for t in ins):
+            return 0.0, square
+        return 0.0, []
+
+    def _square(self, t: torch.Tensor) -> bool:
+        return self.seq is not None and t.dim() >= 3 and tuple(t.shape[-2:]) == (self.seq,
+                                                                                self.seq)
+
+    def saved(self, t: torch.Tensor, base: torch.Tensor) -> None:
+        """Autograd saves ``t`` (a view of ``base``): who saves it, as the class says."""
+        last, in_core = self._last
+        key = id(base)
+        if (id(t) in last or key in last) and key not in self._claimed:
+            self._claimed.add(key)
+            if not in_core:
+                self.outside.add(key)
+        else:
+            self._pending.append(key)
+
+    def linear_hooks(self, blocks: list[tuple[str, torch.nn.Module]]) -> list:
+        """Hooks on every linear in the blocks: its output derives from it alone; a block's
+        input from none (the residual stream's history is not the block's)."""
+        def restart(mod, a, out, name):
+            for t in (out, tc.view_base(out)):
+                self.linears[id(t)] = frozenset({name})
+            self.keep.append(out)
+
+        def enter(mod, a):
+            t = _first_tensor(a)
+            if t is not None:
+                self.linears[id(t)] = frozenset()
+                if self.seq is None and t.dim() == 3:
+                    self.seq = int(t.shape[1])
+
+        handles = []
+        for block_name, block in blocks:
+            handles.append(block.register_forward_pre_hook(enter))
+            for name, mod in block.named_modules():
+                if isinstance(mod, torch.nn.Linear):
+                    handles.append(mod.register_forward_hook(
+                        functools.partial(restart, name=f"{block_name}.{name}")))
+        return handles
+
+    def span_bytes(self, saved: dict[int, int], columns: frozenset[str]) -> int:
+        """The bytes among ``saved`` (base id → bytes) in a TP span: derived from one of
+        ``columns``, the column-parallel linears' names."""
+        return sum(b for i, b in saved.items() if self.linears.get(i, frozenset()) & columns)
+
+    def core_bytes(self, saved: dict[int, int]) -> int:
+        """The bytes among ``saved`` of the attention core that only the core saves."""
+        return sum(b for i, b in saved.items() if i in self.core and i not in self.outside)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (tuples, lists and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, list[tuple[str, torch.nn.Module]]]:
@@ -203,10 +343,27 @@ def _traced_facts(model: torch.nn.Module, example_inputs) -> ModelFacts:
             ops.main_matmul())
 
     pre_params, post_params = _params_outside_blocks(model, container, block_ids)
-    layers = [_block_facts(trace, i, name, block, len(blocks), total, pre_params, post_params)
+    declared, derived = _tp_plan(model), flow.plan()
+    columns = _column_linears(declared or derived, blocks)
+    layers = [_block_facts(trace, i, name, block, len(blocks), total, pre_params, post_params,
+                           columns)
               for i, (name, block) in enumerate(blocks)]
-    return ModelFacts(tuple(layers), batch, _tp_plan(model), "fake-tensor trace",
-                      ops.main_matmul(), derived_tp_plan=flow.plan())
+    return ModelFacts(tuple(layers), batch, declared, "fake-tensor trace",
+                      ops.main_matmul(), derived_tp_plan=derived)
+
+
+def _column_linears(plan, blocks: list[tuple[str, torch.nn.Module]]) -> frozenset[str] | None:
+    """The qualified names of the blocks' linears ``plan`` splits column-wise (its patterns
+    as Hugging Face writes them: ``layers.*.self_attn.q_proj`` matches
+    ``model.layers.3.self_attn.q_proj``); None without a plan or where none matches."""
+    if not plan:
+        return None
+    patterns = [p for p, style in plan if style.endswith("colwise")]
+    names = {f"{b}.{n}" for b, block in blocks for n, mod in block.named_modules()
+             if isinstance(mod, torch.nn.Linear)}
+    found = frozenset(n for n in names if any(
+        fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n, "*." + p) for p in patterns))
+    return found or None
 
 
 class _BlockTrace:
@@ -223,6 +380,7 @@ class _BlockTrace:
         self.keep: list[torch.Tensor] = []
         self.counter = FlopCounterMode(display=False)
         self.ops = _OpCounter(self.current)
+        self.shares = _Shares(self.current)
 
     def pack(self, t):
         """A saved-tensor hook: count a saved activation (not a parameter) once per base."""
@@ -230,6 +388,7 @@ class _BlockTrace:
         if id(base) not in self.param_ids and id(t) not in self.param_ids:
             self.keep.append(base)  # alive until the trace ends: ids stay unique
             self.saved.setdefault(self.current[0], {})[id(base)] = base.nbytes
+            self.shares.saved(t, base)
         return t
 
     def hook(self, block: torch.nn.Module, name: str) -> list:
@@ -255,8 +414,9 @@ class _BlockTrace:
         handles = flow.hooks() if flow is not None else []
         for name, block in blocks:
             handles += self.hook(block, name)
+        handles += self.shares.linear_hooks(blocks)
         try:
-            with fake_mode, self.counter, self.ops, \
+            with fake_mode, self.counter, self.ops, self.shares, \
                     flow.mode if flow is not None else contextlib.nullcontext(), \
                     torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 torch.func.functional_call(model, state, fake_args, fake_kwargs)
@@ -293,9 +453,11 @@ def _params_outside_blocks(model: torch.nn.Module, container: str, block_ids: se
 
 
 def _block_facts(trace: _BlockTrace, i: int, name: str, block: torch.nn.Module, n_blocks: int,
-                 total: float, pre_params: dict, post_params: dict) -> LayerFacts:
+                 total: float, pre_params: dict, post_params: dict,
+                 columns: frozenset[str] | None = None) -> LayerFacts:
     """Block ``i``'s layer facts; the first also holds what runs before the blocks, the last
-    what runs after."""
+    what runs after (outside every TP span: no plan splits them). ``columns``: the
+    column-parallel linears (:meth:`_Shares.span_bytes`)."""
     saved, ops, flops_at = trace.saved, trace.ops, trace.flops_at
     if name not in trace.outs:
         raise ConfigError(f"plan_parallel: block {name} did not run in the forward: the "
@@ -317,14 +479,21 @@ def _block_facts(trace: _BlockTrace, i: int, name: str, block: torch.nn.Module, 
         n_ops += ops.counts.get("post", 0)
     every = ps + extra
     out = trace.outs[name]
-    largest = max((b for k in (name, "pre" if i == 0 else None,
-                                "post" if i == n_blocks - 1 else None)
-                    for b in saved.get(k, {}).values()), default=0)
+    parts = [k for k in (name, "pre" if i == 0 else None, "post" if i == n_blocks - 1 else None)
+             if k is not None]
+    largest = max((b for k in parts for b in saved.get(k, {}).values()), default=0)
+    shares = trace.shares
+    # no plan: every byte counts as split (the memory model's default); with one, what runs
+    # outside the blocks is in no span
+    span = sv if columns is None else shares.span_bytes(saved.get(name, {}), columns)
+    core = sum(shares.core_bytes(saved.get(k, {})) for k in parts)
+    core_flops = sum(shares.core_flops.get(k, 0.0) for k in parts)
     return LayerFacts(
         name, float(fl), sum(p.numel() for p in every),
         sum(p.numel() * p.element_size() for p in every), int(sv), tuple(out.shape),
         str(out.dtype).replace("torch.", ""), tuple(tuple(p.shape) for p in every), n_ops,
-        int(largest))
+        int(largest), tp_saved_bytes=int(span), attn_core_saved_bytes=int(core),
+        attn_core_flops=float(core_flops))
 
 
 def as_cluster(cluster) -> Cluster:
@@ -350,8 +519,9 @@ def plan_parallel(model, example_inputs, cluster, *, target: int | None = None, 
     lists. ``microbatches``, ``schedule``, ``tensor_parallel``, ``local_steps``: narrow the search
     (:func:`ccfx.planner.layout_search.search`); ``timer``: a ``CodecTimer`` for codec prices.
     ``measure``: time the model on this machine (:func:`model_facts`); None: where a device
-    is "measure here" (its flops not given). ``recompute``: activation recomputation per
-    block (None: where a layout does not fit without). ``progress``: called with a line
+    is "measure here" (its flops not given). ``recompute``: activation recomputation, the
+    attention core or every block (None: where a layout does not fit without; True: both
+    everywhere). ``progress``: called with a line
     every few seconds of a long search (``ccfx plan`` prints them to stderr)."""
     cluster = as_cluster(cluster)
     if measure is None:

@@ -9,12 +9,14 @@ cluster of 80 GiB devices at 4e14 FLOP/s (an H100's dense bf16 rate as training 
   on 1,024 devices, 128 nodes of 8, 400 Gbit/s between nodes;
 * ``tiny-4``: ccfx's tiny GPT on 2 nodes of 2 (seconds: what the tests run).
 
-Per case: the search's seconds (the model's facts apart), the layouts searched, fit, refused
-and pruned, and the chosen layout with its predicted step and peak memory.
+Per case: the search's seconds (the model's facts apart; and the process's CPU seconds in it,
+which other jobs on a shared machine stretch less than the wall clock), the layouts searched,
+fit, refused and pruned, and the chosen layout with its predicted step and peak memory.
 ``--tensor-parallel`` searches tensor parallelism too (``plan_parallel(...,
 tensor_parallel=True)``: the GPT declares no plan, so its Megatron plan is derived from its
 traced data flow); ``--megatron`` then also prices Megatron-LM's published layout for its
-76 B GPT on 1,024 A100s (TP 8, PP 4, DP 32) on the 65 B case's cluster, for a side by side.
+76 B GPT on 1,024 A100s (TP 8, PP 4, DP 32) on the 65 B case's cluster, for a side by side,
+its memory with sequence parallelism (as the search prices TP) and without (as it ran).
 
     python -m bench.plan_scale                       # 7b-64 and 65b-1024
     python -m bench.plan_scale --tensor-parallel --megatron
@@ -56,14 +58,17 @@ def case(name: str):
 def plan_case(name: str, tensor_parallel: bool | None = None, megatron: bool = False) -> dict:
     """Plan case ``name``: the search's seconds and the answer, as a table row's fields;
     ``megatron``: also Megatron-LM's layout's rank and step among those priced."""
-    from ccfx.backends.plan_parallel import plan_parallel
+    from ccfx.backends.plan_parallel import model_facts, plan_parallel
 
     model, inputs, cluster = case(name)
     t0 = time.perf_counter()
-    plan = plan_parallel(model, inputs, cluster, tensor_parallel=tensor_parallel)
+    facts = model_facts(model, inputs)
+    cpu0 = time.process_time()
+    plan = plan_parallel(facts, None, cluster, tensor_parallel=tensor_parallel)
+    cpu = time.process_time() - cpu0
     best = plan.chosen
     row = {"case": name + ("+tp" if tensor_parallel else ""),
-           "total_s": time.perf_counter() - t0, "search_s": plan.search_s,
+           "total_s": time.perf_counter() - t0, "search_s": plan.search_s, "search_cpu_s": cpu,
            "searched": len(plan.ranked) + len(plan.refused) + len(plan.pruned),
            "fit": len(plan.ranked), "refused": len(plan.refused), "pruned": len(plan.pruned),
            "chosen": best.layout.describe(), "step_s": best.step_s,
@@ -80,25 +85,33 @@ MEGATRON = {"tp": 8, "pp": 4, "dp": 32, "tflops_per_gpu": 140, "of_peak": 0.45}
 
 def megatron_row(plan) -> dict | None:
     """Where the searched layouts put Megatron's degrees (the fastest of its placements and
-    microbatch counts): its step, its rank among the fitting layouts, its peak memory."""
+    microbatch counts): its step, its rank among the fitting layouts, its peak memory with
+    sequence parallelism (as searched) and without (as Megatron-LM ran it in 2021)."""
+    from dataclasses import replace
+
+    from ccfx.planner.layout import predict_layout
+
     ranked = list(plan.ranked)
     mine = [p for p in ranked if (p.layout.tp, p.layout.pp, p.layout.dp) ==
             (MEGATRON["tp"], MEGATRON["pp"], MEGATRON["dp"])]
     if not mine:
         return None
     p = min(mine, key=lambda q: q.step_s)
+    alone = predict_layout(plan.facts, plan.cluster, replace(p.layout, sequence_parallel=False))
     return {"layout": p.layout.describe(), "step_s": p.step_s, "rank": ranked.index(p) + 1,
-            "of": len(ranked), "peak_gib": p.peak_memory_bytes / 2 ** 30}
+            "of": len(ranked), "peak_gib": p.peak_memory_bytes / 2 ** 30,
+            "peak_gib_without_sp": alone.peak_memory_bytes / 2 ** 30}
 
 
 def rows(results: list[dict]) -> list[list[str]]:
-    return [[r["case"], f"{r['search_s']:.1f}", f"{r['total_s']:.1f}",
+    return [[r["case"], f"{r['search_s']:.1f}", f"{r['search_cpu_s']:.1f}",
+             f"{r['total_s']:.1f}",
              f"{r['searched']} / {r['fit']} / {r['refused']} / {r['pruned']}", r["chosen"],
              f"{r['step_s']:.3g}", f"{r['peak_gib']:.1f}"] for r in results]
 
 
-HEADER = ["case", "search s", "total s", "searched / fit / refused / pruned", "chosen",
-          "step s", "peak GiB"]
+HEADER = ["case", "search s", "search CPU s", "total s", "searched / fit / refused / pruned",
+          "chosen", "step s", "peak GiB"]
 
 
 def main(argv=None) -> int:
@@ -122,7 +135,8 @@ def main(argv=None) -> int:
         if m:
             print(f"{r['case']}: Megatron-LM's TP 8 x PP 4 x DP 32 priced {m['step_s']:.3g} s "
                   f"({m['layout']}), {m['step_s'] / r['step_s'] - 1:+.1%} against the chosen, "
-                  f"rank {m['rank']} of {m['of']} fitting, peak {m['peak_gib']:.1f} GiB")
+                  f"rank {m['rank']} of {m['of']} fitting, peak {m['peak_gib']:.1f} GiB "
+                  f"({m['peak_gib_without_sp']:.1f} GiB without sequence parallelism)")
     common.write_json(a.json, "plan_scale", {"results": results})
     return 0
 

@@ -58,6 +58,59 @@ def test_facts_per_block():
     assert not model.blocks[0]._forward_hooks and not model.blocks[0]._forward_pre_hooks
 
 
+def test_facts_split_the_saved_bytes_for_tensor_parallel_and_the_attention_core():
+    """Per block, the saved bytes Megatron's TP span shards and the attention core's: of a
+    block's 16 tensors of the residual's size (B, T, C), the 4 outside the span are the two
+    norms' inputs and outputs; flash attention's core keeps only its log-sum-exp (its output
+    is the output projection's input: kept)."""
+    facts = model_facts(*gpt(256, 16))
+    unit = 16 * 64 * 256 * 4  # (B, T, C) float32
+    lse = 16 * 4 * 64 * 4  # (B, heads, T)
+    stats = 2 * 2 * 16 * 64 * 4  # each norm's mean and rstd
+    block = facts.layers[1]
+    assert block.saved_bytes == 16 * unit + stats + lse
+    # q k v (3), the attention's output (1), the MLP's hidden and its GELU (4 + 4)
+    assert block.tp_saved_bytes == 12 * unit + lse
+    assert block.attn_core_saved_bytes == lse
+    # QK^T and the scores times V: 2 x 2 B T^2 C
+    assert block.attn_core_flops == 4 * 16 * 64 * 64 * 256
+    # the embeddings and the head are in no span; the stage sums its layers
+    assert facts.layers[0].tp_saved_bytes == facts.layers[3].tp_saved_bytes == \
+        block.tp_saved_bytes
+    stage = facts.stage(0, 4)
+    assert stage.tp_saved_bytes == 4 * block.tp_saved_bytes
+    assert stage.attn_core_flops == 4 * block.attn_core_flops
+
+
+def test_the_attention_core_of_the_math_path_grows_with_the_square_of_the_sequence():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
+
+    core = {}
+    for seq in (64, 128):
+        torch.manual_seed(0)
+        model = TinyGPT(GPTConfig(vocab_size=96, block_size=seq, n_layer=2, n_embd=64))
+        idx = torch.randint(0, 96, (4, seq))
+        with sdpa_kernel(SDPBackend.MATH):  # the (T, T) softmax saved, as without a kernel
+            layer = model_facts(model, (idx, idx)).layers[0]
+        assert layer.attn_core_saved_bytes == 4 * 4 * seq * seq * 4  # B x heads x T x T
+        assert 0 < layer.attn_core_saved_bytes < layer.tp_saved_bytes < layer.saved_bytes
+        core[seq] = layer
+    assert core[128].attn_core_saved_bytes == 4 * core[64].attn_core_saved_bytes
+    assert core[128].attn_core_flops == 4 * core[64].attn_core_flops
+
+
+def test_facts_without_a_plan_count_every_saved_byte_as_split():
+    from ccfx.planner.model_facts import LayerFacts, StageFacts
+
+    layer = LayerFacts("b", 1.0, 1, 4, 100, (1, 2))
+    assert layer.tp_saved_bytes == 100 and layer.attn_core_saved_bytes == 0
+    assert StageFacts(0, 1, 1.0, 1, 4, 100, 8).tp_saved_bytes == 100
+    with pytest.raises(ConfigError, match="tp_saved_bytes=120 outside 0 … its saved_bytes"):
+        LayerFacts("b", 1.0, 1, 4, 100, (1, 2), tp_saved_bytes=120)
+
+
 def test_slow_link_carries_the_activations_when_gradients_are_heavier():
     # 3.2 M parameters, batch 16: a stage's gradients (6 MB) outweigh its microbatch
     # activations (0.26 MB): replicas inside a node, the pipeline hop across the slow link
@@ -281,6 +334,9 @@ def test_facts_of_a_hugging_face_model_and_its_tp_plan():
     assert [x.name for x in facts.layers] == [f"model.layers.{i}" for i in range(3)]
     assert facts.layers[0].out_shape == (8, 32, 64)
     assert facts.tp_plan is not None  # the config's base_model_tp_plan: tp is searched
+    # its patterns (layers.*.self_attn.q_proj) name the column-parallel linears: the span
+    # is q / k / v, the attention and the MLP's gate and up, not the norms
+    assert 0 < facts.layers[1].tp_saved_bytes < facts.layers[1].saved_bytes
     plan = search(facts, two_nodes(), timer=TIMER)
     assert any(p.layout.tp == 2 for p in plan.ranked)
 

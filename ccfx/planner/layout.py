@@ -22,7 +22,13 @@ one node on the same level; with tensor parallelism, the slowest pair without co
   microbatch's rows, plus a fixed time per op (the trace counts them), as
   :func:`~ccfx.planner.compute.from_flops` prices CPU stages;
 * **tensor parallel**: Megatron's two all-reduces of a layer's output per layer forward and
-  two backward, ``2 (tp-1)/tp`` of the tensor each, on the critical path;
+  two backward, ``2 (tp-1)/tp`` of the tensor each, on the critical path (with sequence
+  parallelism, ``sequence_parallel``, each is an all-gather and a reduce-scatter: the same
+  bytes); its memory, every saved activation split over the TP ranks with sequence
+  parallelism, Megatron's TP span only without (:func:`~ccfx.planner.memory_model.
+  activation_bytes`);
+* **recomputation** (``recompute``): the backward runs each block's forward again
+  ("block"), or the attention core's FLOPs at the forward's rate ("selective");
 * **pipeline**: torch's GPipe / 1F1B program simulated rank by rank with each hop on its own
   link (:class:`~ccfx.planner.pipeline_model.PipelineModel` with per-hop links, the simulator
   validated against measured steps on the shaped harness); an analytic
@@ -85,8 +91,9 @@ from .model_facts import ModelFacts, StageFacts
 from .pipeline_model import EdgeTraffic, PipelineModel, StageCompute
 
 AXES = ("tp", "pp", "dp")
-#: activation recomputation the search weighs: none, or every block checkpointed
-RECOMPUTE = ("none", "block")
+#: activation recomputation the search weighs: none, the attention core (Megatron's
+#: selective recomputation), or every block checkpointed
+RECOMPUTE = ("none", "selective", "block")
 #: the data-parallel bucket cap ccfx uses (``bucket_mb``), one latency per bucket
 BUCKET_BYTES = 25 * 2 ** 20
 #: a link that costs nothing: the pipeline without communication
@@ -114,12 +121,20 @@ class Layout:
     outer_codec: str = "none"
     #: each rank's device (names), overriding ``order``: a placement given by hand
     devices: tuple[str, ...] | None = None
-    #: activation recomputation: "none", or "block" (each block checkpointed: its backward
-    #: runs its forward again, and only its input is kept between the passes)
+    #: activation recomputation: "none"; "selective" (Megatron's: the attention core's
+    #: scores, softmax and dropout dropped and its forward run again in the backward); or
+    #: "block" (each block checkpointed: its backward runs its forward again, and only its
+    #: input is kept between the passes)
     recompute: str = "none"
     #: sharded data parallel: ``ccfx.shard``'s collectives one per block ("block", the
     #: ``shard_bucket`` default) or one per parameter ("none"): a latency each
     shard_bucket: str = "block"
+    #: with tensor parallelism, Megatron's sequence parallelism: the norms, dropouts and
+    #: residual stream split along the sequence over the TP ranks (every saved activation
+    #: divided by ``tp``); False: TP alone, those activations whole on each TP rank. The
+    #: collectives move the same bytes either way (an all-gather and a reduce-scatter for
+    #: each all-reduce). Ignored at tp=1
+    sequence_parallel: bool = True
 
     def __post_init__(self):
         for name in ("pp", "dp", "tp", "microbatches"):
@@ -148,6 +163,10 @@ class Layout:
                               "pipeline: use pp=1, or replicated data parallel")
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"layout: recompute {self.recompute!r}: use one of {RECOMPUTE}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"layout: sequence_parallel is {self.sequence_parallel!r}: "
+                              "use True (the norms' activations split over the TP ranks) or "
+                              "False (TP alone)")
 
     @property
     def world(self) -> int:
@@ -188,7 +207,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"pp={self.pp}", f"dp={self.dp}" + (" sharded" if self.sharded else "")]
         if self.tp > 1:
-            parts.append(f"tp={self.tp}")
+            parts.append(f"tp={self.tp}" + ("" if self.sequence_parallel else " sp=off"))
         parts.append(f"mb={self.microbatches}")
         nested = [a for a in self.order if getattr(self, a) > 1]
         if self.devices is not None:
@@ -516,15 +535,20 @@ def _check_layout(facts: ModelFacts, cluster: Cluster, layout: Layout) -> int:
 def _stage_compute(ctx: _Pricing, st: StageFacts,
                    devs: list[str]) -> tuple[float, float, float, float]:
     """A stage's forward, backward and optimizer seconds per microbatch on its slowest
-    device ``devs``, and its scale against this machine's seconds."""
+    device ``devs``, and its scale against this machine's seconds. The backward includes the
+    layout's recomputation: each block's forward again (``block``), or the attention core's
+    FLOPs at the forward's rate (``selective``)."""
     tp, meas, cluster = ctx.layout.tp, ctx.facts.measured, ctx.cluster
+    policy = ctx.layout.recompute
+    core = st.attn_core_flops * ctx.fraction / tp if policy == "selective" else 0.0
     if meas is not None:
         # the model's own seconds on this machine, scaled to the slowest device
         scale = max(meas.scale(cluster.device(x).flops) for x in devs)
         work = st.flops * ctx.fraction / tp
         fwd = scale * (work * meas.fwd_per_flop + st.ops * meas.fwd_per_op)
         bwd = scale * (work * meas.bwd_per_flop + st.ops * meas.bwd_per_op)
-        return fwd, bwd, scale * st.param_numel / tp * meas.opt_per_param, scale
+        again = fwd if policy == "block" else scale * core * meas.fwd_per_flop
+        return fwd, bwd + again, scale * st.param_numel / tp * meas.opt_per_param, scale
     here = any(cluster.device(x).flops is None for x in devs)
     rate = min(cluster.device(x).flops or ctx.links.rate_here(ctx.facts, ctx.fraction / tp)
                for x in devs)
@@ -532,7 +556,9 @@ def _stage_compute(ctx: _Pricing, st: StageFacts,
     # spend it; :func:`ccfx.planner.compute.from_flops` adds the same term)
     op_s = machine_rate()[1] if here else 0.0
     f = st.flops * ctx.fraction / tp / rate
-    return f + st.ops * op_s, 2 * f + 2 * st.ops * op_s, 0.0, 1.0
+    fwd = f + st.ops * op_s
+    again = fwd if policy == "block" else core / rate
+    return fwd, 2 * f + 2 * st.ops * op_s + again, 0.0, 1.0
 
 
 def _stage_tensor_parallel(ctx: _Pricing, s: int, st: StageFacts) -> tuple[float, Link | None]:
@@ -565,8 +591,6 @@ def _stage_times(ctx: _Pricing) -> _StageTimes:
         collective_s, link = _stage_tensor_parallel(ctx, s, st)
         tp_s.append(collective_s)
         tp_links.append(link)
-    if ctx.layout.recompute == "block":  # the backward runs each block's forward again
-        bwd = [b + f for f, b in zip(fwd, bwd)]
     meas = ctx.facts.measured
     cores = meas.cores if meas is not None else None
     stretch = contention(cores, [f + b for f, b in zip(fwd, bwd)], dp * tp, m)
@@ -789,7 +813,9 @@ def _price_memory(ctx: _Pricing, codec_mem: list[int], exchange_mem: list[int]
                            dp=dp, sharded=layout.sharded, largest_layer_bytes=largest,
                            codec_bytes=codec_mem[s], exchange_bytes=exchange_mem[s],
                            recompute=(recompute_bytes(facts, *ctx.stages[s])
-                                      if layout.recompute == "block" else None))
+                                      if layout.recompute == "block" else None),
+                           sequence_parallel=layout.sequence_parallel,
+                           selective=layout.recompute == "selective")
         devs = [ctx.dev(s, d, t) for d in range(dp) for t in range(tp)]
         smallest = min(devs, key=cluster.memory)
         cap = cluster.memory(smallest)

@@ -224,13 +224,42 @@ class ParallelPlan:
         for s, link in enumerate(p.tp_links):
             if link is not None:
                 out.append(f"tp groups of stage {s} on {_link(link)}")
+                out.append(_sequence_parallel_text(lay))
                 break
-        if lay.recompute == "block":
-            out.append("recompute each block: wrap every block in torch.utils.checkpoint "
-                       "(ccfx compiles checkpointed regions); its backward runs its forward "
-                       "again, and a microbatch keeps only the blocks' inputs")
+        if lay.recompute in RECOMPUTE_TEXT:
+            out.append(RECOMPUTE_TEXT[lay.recompute])
         out.extend(p.notes)
         return out
+
+
+#: what the user does for each recomputation policy the search may choose
+RECOMPUTE_TEXT = {
+    "block": ("recompute each block: wrap every block in torch.utils.checkpoint (ccfx "
+              "compiles checkpointed regions); its backward runs its forward again, and a "
+              "microbatch keeps only the blocks' inputs"),
+    "selective": ("recompute the attention core (Megatron-LM's selective recomputation, "
+                  "--recompute-granularity selective): wrap each block's attention core (the "
+                  "scores, softmax, dropout and their product with V, or its "
+                  "scaled_dot_product_attention call) in torch.utils.checkpoint, or "
+                  "checkpoint the block with torch.utils.checkpoint.checkpoint(..., "
+                  "context_fn=partial(create_selective_checkpoint_contexts, policy)) where "
+                  "policy returns CheckpointPolicy.MUST_RECOMPUTE for those ops and MUST_SAVE "
+                  "for the rest (torchtitan's op-level selective mode saves attention "
+                  "instead); its backward runs the core's forward again, and a microbatch "
+                  "keeps everything else"),
+}
+
+
+def _sequence_parallel_text(lay: Layout) -> str:
+    """How tensor parallelism runs, as the layout's memory was priced."""
+    if lay.sequence_parallel:
+        return ("tensor parallel with sequence parallelism (priced so): the model's TP plan "
+                "plus torch's SequenceParallel on the norms and dropouts, the column-parallel "
+                "linears' inputs and row-parallel linears' outputs Shard(1) "
+                "(torch.distributed.tensor.parallel), as Megatron-LM's "
+                "--sequence-parallel")
+    return ("tensor parallel without sequence parallelism (priced so): the norms' and "
+            "residuals' activations whole on every TP rank")
 
 
 def _link(link) -> str:

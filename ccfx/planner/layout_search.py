@@ -11,6 +11,10 @@ What is enumerated (small on purpose: a 64-device cluster is a few hundred layou
 * microbatches ``pp``, ``2 pp``, ``4 pp``, ``8 pp`` (1 without a pipeline), those that split
   the batch evenly over the replicas;
 * replicated or sharded data parallel (``ccfx.shard``; without a pipeline);
+* where a layout does not fit, recomputation: the attention core (Megatron's selective
+  recomputation: its quadratic activations dropped, its FLOPs run again), else every block
+  (its whole forward again); tensor parallelism always with sequence parallelism
+  (``Layout.sequence_parallel``: less memory for the same collective bytes);
 * placement: every nesting of the non-trivial axes over the node-major device list (tensor
   parallel inside a node then pipeline across nodes, or data parallel across nodes, ...): the
   sensible rank orders, so the slow links carry the hops or groups that move the least;
@@ -183,8 +187,9 @@ def search(facts: ModelFacts, cluster: Cluster, *, top: int = 5, timer: CodecTim
     ``tensor_parallel``: None (only for a model with a TP plan), True or False;
     ``local_steps``: None (local-step variants compete only where exposed communication is
     over half of the best every-step layout's step: their loss per step is not priced),
-    True (always) or False (never); ``recompute``: None (each block recomputed only where
-    the layout does not fit without), True (both everywhere) or False (never); ``prune``:
+    True (always) or False (never); ``recompute``: None (only where the layout does not fit
+    without: the attention core, Megatron's selective recomputation, else each block where
+    that does not fit either), True (every policy everywhere) or False (never); ``prune``:
     skip simulating a layout whose lower bound already loses to the ``top`` fitting (3
     refused) layouts found (the answer and the listed layouts do not change; ``ranked`` then
     holds the simulated ones only); ``progress``: called with a line every few seconds."""
@@ -235,8 +240,13 @@ class _Progress:
 def _quick_prices(facts, cluster, timer, links, config, schedule, microbatches,
                   tensor_parallel, recompute, skipped, meter) -> list[LayoutPrediction]:
     """Every layout with its codecs chosen, priced without the pipeline simulation (memory
-    exact, the step's lower bound exact): the candidates :func:`_simulate` simulates."""
+    exact, the step's lower bound exact): the candidates :func:`_simulate` simulates. One
+    that does not fit is priced again with recomputation, the cheaper policy first
+    (:func:`_recomputed`)."""
     quick: list[LayoutPrediction] = []
+    # selective recomputation saves nothing in a model without an attention core
+    policies = ("selective", "block") if any(x.attn_core_saved_bytes for x in facts.layers) \
+        else ("block",)
     for pp, dp, tp, counts in _degrees(facts, cluster, tensor_parallel, microbatches, skipped):
         for order in orders(pp, dp, tp):
             probe = Layout(pp, dp, tp, counts[0], schedule, order=order,
@@ -248,12 +258,27 @@ def _quick_prices(facts, cluster, timer, links, config, schedule, microbatches,
                     q = _quick(facts, cluster, layout, timer, links, config)
                     quick.append(q)
                     if recompute or (recompute is None and not q.fits):
-                        again = _quick(facts, cluster, replace(layout, recompute="block"),
-                                       timer, links, config)
-                        if recompute or again.fits:  # else its refusal says nothing new
-                            quick.append(again)
+                        quick += _recomputed(facts, cluster, layout, timer, links, config,
+                                             policies, every=bool(recompute))
             meter.say(f"{len(quick)} layouts laid out")
     return quick
+
+
+def _recomputed(facts, cluster, layout, timer, links, config, policies,
+                every: bool) -> list[LayoutPrediction]:
+    """``layout`` priced with each recomputation policy in ``policies`` (cheapest first):
+    ``every``, all of them; else up to the first that fits, none where none fits (their
+    refusal says nothing new). Selective recomputation runs only the attention core again,
+    so it is tried before every block."""
+    out = []
+    for policy in policies:
+        again = _quick(facts, cluster, replace(layout, recompute=policy), timer, links,
+                       config, fitting=not every)
+        if every or again.fits:
+            out.append(again)
+            if not every:
+                break
+    return out
 
 
 def _balanced(facts: ModelFacts, cluster: Cluster, probe: Layout) -> tuple[int, ...]:
@@ -266,10 +291,14 @@ def _balanced(facts: ModelFacts, cluster: Cluster, probe: Layout) -> tuple[int, 
     return balance([x.flops for x in facts.layers], rates)
 
 
-def _quick(facts, cluster, layout, timer, links, config) -> LayoutPrediction:
+def _quick(facts, cluster, layout, timer, links, config,
+           fitting: bool = False) -> LayoutPrediction:
     """``layout`` with its codecs chosen (:func:`choose_codecs`), priced without a
-    simulation."""
+    simulation; ``fitting``: uncompressed where that does not fit (codecs only add memory,
+    their buffers and payloads: with them it does not fit either)."""
     base = predict_layout(facts, cluster, layout, timer=timer, links=links, simulate=False)
+    if fitting and not base.fits:
+        return base
     layout = choose_codecs(facts, layout, base, timer, config)
     return predict_layout(facts, cluster, layout, timer=timer, links=links, simulate=False)
 

@@ -13,7 +13,10 @@ A step has three phases, each with its own peak, on top of what lives throughout
   once: the activations a stage receives, and the gradients of those it sends) and the
   codecs' state and payload buffers;
 * **the schedule**: the activations autograd saves per microbatch (measured by the trace,
-  scaled to the microbatch), less the stage's input (saved, but it *is* the receive buffer),
+  scaled to the microbatch; under tensor parallelism split over the TP ranks, all of them
+  with sequence parallelism, Megatron's TP span only without; less the attention core with
+  selective recomputation, the blocks' inputs only with each block checkpointed:
+  :func:`activation_bytes`), less the stage's input (saved, but it *is* the receive buffer),
   plus the output the stage keeps until that microbatch's backward; times the microbatches
   whose backward has not run at the worst moment (under 1F1B stage ``s`` of ``pp`` holds
   ``min(pp - s, m)``, under GPipe all ``m``); the gradients where a backward ran before that
@@ -120,15 +123,16 @@ def stage_memory(stage: StageFacts, *, fraction: float, held: int,
                  microbatches: int | None = None, tp: int = 1, dp: int = 1,
                  sharded: bool = False, largest_layer_bytes: int = 0, codec_bytes: int = 0,
                  exchange_bytes: int = 0, foreach: bool = True,
-                 recompute: tuple[int, int] | None = None) -> MemoryEstimate:
+                 recompute: tuple[int, ...] | None = None, sequence_parallel: bool = True,
+                 selective: bool = False) -> MemoryEstimate:
     """The estimate for one device of ``stage``: ``fraction`` is a microbatch's share of the
     traced batch, ``held`` the microbatches in flight (:func:`in_flight`) out of
     ``microbatches`` (None: more than ``held``), ``codec_bytes`` the codecs' state and buffers
     on this device (the caller prices them on its hops and buckets), ``exchange_bytes`` the
     gradient exchange's working set (:func:`bucket_memory`), ``foreach``: AdamW's foreach
-    implementation (torch's default on GPUs; False: CPU's loop over parameters),
-    ``recompute`` each block checkpointed: (bytes kept per microbatch between the passes, one
-    block's saved bytes rebuilt in its backward), at the traced batch (:func:`recompute_bytes`).
+    implementation (torch's default on GPUs; False: CPU's loop over parameters); the
+    activations as :func:`activation_bytes` keeps them (``recompute``, ``selective``,
+    ``sequence_parallel``).
 
     Gradients coexist with the held activations when a backward ran before the peak (1F1B's
     steady state: fewer in flight than the step's microbatches). When every microbatch is in
@@ -144,18 +148,16 @@ def stage_memory(stage: StageFacts, *, fraction: float, held: int,
     # the stage's input is saved by its first layer but is torch's receive buffer (counted
     # there); its output is no layer's saved tensor here but is kept until the backward
     received, sent = stage.in_bytes * fraction, stage.out_bytes * fraction
-    per_mb = int(max(0.0, stage.saved_bytes * fraction - received) / tp + sent)
-    rebuilt = 0
-    if recompute is not None:  # the block inputs kept (whole on every tp rank); one block
-        kept, block = recompute  # rebuilt at a time in the backward
-        per_mb = int(max(0.0, kept * fraction - received) + sent)
-        rebuilt = int(block * fraction / tp)
+    kept, rebuilt = activation_bytes(stage, fraction, tp=tp, received=received,
+                                     sequence_parallel=sequence_parallel,
+                                     recompute=recompute, selective=selective)
+    per_mb = int(kept + sent)
     buffers = int(m * (received + sent))
     grads = params
     if microbatches is not None and held >= microbatches:
         grads = max(0, params - per_mb)
     largest_saved = stage.max_saved_bytes or stage.max_out_bytes
-    transient = int(2 * largest_saved * fraction / tp) + rebuilt
+    transient = int(2 * largest_saved * fraction / tp) + int(rebuilt)
     if foreach:
         opt_step = params
     else:
@@ -167,20 +169,55 @@ def stage_memory(stage: StageFacts, *, fraction: float, held: int,
                           params)
 
 
-def recompute_bytes(facts, lo: int, hi: int) -> tuple[int, int]:
+def activation_bytes(stage: StageFacts, fraction: float, *, tp: int = 1,
+                     received: float = 0.0, sequence_parallel: bool = True,
+                     recompute: tuple[int, ...] | None = None,
+                     selective: bool = False) -> tuple[float, float]:
+    """(bytes one microbatch keeps for its backward on one TP rank, less ``received``: the
+    stage's input, counted as a receive buffer; bytes one layer's backward rebuilds at a
+    time). With sequence parallelism every saved byte is split over the ``tp`` ranks; without
+    it (Megatron's TP alone) only ``stage.tp_saved_bytes`` is, the rest (norms' inputs,
+    residual stream, dropout masks after the row-parallel linear) whole on each. ``selective``
+    (Megatron's selective recomputation): the attention core's saved bytes dropped, one
+    layer's (the stage's mean) rebuilt in its backward. ``recompute`` each block checkpointed:
+    (bytes kept, one block's saved bytes[, their TP share]) at the traced batch
+    (:func:`recompute_bytes`): the kept block inputs are the residual stream, split only by
+    sequence parallelism."""
+    sp = sequence_parallel or tp == 1
+    if recompute is not None:
+        kept, block, *share = recompute
+        block_tp = share[0] if share else block
+        whole = max(0.0, kept * fraction - received)
+        if sp:
+            return whole / tp, block * fraction / tp
+        return whole, (block - block_tp + block_tp / tp) * fraction
+    core = stage.attn_core_saved_bytes if selective else 0
+    every = max(0.0, (stage.saved_bytes - core) * fraction - received)
+    layers = max(1, stage.hi - stage.lo)
+    rebuilt = core * fraction / (layers * tp)
+    if sp:
+        return every / tp, rebuilt
+    whole = min(every, max(0.0, (stage.saved_bytes - stage.tp_saved_bytes) * fraction
+                           - received))
+    return whole + (every - whole) / tp, rebuilt
+
+
+def recompute_bytes(facts, lo: int, hi: int) -> tuple[int, int, int]:
     """Layers ``lo`` … ``hi - 1`` with each block checkpointed (``torch.utils.checkpoint``),
-    at the traced batch: (bytes kept per microbatch, the bytes one block's backward rebuilds).
-    A block keeps its input (the previous layer's output; the first layer's, its own output's
-    size); what the first and last layer save beyond the lightest layer (the embeddings, the
-    head and the loss run outside the blocks) stays saved; the rebuilt block is the lightest
-    layer's saved bytes (the blocks are alike)."""
-    block = min(x.saved_bytes for x in facts.layers)
+    at the traced batch: (bytes kept per microbatch, the bytes one block's backward rebuilds,
+    the TP-sharded share of those, :attr:`LayerFacts.tp_saved_bytes`). A block keeps its
+    input (the previous layer's output; the first layer's, its own output's size); what the
+    first and last layer save beyond the lightest layer (the embeddings, the head and the loss
+    run outside the blocks) stays saved; the rebuilt block is the lightest layer's saved bytes
+    (the blocks are alike)."""
+    lightest = min(facts.layers, key=lambda x: x.saved_bytes)
+    block = lightest.saved_bytes
     kept = 0
     for i in range(lo, hi):
         layer = facts.layers[i]
         kept += facts.layers[i - 1].out_bytes if i > 0 else layer.out_bytes
         kept += layer.saved_bytes - block
-    return kept, block
+    return kept, block, lightest.tp_saved_bytes
 
 
 def bucket_memory(stage: StageFacts, spec: str, dp: int, *, tp: int = 1,

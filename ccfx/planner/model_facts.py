@@ -23,7 +23,16 @@ class LayerFacts:
     ``saved_bytes`` the activations autograd keeps for its backward (parameters not counted),
     ``out_shape`` / ``out_dtype`` the tensor a cut after it would send, ``max_saved_bytes``
     the largest one tensor among the saved (a transformer's MLP hidden: the backward's first
-    gradients are that size; 0: unknown, the planner takes the output's size)."""
+    gradients are that size; 0: unknown, the planner takes the output's size).
+
+    Two shares of ``saved_bytes`` price tensor parallelism and selective recomputation:
+    ``tp_saved_bytes`` what a Megatron TP split shards without sequence parallelism (from a
+    column-parallel linear's output to the row-parallel linear's input: q / k / v, the
+    attention, the MLP's hidden; the norms' inputs and the residual stay whole); None: all of
+    it (a layer without a TP plan); ``attn_core_saved_bytes`` / ``attn_core_flops`` the
+    attention core's saved bytes and forward FLOPs (scores, softmax, dropout and their
+    matmuls, or an SDPA kernel): what Megatron's selective recomputation drops and runs
+    again."""
 
     name: str
     flops: float
@@ -35,6 +44,15 @@ class LayerFacts:
     param_shapes: tuple[tuple[int, ...], ...] = ()
     ops: int = 0  # aten ops of its forward (views left out), whatever the batch
     max_saved_bytes: int = 0
+    tp_saved_bytes: int | None = None
+    attn_core_saved_bytes: int = 0
+    attn_core_flops: float = 0.0
+
+    def __post_init__(self):
+        if self.tp_saved_bytes is None:
+            object.__setattr__(self, "tp_saved_bytes", self.saved_bytes)
+        _check_shares(f"layer {self.name!r}", self.saved_bytes, self.tp_saved_bytes,
+                      self.attn_core_saved_bytes)
 
     @property
     def out_bytes(self) -> int:
@@ -99,7 +117,10 @@ class ModelFacts:
             sum(x.ops for x in part),
             max(x.max_saved_bytes or x.out_bytes for x in part),
             self.layers[lo - 1].out_bytes if lo > 0 else 0,
-            part[-1].out_bytes if hi < self.num_layers else 0)
+            part[-1].out_bytes if hi < self.num_layers else 0,
+            tp_saved_bytes=sum(x.tp_saved_bytes for x in part),
+            attn_core_saved_bytes=sum(x.attn_core_saved_bytes for x in part),
+            attn_core_flops=sum(x.attn_core_flops for x in part))
 
     def cut_shape(self, layer: int, samples: int) -> tuple[int, ...]:
         """The shape a cut after ``layer`` sends for ``samples`` samples (the batch dimension,
@@ -144,7 +165,8 @@ class StageFacts:
     largest tensor one of its layers hands on, ``max_saved_bytes`` the largest one saved for
     the backward (the size of the backward's first temporaries), ``in_bytes`` / ``out_bytes``
     the tensor it receives from the stage before / sends to the one after (0 for the first /
-    last stage of the model)."""
+    last stage of the model); the shares of ``saved_bytes`` and the attention core's FLOPs
+    summed over its layers (:class:`LayerFacts`; ``tp_saved_bytes`` None: all of it)."""
 
     lo: int
     hi: int
@@ -158,6 +180,15 @@ class StageFacts:
     max_saved_bytes: int = 0
     in_bytes: int = 0
     out_bytes: int = 0
+    tp_saved_bytes: int | None = None
+    attn_core_saved_bytes: int = 0
+    attn_core_flops: float = 0.0
+
+    def __post_init__(self):
+        if self.tp_saved_bytes is None:
+            object.__setattr__(self, "tp_saved_bytes", self.saved_bytes)
+        _check_shares(f"stage of layers {self.lo}..{self.hi - 1}", self.saved_bytes,
+                      self.tp_saved_bytes, self.attn_core_saved_bytes)
 
     @property
     def grad_dtype(self) -> str:
@@ -174,3 +205,12 @@ _ITEMSIZE = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "
 
 def _itemsize(dtype: str) -> int:
     return _ITEMSIZE.get(str(dtype).replace("torch.", ""), 4)
+
+
+def _check_shares(what: str, saved: int, tp_saved: int, core: int) -> None:
+    """A ConfigError where a share of the saved bytes is negative or above the whole."""
+    for name, share in (("tp_saved_bytes", tp_saved), ("attn_core_saved_bytes", core)):
+        if not 0 <= share <= saved:
+            raise ConfigError(f"model facts: {what} has {name}={share} outside 0 … its "
+                              f"saved_bytes={saved}: a share of the saved bytes is part of "
+                              "them; give it between 0 and saved_bytes")
