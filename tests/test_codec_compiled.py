@@ -85,3 +85,43 @@ def test_inside_compile_later_a_new_shape_runs_eagerly_and_compiles_after(monkey
         int8_encode_reference(x, 65)  # another block size: another signature
     assert [a[1] for _, a, *_ in again] == [65]
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("shape", [(5, 256), (3, 24), (1, 8), (2, 6), (37,), (1,), (4, 9)])
+def test_nibble_words_are_bits_pack_and_unpack(shape):
+    """int4 packs and unpacks nibbles as int64 / int32 words (``_bits.pack_nibbles``,
+    ``_bits.unpack_nibble_rows``): the same bytes as the plain ``_bits.pack`` / ``unpack``,
+    eager and compiled, for every ``n`` up to the codes' length (odd ones clear the last high
+    nibble), whole rows or not (flattened, padded to words)."""
+    from ccfx.codecs import _bits
+
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    codes = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
+    total = codes.numel()
+    packed = torch.compile(_bits.pack_nibbles, dynamic=False)
+    for n in sorted({1, total // 2 + 1, total - 1, total} - {0}):
+        want = _bits.pack(codes.reshape(-1)[:n], 4)
+        assert torch.equal(_bits.pack_nibbles(codes, n), want)
+        assert torch.equal(packed(codes, n), want)
+    if total % 8 == 0:
+        rows = _bits.pack(codes, 4).view(-1, 4)  # (r, 4) bytes: 8 codes a row
+        unpack = torch.compile(_bits.unpack_nibble_rows, dynamic=False)
+        want = _bits.unpack(rows.reshape(-1), total, 4).view(-1, 8)
+        assert torch.equal(_bits.unpack_nibble_rows(rows), want)
+        assert torch.equal(unpack(rows), want)
+
+
+@pytest.mark.parametrize("mode", ["0", "1"])
+def test_int4_decodes_a_payload_at_any_byte_offset(mode, monkeypatch):
+    """The word-wise int4 decode reads the packed bytes as int32 words: a payload that starts
+    at an odd byte of its storage (a view into a received buffer) takes the bytewise form and
+    decodes to the same tensor."""
+    monkeypatch.setenv("CCFX_CODEC_COMPILE", mode)
+    codec = codecs.get("int4")
+    x = torch.randn(3, 1001)
+    enc = codec.encode(x)
+    packed, scales = enc.payload
+    buf = torch.zeros(packed.numel() + 1, dtype=torch.uint8)
+    buf[1:] = packed
+    shifted = type(enc)((buf[1:], scales), enc.ctx)
+    assert torch.equal(codec.decode(shifted), codec.decode(enc))

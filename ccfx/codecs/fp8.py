@@ -68,19 +68,21 @@ def fp8_values(codes: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
 
 def _fp8_scales(out, x, block, fmt):
     codes, absmax = out
-    return codes, block_scales(absmax, torch.finfo(fmt).max)
+    return codes.view(torch.uint8), block_scales(absmax, torch.finfo(fmt).max)
 
 
 @fast(finish=_fp8_scales)
 def fp8_encode_reference(x: torch.Tensor, block: int, fmt: torch.dtype):
-    """``x`` → ``(codes uint8 [n], scales fp32 [ceil(n/block)])`` (the body returns the raw
-    block absmax, :func:`_fp8_scales` the scales). torch's float8 cast is :func:`fp8_bits`, and
-    inductor vectorizes it (the integer form's bit casts it compiles to scalar loops: 3x
-    slower)."""
+    """``x`` → ``(codes uint8 [n], scales fp32 [ceil(n/block)])`` (the body returns the float8
+    codes and the raw block absmax, :func:`_fp8_scales` the uint8 view and the scales).
+    torch's float8 cast is :func:`fp8_bits`, and inductor vectorizes it (the integer form's bit
+    casts it compiles to scalar loops: 3x slower). The uint8 view is taken outside the compiled
+    body: inside it, inductor copies the float8 codes to a second buffer one byte at a time
+    (the encode runs at 2.1 times clone's throughput at 64 MB on one thread, 1.7 with the
+    copy)."""
     fmax = torch.finfo(fmt).max
     scaled, absmax = absmax_blocks(x, block, fmax)
-    codes = scaled.clamp_(-fmax, fmax).to(fmt).view(torch.uint8).view(-1)[:x.numel()]
-    return codes, absmax
+    return scaled.clamp_(-fmax, fmax).to(fmt).view(-1)[:x.numel()], absmax
 
 
 @fast

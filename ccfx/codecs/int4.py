@@ -37,17 +37,26 @@ def int4_encode_reference(x: torch.Tensor, block: int):
 @fast
 def int4_decode_reference(packed, scales, block: int, shape, dtype):
     n = numel_of(shape)
-    if block % 2 == 0:
-        # Whole bytes per block: each block's bytes times its own scale (a row), low and high
-        # nibbles interleaved, which inductor makes one vectorized pass (1.3x the unpack's).
-        nblocks = scales.numel()
-        p = torch.nn.functional.pad(packed, (0, nblocks * block // 2 - packed.numel()))
-        p = p.to(torch.int32).view(nblocks, block // 2)
-        s = scales.view(-1, 1)
-        lo, hi = ((p & 15) - 8).float() * s, ((p >> 4) - 8).float() * s
-        return torch.stack([lo, hi], dim=2).view(-1)[:n].view(shape).to(dtype)
-    q = _bits.unpack(packed, n, 4).float() - 8
-    return rescaled(q, scales, block, shape, dtype)
+    if block % 2:
+        q = _bits.unpack(packed, n, 4).float() - 8
+        return rescaled(q, scales, block, shape, dtype)
+    # Whole bytes per block: a row of bytes per block, each row times its own scale.
+    nblocks = scales.numel()
+    p = packed
+    if p.numel() != nblocks * block // 2:
+        p = torch.nn.functional.pad(p, (0, nblocks * block // 2 - p.numel()))
+    p = p.reshape(nblocks, block // 2)
+    s = scales.view(-1, 1)
+    if block % 8 == 0 and _bits.nibble_rows_ok(p):
+        # Codes spread by int64 word arithmetic, then one contiguous pass writes the output:
+        # 1.0 clone times at 64 MB on one thread, where the interleaved form below takes 1.13.
+        q = _bits.unpack_nibble_rows(p).to(torch.int32)
+        return ((q - 8).float() * s).view(-1)[:n].view(shape).to(dtype)
+    # Low and high nibbles interleaved, which inductor makes one pass storing every other
+    # element one at a time (1.3x the unpack's speed).
+    p = p.to(torch.int32)
+    lo, hi = ((p & 15) - 8).float() * s, ((p >> 4) - 8).float() * s
+    return torch.stack([lo, hi], dim=2).view(-1)[:n].view(shape).to(dtype)
 
 
 @register
