@@ -11,6 +11,8 @@ stream of the embedded corpus (batch 8 per rank), AdamW 3e-3. Variants, all with
               the next step, its average applied one step late; every K-th step the residual
               travels exact (fp32)
   delayed-nc  the same without correction
+  delayed-dc  delayed with DC-ASGD-a's compensation as well (``compensate=LAM``, 1000: λ·lr = 3)
+  delayed-nc-dc  the compensation without correction
 
 1. ``--part loss``: unshaped (127.0.0.1), per seed one spawn training every variant from the
    seed's initialisation on the same batches, ``--steps`` steps. The final loss is the mean
@@ -37,7 +39,8 @@ import time
 
 from bench import common
 
-VARIANTS = ("sync", "delayed", "delayed-nc")
+VARIANTS = ("sync", "delayed", "delayed-nc", "delayed-dc", "delayed-nc-dc")
+LAM = 1000.0  # delayed-dc's compensate
 LR, BATCH, LAST = 3e-3, 8, 10
 
 
@@ -58,9 +61,10 @@ def _model(variant: str, seed: int, codec: str, k: int, vocab: int):
 
     if variant == "sync":
         state, hook = ccfx.ddp_comm_hook(codec)
-    elif variant in ("delayed", "delayed-nc"):
+    elif variant.startswith("delayed") and variant in VARIANTS:
         state, hook = ccfx.delayed_comm_hook(
-            codec, correct_every=k if variant == "delayed" else None)
+            codec, correct_every=None if "-nc" in variant else k,
+            compensate=LAM if variant.endswith("-dc") else None)
     else:
         raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
     model = DDP(common.tiny_gpt(seed, vocab_size=vocab))

@@ -82,15 +82,16 @@ def ddp_comm_hook(spec: str, process_group=None, collective: str = "all_gather",
 
 
 def delayed_comm_hook(spec: str, process_group=None, *, correct_every: int | None = None,
-                      collective_timeout_s: float = 300.0):
+                      compensate: float | None = None, collective_timeout_s: float = 300.0):
     """``(state, hook)`` for eager DDP whose bucket exchanges overlap the next step (each
     gradient applied one step late), with CD-SGD's exact correction every ``correct_every``
-    steps: ``ddp_model.register_comm_hook(*ccfx.delayed_comm_hook("int8", correct_every=10))``.
+    steps and, with ``compensate`` (λ), DC-ASGD-a's delay compensation:
+    ``ddp_model.register_comm_hook(*ccfx.delayed_comm_hook("int8", correct_every=10))``.
     See :mod:`ccfx.runtime.delayed`."""
     from ccfx.runtime.delayed import delayed_comm_hook as _delayed_comm_hook
 
     return _delayed_comm_hook(spec, process_group, correct_every=correct_every,
-                              collective_timeout_s=collective_timeout_s)
+                              compensate=compensate, collective_timeout_s=collective_timeout_s)
 
 
 def ledger_of(compiled):

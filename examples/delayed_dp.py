@@ -6,7 +6,9 @@ Each of DDP's buckets is encoded (int8) and its all-gather started in the backwa
 it is waited on in step t+1, so the transfer runs under the next forward and backward, and the
 average is applied one step late (step 0 applies zeros). Every 5th step the residual (what the
 int8 averages have not delivered since the last correction) travels exact, in fp32: the applied
-gradients then sum to the exact ones. Every rank applies the same bits at every step.
+gradients then sum to the exact ones. ``compensate`` moves each late average to the weights it
+is applied at (DC-ASGD-a; about 3 / lr under AdamW). Every rank applies the same bits at every
+step.
 """
 
 import argparse
@@ -35,9 +37,10 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)))
-    state, hook = ccfx.delayed_comm_hook("int8", correct_every=5)
+    lr = 1e-3
+    state, hook = ccfx.delayed_comm_hook("int8", correct_every=5, compensate=3 / lr)
     model.register_comm_hook(state, hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
     data = torch.Generator().manual_seed(100 + rank)   # each rank its own shard of the data
     losses = []

@@ -96,9 +96,10 @@ def window_sums(rank, world, spec, correct_every, steps, integer=True):
     return {"gap": gap, "zero": zero, "scale": float(torch.stack(g).abs().max())}
 
 
-def _trained(rank, spec, correct_every, steps, **ddp_options):
+def _trained(rank, spec, correct_every, steps, compensate=None, **ddp_options):
     model = DDP(mlp(seed=rank), bucket_cap_mb=SMALL_BUCKETS_MB, **ddp_options)
-    state, hook = ccfx.delayed_comm_hook(spec, correct_every=correct_every)
+    state, hook = ccfx.delayed_comm_hook(spec, correct_every=correct_every,
+                                         compensate=compensate)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, state, opt
@@ -123,14 +124,14 @@ def train_identical(rank, world, spec, correct_every, steps):
             "bytes": ccfx.ledger_of(model).totals("bucket")}
 
 
-def checkpoint_resume(rank, world, spec, correct_every, path, ddp_options):
+def checkpoint_resume(rank, world, spec, correct_every, path, ddp_options, compensate=None):
     """6 steps straight, against 3 steps + checkpoint + a fresh DDP resumed for 3 more; the
     flights left after ``state_dict()`` (it drains), the saved delayed entries, the warnings."""
-    model, state, opt = _trained(rank, spec, correct_every, 6, **ddp_options)
+    model, state, opt = _trained(rank, spec, correct_every, 6, compensate, **ddp_options)
     _train(model, opt, rank, range(6))
     straight = digest(model.parameters())
 
-    model, state, opt = _trained(rank, spec, correct_every, 6, **ddp_options)
+    model, state, opt = _trained(rank, spec, correct_every, 6, compensate, **ddp_options)
     _train(model, opt, rank, range(3))
     saved = state.state_dict()
     file = f"{path}.rank{rank}"
@@ -138,7 +139,7 @@ def checkpoint_resume(rank, world, spec, correct_every, path, ddp_options):
                file)
     in_flight = state.in_flight()
 
-    model, state, opt = _trained(rank, spec, correct_every, 6, **ddp_options)
+    model, state, opt = _trained(rank, spec, correct_every, 6, compensate, **ddp_options)
     ckpt = torch.load(file)
     model.module.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
@@ -150,6 +151,47 @@ def checkpoint_resume(rank, world, spec, correct_every, path, ddp_options):
             "names": sorted(k.rpartition(".")[2] for k in saved["state"]),
             "delayed": saved["delayed"],
             "warnings": [str(w.message) for w in got if issubclass(w.category, ccfx.CcfxWarning)]}
+
+
+def _mean_grad(module, rank, world, step) -> torch.Tensor:
+    """The exact mean over the ranks of ``module``'s gradient on each rank's batch ``step``."""
+    import torch.distributed as dist
+
+    module.zero_grad(set_to_none=True)
+    loss_fn(module(batch(rank, step))).backward()
+    g = _flat_grads(module)
+    dist.all_reduce(g)
+    return g / world
+
+
+def compensation(rank, world, lam, steps):
+    """Codec none with ``compensate=lam``, SGD: per step t >= 2, the largest difference
+    between the applied gradient and DC-ASGD-a's ``G + lam · G ⊙ G ⊙ (w_t − w_{t−1}) /
+    sqrt(v)`` written out here (``G`` the exact mean of step t-1 at ``w_{t−1}``, ``v`` the
+    0.95 moving mean of ``G ⊙ G``), and the size of the compensation itself; the applied
+    gradients' and the weights' digests (equal across ranks)."""
+    model = DDP(mlp(seed=0), bucket_cap_mb=SMALL_BUCKETS_MB)
+    model.register_comm_hook(*ccfx.delayed_comm_hook("none", compensate=lam))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    twin = mlp(seed=0)
+    weights, means, applied = [], [], []
+    for i in range(steps):
+        twin.load_state_dict(model.module.state_dict())
+        weights.append(torch.cat([p.detach().reshape(-1).clone() for p in twin.parameters()]))
+        means.append(_mean_grad(twin, rank, world, i))
+        loss_fn(model(batch(rank, i))).backward()
+        applied.append(_flat_grads(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    err, size, v = [], [], None
+    for t in range(1, steps):
+        g = means[t - 1]
+        v = g * g if v is None else 0.95 * v + 0.05 * g * g
+        expected = g + lam * g * g * (weights[t] - weights[t - 1]) / (v.sqrt() + 1e-12)
+        err.append(float((applied[t] - expected).abs().max()))
+        size.append(float((expected - g).abs().max()))
+    return {"err": err, "size": size, "scale": float(torch.stack(means).abs().max()),
+            "digests": [digest(a) for a in applied], "params": digest(model.parameters())}
 
 
 def dies_mid_run(rank, world, dead=1):

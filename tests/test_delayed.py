@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ccfx
-from ccfx.runtime.delayed import DelayedHookState
+from ccfx.runtime.delayed import DelayedHookState, compensated
 from ccfx.runtime.launch import RankFailed, spawn
 
 from . import delayed_workers as workers
@@ -21,6 +21,7 @@ from . import ranks
 from .ranks import scenario
 
 K = 3  # correct_every in the scenarios: corrections at steps 2, 5, ...; exact again at 3, 6
+LAM = 20.0  # compensate (DC-ASGD-a's λ) in the scenarios: SGD at lr 0.05, so λ · lr = 1
 
 
 def _two(tmp_path_factory):
@@ -37,6 +38,9 @@ def _two(tmp_path_factory):
                  {"find_unused_parameters": True}),
         scenario("resume rebuilt", workers.checkpoint_resume, "int8:ef", 2,
                  str(folder / "rebuilt"), {}),
+        scenario("compensated", workers.compensation, LAM, 4),
+        scenario("resume compensated", workers.checkpoint_resume, "int8:ef", 2,
+                 str(folder / "compensated"), {"find_unused_parameters": True}, compensate=LAM),
     ]
 
 
@@ -125,6 +129,23 @@ def test_resume_across_ddps_bucket_rebuild_warns_and_ranks_still_agree(two):
 
 
 @pytest.mark.slow
+def test_compensation_moves_each_average_to_the_weights_it_is_applied_at(two):
+    r0, r1 = two["compensated"]
+    assert r0["digests"] == r1["digests"] and r0["params"] == r1["params"]  # same bits
+    # step 1 follows step 0's zeros, so the weights had not moved: nothing to compensate;
+    # steps 2 and 3 apply DC-ASGD-a's formula, a compensation well above rounding
+    assert r0["size"][0] == 0.0 and min(r0["size"][1:]) > 1e-3 * r0["scale"], r0["size"]
+    assert max(r0["err"]) <= 1e-5 * r0["scale"], r0["err"]
+
+
+@pytest.mark.slow
+def test_a_compensated_checkpoint_resumes_bit_exact(two):
+    for r in two["resume compensated"]:
+        assert {"stale", "owed", "prev", "mean_sq"} <= set(r["names"])
+        assert r["resumed"] == r["straight"] and r["warnings"] == []
+
+
+@pytest.mark.slow
 def test_a_dead_peer_is_a_named_collective_error():
     with pytest.raises(RankFailed) as e:
         spawn(workers.dies_mid_run, 2, (), timeout_s=180, grace_s=60)
@@ -142,6 +163,22 @@ def test_a_dead_peer_is_a_named_collective_error():
 def test_correct_every_must_be_a_positive_integer(k):
     with pytest.raises(ccfx.ConfigError, match=r"correct_every=.*integer >= 1"):
         ccfx.delayed_comm_hook("int8", correct_every=k)
+
+
+@pytest.mark.parametrize("lam", [0, -1.0, float("nan"), True, "1000"])
+def test_compensate_must_be_a_positive_number(lam):
+    with pytest.raises(ccfx.ConfigError, match=r"compensate=.*positive number"):
+        ccfx.delayed_comm_hook("int8", compensate=lam)
+
+
+def test_compensated_is_dc_asgd_a_in_fp32():
+    g = torch.tensor([2.0, -1.0, 0.5], dtype=torch.bfloat16)
+    w, prev = torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.5, 1.5, 1.0])
+    v = torch.tensor([4.0, 1.0, 0.25])
+    out = compensated(g, w, prev, v, 0.5)
+    # g + 0.5 · g² · (w − prev) / sqrt(v) = 2 + 0.5·4·0.5/2, −1 + 0.5·1·(−0.5)/1, 0.5 + 0
+    assert out.dtype == torch.bfloat16
+    assert out.tolist() == [2.5, -1.25, 0.5]
 
 
 @pytest.mark.parametrize("spec, why", [("powersgd:rank=4,ef", "PowerSGD's second all-reduce"),

@@ -26,6 +26,13 @@ is exactly representable); with codec ``none`` every step applies ``G_{t-1}`` it
 bit, the correction carrying only rounding. Between corrections the gap is the one exchange in
 flight plus at most k-1 steps of compression error (not unbounded, as without it).
 
+Compensation (``compensate=λ``; Zheng et al., "Asynchronous Stochastic Gradient Descent with
+Delay Compensation", ICML 2017, DC-ASGD-a): the average of step t-1 was taken at the weights
+of step t-1 and is applied at those of step t; :func:`compensated` moves it there with a
+diagonal Hessian estimate, ``G + λ · G ⊙ G ⊙ (w_t − w_{t−1}) / sqrt(v)``, ``v`` the moving
+average of ``G ⊙ G``. Under AdamW ``λ · lr`` of a few units is the useful range (bench/delayed:
+``λ = 1000`` at ``lr = 3e-3``). It costs two fp32 copies of the parameters (``w_{t−1}``, ``v``).
+
 The wait is in the autograd thread, in bucket order, as every other collective of the hook:
 collectives are issued in one order on every rank (see :mod:`ccfx.runtime.comm_hook`), no second
 process group and no thread. What is overlapped is the wire; the codec's encode and decode still
@@ -46,6 +53,7 @@ gradient would be applied by a further step. A failed or timed-out wait is the c
 :class:`~ccfx.CollectiveError`, one step later than under the synchronous hook (at the wait).
 """
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +71,21 @@ from ..wire.exchange import BucketLayout, Exchange, exchange_for
 from .comm_hook import CommHookState, Hook, _BucketState, _failed, _saved_layout
 
 #: the names this mode adds to a bucket's channel in a checkpoint
-STALE, OWED = "stale", "owed"
+STALE, OWED, PREV, MEAN_SQ = "stale", "owed", "prev", "mean_sq"
+#: DC-ASGD-a's moving average of the squared gradient (its paper's m = 0.95)
+MEAN_SQ_DECAY = 0.95
+
+
+def compensated(g: torch.Tensor, w: torch.Tensor, prev: torch.Tensor, mean_sq: torch.Tensor,
+                lam: float) -> torch.Tensor:
+    """DC-ASGD-a's delay compensation (Zheng et al., ICML 2017): the gradient ``g`` taken at
+    the weights ``prev``, moved to the weights ``w`` by a first-order Taylor step whose Hessian
+    is approximated by ``g ⊙ g`` scaled by ``lam / sqrt(mean_sq)``, in fp32:
+    ``g + lam · g ⊙ g ⊙ (w − prev) / sqrt(mean_sq)``. Every term is the same on every rank, so
+    the replicas still apply the same bits."""
+    g32 = g.float()
+    scale = (w.detach().float() - prev).mul_(g32).mul_(g32).div_(mean_sq.sqrt().add_(1e-12))
+    return g32.add_(scale, alpha=lam).to(g.dtype)
 
 
 @dataclass
@@ -92,6 +114,14 @@ def _check_delayable(spec: str) -> None:
             f"sign, qsgd, ...), or ccfx.ddp_comm_hook({spec!r}) for the synchronous hook")
 
 
+def _check_compensate(lam) -> None:
+    if lam is not None and (isinstance(lam, bool) or not isinstance(lam, (int, float))
+                            or not math.isfinite(lam) or lam <= 0):
+        raise ConfigError(
+            f"compensate={lam!r}: give DC-ASGD-a's λ, a positive number (under AdamW about "
+            "3 / lr, e.g. 1000 at lr=3e-3), or None for no delay compensation")
+
+
 def _check_correct_every(k) -> None:
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ConfigError(
@@ -106,16 +136,22 @@ class DelayedHookState(CommHookState):
     docstring)."""
 
     def __init__(self, spec: str, process_group=None, *, correct_every: int | None = None,
+                 compensate: float | None = None,
                  collective_timeout_s: float = Config.collective_timeout_s):
         _check_correct_every(correct_every)
+        _check_compensate(compensate)
         super().__init__(spec, process_group, "all_gather",
                          collective_timeout_s=collective_timeout_s)
         _check_delayable(self.spec)
         #: steps between exact corrections (None: never)
         self.correct_every = correct_every
+        #: DC-ASGD-a's λ (None: the average is applied as it arrived)
+        self.compensate = compensate
         self._flights: list[_Flight] = []
         self._stale: dict[int, torch.Tensor] = {}  # param id -> averaged gradient, next step's
         self._owed: dict[int, torch.Tensor] = {}  # param id -> fp32, owed since the correction
+        self._prev: dict[int, torch.Tensor] = {}  # param id -> fp32 weights of the last step
+        self._mean_sq: dict[int, torch.Tensor] = {}  # param id -> fp32 moving mean of G ⊙ G
         self._exact: dict[BucketLayout, Exchange] = {}
         self._loaded: dict[int, dict[str, Any]] = {}  # bucket index -> saved stale / owed
         self._warned_dropped = False
@@ -190,14 +226,33 @@ class DelayedHookState(CommHookState):
         return self._exact[fp32]
 
     def take(self, bucket: dist.GradBucket, params: tuple[int, ...]) -> torch.Tensor:
-        """The flat averaged gradient the bucket applies now (zeros where none waits: step 0)."""
+        """The flat averaged gradient the bucket applies now (zeros where none waits: step 0),
+        compensated for its delay with ``compensate``."""
         buffer = bucket.buffer()
         parts = []
-        for pid, g in zip(params, bucket.gradients()):
+        for pid, g, w in zip(params, bucket.gradients(), bucket.parameters()):
             stale = self._stale.pop(pid, None)
+            if self.compensate is not None:
+                stale = self._compensate(pid, stale, w)
             parts.append(torch.zeros(g.numel(), dtype=buffer.dtype, device=buffer.device)
                          if stale is None else stale.reshape(-1).to(buffer.dtype))
         return torch.cat(parts).view(buffer.shape)
+
+    def _compensate(self, pid: int, stale: torch.Tensor | None,
+                    w: torch.Tensor) -> torch.Tensor | None:
+        """``stale`` moved from the last step's weights to ``w`` (:func:`compensated`); the
+        weights and the moving mean of ``stale ⊙ stale`` kept for the next step."""
+        prev = self._prev.get(pid)
+        if stale is not None and prev is not None:
+            g = stale.float()
+            mean_sq = self._mean_sq.get(pid)
+            if mean_sq is None:
+                mean_sq = self._mean_sq[pid] = g * g
+            else:
+                mean_sq.mul_(MEAN_SQ_DECAY).addcmul_(g, g, value=1 - MEAN_SQ_DECAY)
+            stale = compensated(stale, w, prev, mean_sq, self.compensate)
+        self._prev[pid] = w.detach().float().clone()
+        return stale
 
     def drain(self) -> None:
         """Wait for every exchange in flight (what a checkpoint does first)."""
@@ -216,7 +271,7 @@ class DelayedHookState(CommHookState):
         for index, (step, ids) in self._bucket_params.items():
             if step != latest or index not in self.buckets:
                 continue
-            for name, store in ((STALE, self._stale), (OWED, self._owed)):
+            for name, store in self._stores():
                 if ids and all(pid in store for pid in ids):
                     out["state"][key(ddp_channel(index), name)] = torch.cat(
                         [store[pid].detach().float().reshape(-1) for pid in ids])
@@ -235,13 +290,14 @@ class DelayedHookState(CommHookState):
                 f"every {saved['correct_every']}: build the hook with "
                 f"correct_every={saved['correct_every']!r}")
         tensors = state.get("state", {}) if isinstance(state, dict) else {}
-        mine = {k: t for k, t in tensors.items() if split_key(k)[1] in (STALE, OWED)}
+        mine = {k: t for k, t in tensors.items() if split_key(k)[1] in dict(self._stores())}
         super().load_state_dict(
             {**state, "state": {k: t for k, t in tensors.items() if k not in mine}}
             if mine else state)
         check_finite(mine, "DDP comm hook state", fix="Resume from an earlier checkpoint.")
         self.drain()
         self._flights, self._stale, self._owed, self._loaded = [], {}, {}, {}
+        self._prev, self._mean_sq = {}, {}
         by_channel = {ddp_channel(int(i)): int(i) for i in state["buckets"]}
         for k, t in mine.items():
             channel, name = split_key(k)
@@ -259,10 +315,15 @@ class DelayedHookState(CommHookState):
         if entry["layout"] != live.layout:
             self.warn_dropped(index)
             return
-        for name, store in ((STALE, self._stale), (OWED, self._owed)):
+        for name, store in self._stores():
             if name in entry:
                 for pid, part in zip(params, live.layout.unflat(entry[name]), strict=True):
                     store[pid] = part.clone()
+
+    def _stores(self) -> tuple[tuple[str, dict[int, torch.Tensor]], ...]:
+        """The per-parameter tensors a checkpoint carries, by their name in it."""
+        return ((STALE, self._stale), (OWED, self._owed), (PREV, self._prev),
+                (MEAN_SQ, self._mean_sq))
 
     def warn_dropped(self, index: int) -> None:
         """Once per state: the saved ``stale`` / ``owed`` of ``index`` fit no bucket."""
@@ -310,12 +371,15 @@ def delayed_hook(state: DelayedHookState,
 
 
 def delayed_comm_hook(spec: str, process_group=None, *, correct_every: int | None = None,
+                      compensate: float | None = None,
                       collective_timeout_s: float = Config.collective_timeout_s,
                       ) -> tuple[DelayedHookState, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's buckets are
     averaged through the codec ``spec`` one step late, the exchange overlapping the next step;
-    every ``correct_every`` steps the residual travels exact (CD-SGD). See the module
+    every ``correct_every`` steps the residual travels exact (CD-SGD); ``compensate`` (λ)
+    moves each average to the weights it is applied at (DC-ASGD-a). See the module
     docstring. Bad options and codecs that cannot be delayed are a :class:`~ccfx.ConfigError`
     here, not at the first backward."""
     return (DelayedHookState(spec, process_group, correct_every=correct_every,
+                             compensate=compensate,
                              collective_timeout_s=collective_timeout_s), delayed_hook)
