@@ -49,10 +49,7 @@ class LayerFacts:
     attn_core_flops: float = 0.0
 
     def __post_init__(self):
-        if self.tp_saved_bytes is None:
-            object.__setattr__(self, "tp_saved_bytes", self.saved_bytes)
-        _check_shares(f"layer {self.name!r}", self.saved_bytes, self.tp_saved_bytes,
-                      self.attn_core_saved_bytes)
+        _fill_shares(self, f"layer {self.name!r}")
 
     @property
     def out_bytes(self) -> int:
@@ -185,10 +182,7 @@ class StageFacts:
     attn_core_flops: float = 0.0
 
     def __post_init__(self):
-        if self.tp_saved_bytes is None:
-            object.__setattr__(self, "tp_saved_bytes", self.saved_bytes)
-        _check_shares(f"stage of layers {self.lo}..{self.hi - 1}", self.saved_bytes,
-                      self.tp_saved_bytes, self.attn_core_saved_bytes)
+        _fill_shares(self, f"stage of layers {self.lo}..{self.hi - 1}")
 
     @property
     def grad_dtype(self) -> str:
@@ -207,9 +201,14 @@ def _itemsize(dtype: str) -> int:
     return _ITEMSIZE.get(str(dtype).replace("torch.", ""), 4)
 
 
-def _check_shares(what: str, saved: int, tp_saved: int, core: int) -> None:
-    """A ConfigError where a share of the saved bytes is negative or above the whole."""
-    for name, share in (("tp_saved_bytes", tp_saved), ("attn_core_saved_bytes", core)):
+def _fill_shares(facts, what: str) -> None:
+    """``facts.tp_saved_bytes`` None → all of ``saved_bytes``; a ConfigError where a share of
+    the saved bytes is negative or above the whole (``what`` names the layer or stage)."""
+    if facts.tp_saved_bytes is None:
+        object.__setattr__(facts, "tp_saved_bytes", facts.saved_bytes)
+    saved = facts.saved_bytes
+    for name in ("tp_saved_bytes", "attn_core_saved_bytes"):
+        share = getattr(facts, name)
         if not 0 <= share <= saved:
             raise ConfigError(f"model facts: {what} has {name}={share} outside 0 … its "
                               f"saved_bytes={saved}: a share of the saved bytes is part of "
