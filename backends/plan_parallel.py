@@ -53,7 +53,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ccfx import _torch_compat as tc
 from ccfx.cost import FREE
@@ -98,6 +98,17 @@ class _OpCounter(tc.TorchDispatchMode):
 _SDPA = "_scaled_dot_product_"
 #: batched matmuls: the attention core's two when they make or read the scores
 _BMM = {"bmm": 0, "baddbmm": 1}
+
+
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+    """FLOPs of the CPU flash attention kernel: torch's formula for its CUDA siblings (the
+    counter has none for the CPU op, so a traced model's attention matmuls would go
+    uncounted)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+#: what FlopCounterMode lacks among the kernels a CPU trace runs
+_CPU_SDPA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
 
 
 class _Shares(tc.TorchDispatchMode):
@@ -378,7 +389,7 @@ class _BlockTrace:
         self.saved: dict[str, dict[int, int]] = {}
         self.outs: dict[str, torch.Tensor] = {}
         self.keep: list[torch.Tensor] = []
-        self.counter = FlopCounterMode(display=False)
+        self.counter = FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS)
         self.ops = _OpCounter(self.current)
         self.shares = _Shares(self.current)
 

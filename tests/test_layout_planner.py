@@ -101,6 +101,23 @@ def test_the_attention_core_of_the_math_path_grows_with_the_square_of_the_sequen
     assert core[128].attn_core_flops == 4 * core[64].attn_core_flops
 
 
+def test_a_blocks_flops_are_the_same_whichever_attention_kernel_the_trace_runs():
+    """FlopCounterMode has no formula for the CPU flash attention kernel; the trace adds
+    torch's SDPA formula for it, so its QK^T and scores-times-V count as the math path's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ccfx.models.tiny_gpt import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_embd=64))
+    idx = torch.randint(0, 96, (4, 64))
+    flash = model_facts(model, (idx, idx)).layers[0]
+    with sdpa_kernel(SDPBackend.MATH):
+        math_path = model_facts(model, (idx, idx)).layers[0]
+    assert flash.flops == math_path.flops
+    assert flash.attn_core_flops == 4 * 4 * 64 * 64 * 64 > 0  # 2 x 2 B T^2 C
+
+
 def test_facts_without_a_plan_count_every_saved_byte_as_split():
     from ccfx.planner.model_facts import LayerFacts, StageFacts
 
