@@ -221,6 +221,10 @@ INTERNALS: tuple[Internal, ...] = (
          "is private too)", "ccfx/wire/comm.py", how="op")
       for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                  "all_to_all_single", "wait_tensor")),
+    _i("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", "count the FLOPs of "
+       "the fused attention kernel a CPU trace runs (FlopCounterMode has formulas for the CUDA "
+       "kernels only)", "none: FlopCounterMode's public custom_mapping is keyed by the op",
+       "backends/plan_parallel.py", how="op"),
     _i("torch.distributed.distributed_c10d._get_default_store", "the default group's store",
        "none", "ccfx/wire/world.py"),
     _i("torch.distributed.distributed_c10d._get_default_group", "the default group (its "
