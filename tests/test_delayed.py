@@ -179,6 +179,9 @@ def test_compensated_is_dc_asgd_a_in_fp32():
     # g + 0.5 · g² · (w − prev) / sqrt(v) = 2 + 0.5·4·0.5/2, −1 + 0.5·1·(−0.5)/1, 0.5 + 0
     assert out.dtype == torch.bfloat16
     assert out.tolist() == [2.5, -1.25, 0.5]
+    g32 = g.float()
+    assert compensated(g32, w, prev, v, 0.5).tolist() == [2.5, -1.25, 0.5]
+    assert g32.tolist() == [2.0, -1.0, 0.5]  # the average itself is left as it arrived
 
 
 @pytest.mark.parametrize("spec, why", [("powersgd:rank=4,ef", "PowerSGD's second all-reduce"),

@@ -123,7 +123,7 @@ def stage_memory(stage: StageFacts, *, fraction: float, held: int,
                  microbatches: int | None = None, tp: int = 1, dp: int = 1,
                  sharded: bool = False, largest_layer_bytes: int = 0, codec_bytes: int = 0,
                  exchange_bytes: int = 0, foreach: bool = True,
-                 recompute: tuple[int, ...] | None = None, sequence_parallel: bool = True,
+                 recompute: tuple[int, int, int] | None = None, sequence_parallel: bool = True,
                  selective: bool = False) -> MemoryEstimate:
     """The estimate for one device of ``stage``: ``fraction`` is a microbatch's share of the
     traced batch, ``held`` the microbatches in flight (:func:`in_flight`) out of
@@ -171,7 +171,7 @@ def stage_memory(stage: StageFacts, *, fraction: float, held: int,
 
 def activation_bytes(stage: StageFacts, fraction: float, *, tp: int = 1,
                      received: float = 0.0, sequence_parallel: bool = True,
-                     recompute: tuple[int, ...] | None = None,
+                     recompute: tuple[int, int, int] | None = None,
                      selective: bool = False) -> tuple[float, float]:
     """(bytes one microbatch keeps for its backward on one TP rank, less ``received``: the
     stage's input, counted as a receive buffer; bytes one layer's backward rebuilds at a
@@ -180,13 +180,12 @@ def activation_bytes(stage: StageFacts, fraction: float, *, tp: int = 1,
     residual stream, dropout masks after the row-parallel linear) whole on each. ``selective``
     (Megatron's selective recomputation): the attention core's saved bytes dropped, one
     layer's (the stage's mean) rebuilt in its backward. ``recompute`` each block checkpointed:
-    (bytes kept, one block's saved bytes[, their TP share]) at the traced batch
+    (bytes kept, one block's saved bytes, their TP share) at the traced batch
     (:func:`recompute_bytes`): the kept block inputs are the residual stream, split only by
     sequence parallelism."""
     sp = sequence_parallel or tp == 1
     if recompute is not None:
-        kept, block, *share = recompute
-        block_tp = share[0] if share else block
+        kept, block, block_tp = recompute
         whole = max(0.0, kept * fraction - received)
         if sp:
             return whole / tp, block * fraction / tp

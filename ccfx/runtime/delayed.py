@@ -85,7 +85,7 @@ def compensated(g: torch.Tensor, w: torch.Tensor, prev: torch.Tensor, mean_sq: t
     the replicas still apply the same bits."""
     g32 = g.float()
     scale = (w.detach().float() - prev).mul_(g32).mul_(g32).div_(mean_sq.sqrt().add_(1e-12))
-    return g32.add_(scale, alpha=lam).to(g.dtype)
+    return torch.add(g32, scale, alpha=lam).to(g.dtype)
 
 
 @dataclass
